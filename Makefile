@@ -1,0 +1,23 @@
+# Two commands on a fresh machine:  `make demo` (the main job)  and  `make test` (the test suite).
+# Each creates or updates the virtualenv in $(VENV) and is safe to re-run.
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.codagen-installed
+
+.PHONY: demo test gpu-test clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m codagen demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) demo_out

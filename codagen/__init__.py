@@ -1,0 +1,7 @@
+"""codagen: Transformer training with the memory-bound work fused into GEMM epilogues (the CODA method)."""
+__version__ = "0.1.0"
+
+from .backends import execute, set_backend, use_backend
+from .epilogue import Program, ProgramError, library
+
+__all__ = ["__version__", "execute", "set_backend", "use_backend", "Program", "ProgramError", "library"]

@@ -1,0 +1,94 @@
+"""Backends execute epilogue programs.
+
+``reference``  PyTorch, any device (the oracle; the default without a GPU).
+``triton``     fused Triton kernels: persistent TMA GEMM on Hopper, pointer loads elsewhere, and the
+               Triton interpreter on CPU tensors.
+``auto``       ``triton`` for CUDA tensors when Triton is importable, else ``reference``.
+
+Choose with ``codagen.set_backend(name)``, the ``backend=`` argument of :func:`execute`, or the
+environment variable ``CODAGEN_BACKEND`` (read at each call; ``set_backend`` wins over it).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from typing import Iterator
+
+import torch
+
+from codagen.epilogue.bind import bind
+from codagen.epilogue.ir import Program
+
+from .reference import ReferenceBackend
+
+__all__ = ["BACKENDS", "execute", "get_backend", "resolve_backend_name", "set_backend", "use_backend",
+           "triton_available"]
+
+BACKENDS = ("auto", "reference", "triton")
+_selected: str | None = None
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _check_name(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}: unknown backend {name!r}; expected one of {BACKENDS}")
+    return name
+
+
+def set_backend(name: str | None) -> None:
+    """Select the backend for later calls; ``None`` returns control to ``CODAGEN_BACKEND``."""
+    global _selected
+    _selected = None if name is None else _check_name(name, "set_backend")
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """``with use_backend("reference"): ...`` selects a backend for a block of code."""
+    global _selected
+    previous = _selected
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _selected = previous
+
+
+def resolve_backend_name(device: torch.device, name: str | None = None) -> str:
+    """The concrete backend (``reference`` or ``triton``) that runs for tensors on ``device``."""
+    if name is not None:
+        name = _check_name(name, "backend argument")
+    elif _selected is not None:
+        name = _selected
+    else:
+        name = _check_name(os.environ.get("CODAGEN_BACKEND", "auto").strip().lower() or "auto", "CODAGEN_BACKEND")
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "reference"
+    if name == "triton" and not triton_available():
+        raise RuntimeError("backend 'triton' was selected but Triton is not installed (pip install triton)")
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def get_backend(name: str):
+    """The backend object for a concrete name."""
+    if name == "reference":
+        return ReferenceBackend()
+    if name == "triton":
+        from codagen.backends.triton import TritonBackend
+        return TritonBackend()
+    raise ValueError(f"no backend object for {name!r}; expected 'reference' or 'triton'")
+
+
+def execute(program: Program, a: torch.Tensor, b: torch.Tensor, *, backend: str | None = None,
+            **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Run ``program`` on operands ``a``, ``b`` and its named inputs; return its outputs by name.
+
+    Outputs stored with ``accumulate=True`` are passed in ``tensors`` and updated in place.
+    """
+    bound = bind(program, a, b, tensors)
+    return get_backend(resolve_backend_name(bound.device, backend)).run(bound)

@@ -1,0 +1,165 @@
+"""Binding tensors to a program: every check a backend relies on, with errors that name the argument.
+
+Backends call :func:`bind` first and may then assume: A and B are 2-D, contiguous, of one float
+dtype and on one device; every named input exists with the right shape, dtype class and device;
+accumulated outputs are given; N is even when the program uses column pairs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ir import ColPartial, ColVector, Program, ProgramError, RowPartial, RowVector, ScalarInput, Store, TileInput, Width
+
+__all__ = ["BoundProgram", "bind", "OPERAND_DTYPES", "cdiv"]
+
+OPERAND_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class BoundProgram:
+    """A program with validated tensors and the problem size M, N, K."""
+    program: Program
+    a: torch.Tensor
+    b: torch.Tensor
+    m: int
+    n: int
+    k: int
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the GEMM operands (``"input"`` stores use it)."""
+        return self.a.dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Epilogue arithmetic: float64 for float64 operands (the test oracle), else float32."""
+        return torch.float64 if self.a.dtype == torch.float64 else torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.a.device
+
+    def store_dtype(self, store: Store) -> torch.dtype:
+        if store.dtype == "input":
+            return self.dtype
+        return getattr(torch, store.dtype)
+
+    def output_shape(self, out, block_m: int, block_n: int) -> tuple[int, int]:
+        if isinstance(out, Store):
+            return (self.m, out.value.width.columns(self.n))
+        if isinstance(out, RowPartial):
+            return (self.m, cdiv(self.n, block_n))
+        if isinstance(out, ColPartial):
+            return (cdiv(self.m, block_m), out.value.width.columns(self.n))
+        raise TypeError(out)
+
+    def allocate_outputs(self, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
+        """New output tensors, poisoned with NaN so that an element a kernel forgets to write shows.
+
+        Accumulated outputs are the caller's tensors, returned as given.
+        """
+        outs = {}
+        for out in self.program.outputs:
+            if isinstance(out, Store) and out.accumulate:
+                outs[out.name] = self.tensors[out.name]
+                continue
+            dtype = self.store_dtype(out) if isinstance(out, Store) else self.compute_dtype
+            outs[out.name] = torch.full(self.output_shape(out, block_m, block_n), float("nan"), dtype=dtype,
+                                        device=self.device)
+        return outs
+
+
+def _tensor(name: str, t, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ProgramError(f"{name}: expected a torch.Tensor ({what}), got {type(t).__name__}")
+    return t
+
+
+def _check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ProgramError(f"{name}: expected a contiguous tensor (row-major, unit inner stride), got strides "
+                           f"{tuple(t.stride())} for shape {tuple(t.shape)}; call .contiguous() first")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple, desc: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ProgramError(f"{name}: expected shape {desc} = {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def bind(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, torch.Tensor]) -> BoundProgram:
+    """Validate ``a``, ``b`` and the named tensors against ``program``; return the bound problem."""
+    a = _tensor("a", a, "GEMM operand A")
+    b = _tensor("b", b, "GEMM operand B")
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in OPERAND_DTYPES:
+            raise ProgramError(f"{name}: dtype {t.dtype} is not supported; expected one of "
+                               f"{[str(d) for d in OPERAND_DTYPES]}")
+        if t.dim() != 2:
+            raise ProgramError(f"{name}: expected a 2-D matrix, got shape {tuple(t.shape)}")
+        _check_contiguous(name, t)
+    if a.dtype != b.dtype:
+        raise ProgramError(f"a and b must have one dtype, got a: {a.dtype}, b: {b.dtype}")
+    if a.device != b.device:
+        raise ProgramError(f"a and b must be on one device, got a: {a.device}, b: {b.device}")
+
+    gemm = program.gemm
+    m, k = a.shape if gemm.a_layout == "mk" else a.shape[::-1]
+    n, k_b = b.shape if gemm.b_layout == "nk" else b.shape[::-1]
+    if k != k_b:
+        (a_shape, b_shape) = gemm.shapes()
+        raise ProgramError(f"{program.name}: inner dimensions differ: a{list(a_shape)} = {tuple(a.shape)} and "
+                           f"b{list(b_shape)} = {tuple(b.shape)} give K = {k} and {k_b}")
+
+    inputs = program.inputs
+    wanted = set(inputs) | set(program.accumulated_outputs())
+    unexpected = sorted(set(tensors) - wanted)
+    if unexpected:
+        raise ProgramError(f"{program.name}: unexpected tensor(s) {unexpected}; it takes {sorted(wanted)}")
+    missing = sorted(wanted - set(tensors))
+    if missing:
+        raise ProgramError(f"{program.name}: missing tensor(s) {missing}")
+
+    uses_halves = program.has_pairs() or any(
+        e.width == Width.HALF for e in program.expressions() if e.kind in ("tile", "col"))
+    if uses_halves and n % 2:
+        raise ProgramError(f"{program.name}: pairs of columns (2j, 2j+1) need an even N, got N = {n}")
+
+    for name, t in tensors.items():
+        _tensor(name, t, "program input")
+        if t.device != a.device:
+            raise ProgramError(f"{name}: expected device {a.device} (that of a), got {t.device}")
+        spec = inputs.get(name)
+        if isinstance(spec, RowVector):
+            _check_shape(name, t, (m,), "[M]")
+            if spec.index and t.dtype not in _INDEX_DTYPES:
+                raise ProgramError(f"{name}: expected an integer index vector (int32 or int64), got {t.dtype}")
+            if not spec.index and not t.dtype.is_floating_point:
+                raise ProgramError(f"{name}: expected a floating-point vector, got {t.dtype}")
+        elif isinstance(spec, ColVector):
+            _check_shape(name, t, (spec.width.columns(n),), f"[{spec.width!r}]")
+            if not t.dtype.is_floating_point:
+                raise ProgramError(f"{name}: expected a floating-point vector, got {t.dtype}")
+        elif isinstance(spec, ScalarInput):
+            if t.numel() != 1 or not t.dtype.is_floating_point:
+                raise ProgramError(f"{name}: expected a one-element floating-point tensor, got shape "
+                                   f"{tuple(t.shape)} and dtype {t.dtype}")
+        elif isinstance(spec, TileInput):
+            _check_shape(name, t, (m, spec.width.columns(n)), f"[M, {spec.width!r}]")
+            if not t.dtype.is_floating_point:
+                raise ProgramError(f"{name}: expected a floating-point tile operand, got {t.dtype}")
+        else:  # accumulated output
+            store = next(o for o in program.outputs if o.name == name)
+            _check_shape(name, t, (m, store.value.width.columns(n)), f"[M, {store.value.width!r}] (accumulated output)")
+            if not t.dtype.is_floating_point:
+                raise ProgramError(f"{name}: expected a floating-point output to accumulate into, got {t.dtype}")
+        if t.dim() > 0:
+            _check_contiguous(name, t)
+    return BoundProgram(program, a, b, m, n, k, dict(tensors))

@@ -1,0 +1,650 @@
+"""Epilogue programs: one GEMM + a dataflow graph of epilogue primitives + declared outputs.
+
+A program describes what happens to each fp32 accumulator tile of ``acc = op(A) @ op(B)`` *before* it
+leaves the chip. It is plain, immutable data: expressions are frozen dataclasses that compare and
+hash by value, so a program can key a compile cache and be printed as math.
+
+Widths. Every tile-valued expression has a width relative to the GEMM's N: ``HALF`` (N/2 columns),
+``FULL`` (N) or ``DOUBLE`` (2N). A tile of the accumulator with BN columns carries BN/2, BN or 2*BN
+columns of such a value, so every value of one tile covers the same output rows and the same
+column *pairs*. Adjacent-pair maps change width: SwiGLU takes pairs (2j, 2j+1) to one column
+(FULL -> HALF), its backward takes a pair plus one gradient column back to a pair (DOUBLE + FULL ->
+DOUBLE), RoPE rotates each pair in place (width kept).
+
+The closed set of primitives:
+
+====================  ==============================================================================
+vector loads          ``RowVector`` [M] (rstd, targets, positions), ``ColVector`` [N*w] (norm weight,
+                      frequencies), ``ScalarInput`` (a device tensor with one element, no host sync)
+tile loads            ``TileInput`` [M, N*w] (residual, saved pre-activation)
+elementwise maps      ``Unary`` (neg, exp, log, sigmoid, silu, square), ``Binary`` (add, sub, mul,
+                      div, max), ``Constant``, ``OneHot`` (column == index[row])
+adjacent-pair maps    ``SwiGLU`` (2 -> 1), ``SwiGLUBackward`` (pair + grad -> pair), ``Rope`` (2 -> 2)
+partial reductions    ``RowPartial`` along N: one fp32 per (row, N-tile), sum or logsumexp;
+                      ``ColPartial`` along M: one fp32 per (M-tile, column), sum
+stores                ``Store`` main/extra outputs, each with its dtype; ``accumulate=True`` adds
+                      into a caller-given tensor (gradient accumulation)
+====================  ==============================================================================
+
+Reductions are tile-local partials; the library finishes them (``codagen.epilogue.finish``) with an
+O(#tiles)-per-row pass, so no GEMM needs cross-tile communication and results are deterministic.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Union
+
+__all__ = [
+    "Width", "Gemm", "Expr", "Accumulator", "RowVector", "ColVector", "ScalarInput", "TileInput",
+    "Constant", "Unary", "Binary", "OneHot", "SwiGLU", "SwiGLUBackward", "Rope",
+    "Store", "RowPartial", "ColPartial", "Output", "Program", "ProgramError",
+    "UNARY_OPS", "BINARY_OPS", "STORE_DTYPES",
+]
+
+
+class ProgramError(ValueError):
+    """A program (or the tensors bound to it) is malformed; the message names the culprit."""
+
+
+class Width(enum.Enum):
+    """Columns of a tile value relative to the GEMM's N."""
+    HALF = 0.5
+    FULL = 1
+    DOUBLE = 2
+
+    def columns(self, n: int) -> int:
+        return int(n * self.value)
+
+    def halved(self) -> "Width":
+        return {Width.FULL: Width.HALF, Width.DOUBLE: Width.FULL}[self]
+
+    def doubled(self) -> "Width":
+        return {Width.HALF: Width.FULL, Width.FULL: Width.DOUBLE}[self]
+
+    def __repr__(self) -> str:
+        return {Width.HALF: "N/2", Width.FULL: "N", Width.DOUBLE: "2N"}[self]
+
+
+# --------------------------------------------------------------------------------------------------
+# The GEMM
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Gemm:
+    """``acc[M, N] = op(A) @ op(B)`` with fp32 accumulation.
+
+    ``a_layout``: ``"mk"`` (A is [M, K]) or ``"km"`` (A is [K, M], used transposed).
+    ``b_layout``: ``"nk"`` (B is [N, K], ``nn.Linear`` weight layout, used transposed) or ``"kn"``.
+    The three forms training needs have names: ``Gemm.linear()`` ``X @ W^T`` (forward),
+    ``Gemm.input_grad()`` ``dY @ W`` and ``Gemm.weight_grad()`` ``dY^T @ X``.
+    """
+    a_layout: str = "mk"
+    b_layout: str = "nk"
+
+    def __post_init__(self):
+        if self.a_layout not in ("mk", "km"):
+            raise ProgramError(f"Gemm.a_layout must be 'mk' or 'km', got {self.a_layout!r}")
+        if self.b_layout not in ("nk", "kn"):
+            raise ProgramError(f"Gemm.b_layout must be 'nk' or 'kn', got {self.b_layout!r}")
+
+    @staticmethod
+    def linear() -> "Gemm":
+        return Gemm("mk", "nk")
+
+    @staticmethod
+    def input_grad() -> "Gemm":
+        return Gemm("mk", "kn")
+
+    @staticmethod
+    def weight_grad() -> "Gemm":
+        return Gemm("km", "kn")
+
+    def shapes(self, m: int | str = "M", n: int | str = "N", k: int | str = "K"):
+        """Expected shapes of A and B."""
+        a = (m, k) if self.a_layout == "mk" else (k, m)
+        b = (n, k) if self.b_layout == "nk" else (k, n)
+        return a, b
+
+    def __repr__(self) -> str:
+        a = "a[M, K]" if self.a_layout == "mk" else "a[K, M]^T"
+        b = "b[N, K]^T" if self.b_layout == "nk" else "b[K, N]"
+        return f"acc[M, N] = {a} @ {b}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Expressions
+# --------------------------------------------------------------------------------------------------
+UNARY_OPS = ("neg", "exp", "log", "sigmoid", "silu", "square")
+BINARY_OPS = ("add", "sub", "mul", "div", "max")
+_BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+
+Operand = Union["Expr", float, int]
+
+
+def _expr(value: Operand) -> "Expr":
+    if isinstance(value, Expr):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return Constant(float(value))
+    raise ProgramError(f"expected an epilogue expression or a number, got {type(value).__name__}")
+
+
+class Expr:
+    """Base of epilogue expressions. Arithmetic operators build ``Binary``/``Unary`` nodes."""
+    __slots__ = ()
+
+    #: ``"tile"`` (has a width), ``"row"`` [M], ``"col"`` [N*w], ``"scalar"``
+    @property
+    def kind(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def width(self) -> Width | None:
+        """Width of a tile or column value; None for rows and scalars."""
+        return None
+
+    def children(self) -> tuple["Expr", ...]:
+        return ()
+
+    def __add__(self, other: Operand) -> "Binary":
+        return Binary("add", self, _expr(other))
+
+    def __radd__(self, other: Operand) -> "Binary":
+        return Binary("add", _expr(other), self)
+
+    def __sub__(self, other: Operand) -> "Binary":
+        return Binary("sub", self, _expr(other))
+
+    def __rsub__(self, other: Operand) -> "Binary":
+        return Binary("sub", _expr(other), self)
+
+    def __mul__(self, other: Operand) -> "Binary":
+        return Binary("mul", self, _expr(other))
+
+    def __rmul__(self, other: Operand) -> "Binary":
+        return Binary("mul", _expr(other), self)
+
+    def __truediv__(self, other: Operand) -> "Binary":
+        return Binary("div", self, _expr(other))
+
+    def __neg__(self) -> "Unary":
+        return Unary("neg", self)
+
+
+def _check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ProgramError(f"{what} name must be a Python identifier, got {name!r}")
+
+
+@dataclass(frozen=True, eq=True)
+class Accumulator(Expr):
+    """The fp32 GEMM tile ``acc``."""
+
+    @property
+    def kind(self) -> str:
+        return "tile"
+
+    @property
+    def width(self) -> Width:
+        return Width.FULL
+
+    def __str__(self) -> str:
+        return "acc"
+
+
+@dataclass(frozen=True, eq=True)
+class RowVector(Expr):
+    """A per-row vector [M] broadcast along the tile's columns.
+
+    ``index=True`` marks an integer vector (cross-entropy targets) usable only by ``OneHot``.
+    """
+    name: str
+    index: bool = False
+
+    def __post_init__(self):
+        _check_name(self.name, "RowVector")
+
+    @property
+    def kind(self) -> str:
+        return "row"
+
+    def __str__(self) -> str:
+        return f"{self.name}[m]"
+
+
+@dataclass(frozen=True, eq=True)
+class ColVector(Expr):
+    """A per-column vector [N*w] broadcast along the tile's rows (norm weight, RoPE frequencies)."""
+    name: str
+    col_width: Width = Width.FULL
+
+    def __post_init__(self):
+        _check_name(self.name, "ColVector")
+
+    @property
+    def kind(self) -> str:
+        return "col"
+
+    @property
+    def width(self) -> Width:
+        return self.col_width
+
+    def __str__(self) -> str:
+        return f"{self.name}[n]" if self.col_width == Width.FULL else f"{self.name}[n:{self.col_width!r}]"
+
+
+@dataclass(frozen=True, eq=True)
+class ScalarInput(Expr):
+    """A scalar read from a one-element device tensor (no host synchronisation)."""
+    name: str
+
+    def __post_init__(self):
+        _check_name(self.name, "ScalarInput")
+
+    @property
+    def kind(self) -> str:
+        return "scalar"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True, eq=True)
+class TileInput(Expr):
+    """A second operand [M, N*w] loaded tile by tile (residual stream, saved pre-activation)."""
+    name: str
+    tile_width: Width = Width.FULL
+
+    def __post_init__(self):
+        _check_name(self.name, "TileInput")
+
+    @property
+    def kind(self) -> str:
+        return "tile"
+
+    @property
+    def width(self) -> Width:
+        return self.tile_width
+
+    def __str__(self) -> str:
+        return f"{self.name}[m, n]" if self.tile_width == Width.FULL else f"{self.name}[m, n:{self.tile_width!r}]"
+
+
+@dataclass(frozen=True, eq=True)
+class Constant(Expr):
+    value: float
+
+    def __post_init__(self):
+        if not math.isfinite(self.value):
+            raise ProgramError(f"Constant must be finite, got {self.value!r}")
+
+    @property
+    def kind(self) -> str:
+        return "scalar"
+
+    def __str__(self) -> str:
+        return repr(self.value)
+
+
+def _broadcast(*operands: Expr) -> tuple[str, Width | None]:
+    """Kind and width of an elementwise result; raises on incompatible operands."""
+    widths = {o.width for o in operands if o.kind in ("tile", "col")}
+    if len(widths) > 1:
+        shown = ", ".join(f"{o} ({o.width!r})" for o in operands if o.kind in ("tile", "col"))
+        raise ProgramError(f"elementwise operands have different widths: {shown}")
+    if any(isinstance(o, RowVector) and o.index for o in operands):
+        raise ProgramError("an index RowVector can only feed OneHot, not arithmetic")
+    kinds = {o.kind for o in operands}
+    if "tile" in kinds or ("row" in kinds and "col" in kinds):
+        return "tile", (widths.pop() if widths else Width.FULL)
+    for k in ("row", "col"):
+        if k in kinds:
+            return k, (widths.pop() if widths else None)
+    return "scalar", None
+
+
+@dataclass(frozen=True, eq=True)
+class Unary(Expr):
+    op: str
+    x: Expr
+
+    def __post_init__(self):
+        if self.op not in UNARY_OPS:
+            raise ProgramError(f"unknown unary op {self.op!r}; expected one of {UNARY_OPS}")
+        _broadcast(self.x)
+
+    @property
+    def kind(self) -> str:
+        return self.x.kind
+
+    @property
+    def width(self) -> Width | None:
+        return self.x.width
+
+    def children(self):
+        return (self.x,)
+
+    def __str__(self) -> str:
+        return f"-({self.x})" if self.op == "neg" else f"{self.op}({self.x})"
+
+
+@dataclass(frozen=True, eq=True)
+class Binary(Expr):
+    op: str
+    a: Expr
+    b: Expr
+
+    def __post_init__(self):
+        if self.op not in BINARY_OPS:
+            raise ProgramError(f"unknown binary op {self.op!r}; expected one of {BINARY_OPS}")
+        _broadcast(self.a, self.b)
+
+    @property
+    def kind(self) -> str:
+        return _broadcast(self.a, self.b)[0]
+
+    @property
+    def width(self) -> Width | None:
+        return _broadcast(self.a, self.b)[1]
+
+    def children(self):
+        return (self.a, self.b)
+
+    def __str__(self) -> str:
+        if self.op in _BINARY_SYMBOL:
+            return f"({self.a} {_BINARY_SYMBOL[self.op]} {self.b})"
+        return f"{self.op}({self.a}, {self.b})"
+
+
+@dataclass(frozen=True, eq=True)
+class OneHot(Expr):
+    """1.0 where the tile's global column index equals ``index[row]``, else 0.0 (FULL width).
+
+    Picks the target logit for cross-entropy; an index outside [0, N) (ignore_index = -100) gives
+    an all-zero row.
+    """
+    index: RowVector
+
+    def __post_init__(self):
+        if not (isinstance(self.index, RowVector) and self.index.index):
+            raise ProgramError("OneHot needs a RowVector(..., index=True)")
+
+    @property
+    def kind(self) -> str:
+        return "tile"
+
+    @property
+    def width(self) -> Width:
+        return Width.FULL
+
+    def children(self):
+        return (self.index,)
+
+    def __str__(self) -> str:
+        return f"[n == {self.index}]"
+
+
+def _need_pairs(x: Expr, what: str) -> None:
+    if x.kind != "tile":
+        raise ProgramError(f"{what} needs a tile value, got {x} ({x.kind})")
+
+
+@dataclass(frozen=True, eq=True)
+class SwiGLU(Expr):
+    """Adjacent-pair map 2 -> 1: ``out[j] = silu(x[2j]) * x[2j+1]`` (interleaved gate/up columns)."""
+    x: Expr
+
+    def __post_init__(self):
+        _need_pairs(self.x, "SwiGLU")
+        if self.x.width == Width.HALF:
+            raise ProgramError("SwiGLU input must be FULL or DOUBLE width (it halves the width)")
+
+    @property
+    def kind(self) -> str:
+        return "tile"
+
+    @property
+    def width(self) -> Width:
+        return self.x.width.halved()
+
+    def children(self):
+        return (self.x,)
+
+    def __str__(self) -> str:
+        return f"swiglu({self.x})"
+
+
+@dataclass(frozen=True, eq=True)
+class SwiGLUBackward(Expr):
+    """Adjacent-pair map (pair + gradient) -> pair: the gradient of ``silu(g) * u``.
+
+    With ``(g, u) = (preact[2j], preact[2j+1])``, ``dy = grad[j]`` and ``s = sigmoid(g)``::
+
+        dg = dy * u * s * (1 + g * (1 - s))      du = dy * g * s
+
+    The result is interleaved ``(dg, du)`` with the width of ``preact`` (twice that of ``grad``).
+    """
+    preact: Expr
+    grad: Expr
+
+    def __post_init__(self):
+        _need_pairs(self.preact, "SwiGLUBackward(preact)")
+        _need_pairs(self.grad, "SwiGLUBackward(grad)")
+        if self.preact.width == Width.HALF or self.preact.width.halved() != self.grad.width:
+            raise ProgramError(
+                f"SwiGLUBackward needs preact twice as wide as grad, got {self.preact.width!r} and {self.grad.width!r}")
+
+    @property
+    def kind(self) -> str:
+        return "tile"
+
+    @property
+    def width(self) -> Width:
+        return self.preact.width
+
+    def children(self):
+        return (self.preact, self.grad)
+
+    def __str__(self) -> str:
+        return f"swiglu_backward({self.preact}, {self.grad})"
+
+
+@dataclass(frozen=True, eq=True)
+class Rope(Expr):
+    """Adjacent-pair map 2 -> 2: rotate each pair (x[2j], x[2j+1]) by ``theta = position[m] * frequency[j]``::
+
+        y[2j]   = x[2j] * cos(theta) - x[2j+1] * sin(theta)
+        y[2j+1] = x[2j] * sin(theta) + x[2j+1] * cos(theta)
+
+    ``inverse=True`` rotates by ``-theta`` (the backward pass). The angle is computed in registers:
+    no cos/sin table is read. Columns that must not rotate (V) get frequency 0.
+    """
+    x: Expr
+    positions: RowVector
+    frequencies: ColVector
+    inverse: bool = False
+
+    def __post_init__(self):
+        _need_pairs(self.x, "Rope")
+        if not isinstance(self.positions, RowVector) or self.positions.index:
+            raise ProgramError("Rope.positions must be a float RowVector")
+        if not isinstance(self.frequencies, ColVector):
+            raise ProgramError("Rope.frequencies must be a ColVector")
+        if self.x.width == Width.HALF or self.frequencies.width != self.x.width.halved():
+            raise ProgramError(
+                f"Rope frequencies have one value per pair: width {self.x.width!r} needs a "
+                f"ColVector of width {self.x.width.halved()!r}" if self.x.width != Width.HALF
+                else "Rope input must be FULL or DOUBLE width")
+
+    @property
+    def kind(self) -> str:
+        return "tile"
+
+    @property
+    def width(self) -> Width:
+        return self.x.width
+
+    def children(self):
+        return (self.x, self.positions, self.frequencies)
+
+    def __str__(self) -> str:
+        sign = "-" if self.inverse else ""
+        return f"rope({self.x}, {sign}{self.positions} * {self.frequencies})"
+
+
+# --------------------------------------------------------------------------------------------------
+# Outputs
+# --------------------------------------------------------------------------------------------------
+#: ``"input"`` = the dtype of operand A; explicit float dtypes by name.
+STORE_DTYPES = ("input", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Store:
+    """Write a tile value to output ``name`` [M, N*w].
+
+    ``accumulate=True``: ``name += value``, into a tensor the caller passes (its dtype is kept);
+    used for in-place gradient accumulation. Otherwise the backend allocates the output in ``dtype``.
+    """
+    name: str
+    value: Expr
+    dtype: str = "input"
+    accumulate: bool = False
+
+    def __post_init__(self):
+        _check_name(self.name, "Store")
+        if self.value.kind != "tile":
+            raise ProgramError(f"Store {self.name!r} needs a tile value, got {self.value} ({self.value.kind})")
+        if self.dtype not in STORE_DTYPES:
+            raise ProgramError(f"Store {self.name!r}: dtype must be one of {STORE_DTYPES}, got {self.dtype!r}")
+
+    def __str__(self) -> str:
+        arrow = "+=" if self.accumulate else "<-"
+        dtype = "" if self.accumulate else f"  ({self.dtype})"
+        return f"{self.name}[m, n{'' if self.value.width == Width.FULL else ':' + repr(self.value.width)}] {arrow} {self.value}{dtype}"
+
+
+@dataclass(frozen=True)
+class RowPartial:
+    """Tile-local reduction along N: output ``name`` [M, n_tiles] in fp32, one value per (row, N-tile).
+
+    ``reduction="sum"``: sum over the tile's valid columns. ``"logsumexp"``: online max + sum-exp,
+    stored as ``max + log(sum exp(x - max))``; partials merge with a logsumexp over tiles.
+    Columns past the matrix edge are excluded. ``n_tiles`` is chosen by the backend.
+    """
+    name: str
+    value: Expr
+    reduction: str = "sum"
+
+    def __post_init__(self):
+        _check_name(self.name, "RowPartial")
+        if self.value.kind != "tile":
+            raise ProgramError(f"RowPartial {self.name!r} needs a tile value, got {self.value} ({self.value.kind})")
+        if self.reduction not in ("sum", "logsumexp"):
+            raise ProgramError(f"RowPartial {self.name!r}: reduction must be 'sum' or 'logsumexp', got {self.reduction!r}")
+
+    def __str__(self) -> str:
+        return f"{self.name}[m, tile_n] <- {self.reduction}_n({self.value})  (float32 partial)"
+
+
+@dataclass(frozen=True)
+class ColPartial:
+    """Tile-local sum along M: output ``name`` [m_tiles, N*w] in fp32, one value per (M-tile, column).
+
+    Rows past the matrix edge are excluded. ``m_tiles`` is chosen by the backend.
+    """
+    name: str
+    value: Expr
+
+    def __post_init__(self):
+        _check_name(self.name, "ColPartial")
+        if self.value.kind != "tile":
+            raise ProgramError(f"ColPartial {self.name!r} needs a tile value, got {self.value} ({self.value.kind})")
+
+    def __str__(self) -> str:
+        return f"{self.name}[tile_m, n] <- sum_m({self.value})  (float32 partial)"
+
+
+Output = Union[Store, RowPartial, ColPartial]
+
+
+# --------------------------------------------------------------------------------------------------
+# Program
+# --------------------------------------------------------------------------------------------------
+def _walk(expr: Expr, seen: dict[Expr, None]) -> None:
+    """Post-order DFS: children before parents, each expression once."""
+    if expr in seen:
+        return
+    for child in expr.children():
+        _walk(child, seen)
+    seen[expr] = None
+
+
+@dataclass(frozen=True)
+class Program:
+    """One GEMM, its epilogue expressions, and the outputs they feed.
+
+    >>> acc, rstd = Accumulator(), RowVector("rstd")
+    >>> z = acc * rstd
+    >>> p = Program("gate_up_swiglu", Gemm.linear(), (Store("preact", z), Store("out", SwiGLU(z))))
+    """
+    name: str
+    gemm: Gemm
+    outputs: tuple[Output, ...]
+    doc: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        _check_name(self.name, "Program")
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+        if not self.outputs:
+            raise ProgramError(f"program {self.name!r} has no outputs")
+        names = [o.name for o in self.outputs]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ProgramError(f"program {self.name!r}: output names repeat: {sorted(dup)}")
+        inputs = self.inputs
+        clash = set(inputs) & set(names)
+        if clash:
+            raise ProgramError(f"program {self.name!r}: names used for both an input and an output: {sorted(clash)}")
+        if {"a", "b"} & (set(inputs) | set(names)):
+            raise ProgramError(f"program {self.name!r}: 'a' and 'b' are reserved for the GEMM operands")
+
+    # -- structure ---------------------------------------------------------------------------------
+    def expressions(self) -> list[Expr]:
+        """Every expression in evaluation order (operands before their users)."""
+        seen: dict[Expr, None] = {}
+        for out in self.outputs:
+            _walk(out.value, seen)
+        return list(seen)
+
+    @property
+    def inputs(self) -> dict[str, Expr]:
+        """Named inputs (RowVector, ColVector, ScalarInput, TileInput) in first-use order."""
+        found: dict[str, Expr] = {}
+        for e in self.expressions():
+            if isinstance(e, (RowVector, ColVector, ScalarInput, TileInput)):
+                if e.name in found and found[e.name] != e:
+                    raise ProgramError(
+                        f"program {self.name!r}: input {e.name!r} is declared twice differently: {found[e.name]!r} and {e!r}")
+                found[e.name] = e
+        return found
+
+    def accumulated_outputs(self) -> list[str]:
+        return [o.name for o in self.outputs if isinstance(o, Store) and o.accumulate]
+
+    def has_pairs(self) -> bool:
+        return any(isinstance(e, (SwiGLU, SwiGLUBackward, Rope)) for e in self.expressions())
+
+    def __str__(self) -> str:
+        lines = [f"program {self.name}:", f"  {self.gemm!r}"]
+        lines += [f"  {o}" for o in self.outputs]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Program {self.name}: {len(self.outputs)} outputs, inputs {list(self.inputs)}>"
+
+    def triton_source(self) -> str:
+        """Triton source of the fused kernel this program compiles to (see ``codagen.backends.triton``)."""
+        from codagen.backends.triton import program_source
+        return program_source(self)

@@ -1,0 +1,189 @@
+"""The CODA program library: the fused GEMMs of a reparameterized LLaMA block, forward and backward.
+
+Notation (METHOD.md): rows are tokens, weights are in ``nn.Linear`` layout ``W[out, in]``. RMSNorm of
+the residual stream ``x`` is split around the GEMMs: the producer stores ``x``, ``h = x * gamma`` and
+per-tile partial sums of ``x^2``; ``rstd = rsqrt(mean(x^2) + eps)`` is finished from those; the
+consumer GEMM multiplies its accumulator by ``rstd`` (a row scale commutes with ``@ W^T``).
+
+Forward:  F1/F3 :func:`residual_rms_stats`, F2 :func:`rms_gate_up_swiglu`, F4 :func:`rms_qkv_rope`,
+          LM head :func:`rms_lm_head_cross_entropy`.
+Backward: B2/B6 :func:`rms_norm_backward`, B4 :func:`swiglu_backward`, LM head
+          :func:`rms_lm_head_cross_entropy_backward`, B3/B5/B7/B9 :func:`weight_grad`, B8 :func:`input_grad`.
+(B1, RoPE backward, is elementwise and not a GEMM: see ``codagen.ops``.)
+
+Every function returns the same immutable :class:`Program` on each call.
+"""
+from __future__ import annotations
+
+import functools
+
+from .ir import (Accumulator, ColPartial, ColVector, Gemm, OneHot, Program, Rope, RowPartial, RowVector, ScalarInput,
+                 Store, SwiGLU, SwiGLUBackward, TileInput, Unary, Width)
+
+__all__ = ["linear", "input_grad", "weight_grad", "rms_linear", "residual_rms_stats", "rms_gate_up_swiglu",
+           "rms_qkv_rope", "rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward",
+           "rms_norm_backward", "swiglu_backward", "PROGRAMS"]
+
+acc = Accumulator()
+rstd = RowVector("rstd")
+
+
+@functools.cache
+def linear() -> Program:
+    """``out = a @ b^T``: a plain ``nn.Linear`` GEMM."""
+    return Program("linear", Gemm.linear(), (Store("out", acc),), doc=linear.__doc__)
+
+
+@functools.cache
+def input_grad() -> Program:
+    """B8: ``grad_input = grad_out @ weight`` (a: grad_out [M, out], b: weight [out, in])."""
+    return Program("input_grad", Gemm.input_grad(), (Store("grad_input", acc),), doc=input_grad.__doc__)
+
+
+@functools.cache
+def weight_grad(accumulate: bool = False, dtype: str = "input") -> Program:
+    """B3/B5/B7/B9: ``grad_weight (+)= grad_out^T @ x`` (a: grad_out [tokens, out], b: x [tokens, in]).
+
+    ``accumulate=True`` adds into a given ``grad_weight`` (gradient accumulation, fp32 main grads).
+    """
+    out = Store("grad_weight", acc, dtype=dtype, accumulate=accumulate)
+    return Program("weight_grad", Gemm.weight_grad(), (out,), doc=weight_grad.__doc__)
+
+
+@functools.cache
+def rms_linear() -> Program:
+    """``out = rstd[m] * (a @ b^T) = RMSNorm(x) @ W^T`` when ``a = x * gamma``."""
+    return Program("rms_linear", Gemm.linear(), (Store("out", acc * rstd),), doc=rms_linear.__doc__)
+
+
+@functools.cache
+def residual_rms_stats() -> Program:
+    """F1/F3: out-projection (or down-projection) + residual add + RMSNorm statistics + norm weight.
+
+    ``x = a @ b^T + residual``; outputs ``residual_out = x``, ``normed = x * norm_weight[n]``
+    (the next GEMM's operand) and ``partial_sumsq[m, t] = sum over tile t of x^2``, finished by
+    ``rstd = rsqrt(sum_t partial_sumsq / N + eps)``.
+    """
+    x = acc + TileInput("residual")
+    return Program("residual_rms_stats", Gemm.linear(), (
+        Store("residual_out", x),
+        Store("normed", x * ColVector("norm_weight")),
+        RowPartial("partial_sumsq", Unary("square", x)),
+    ), doc=residual_rms_stats.__doc__)
+
+
+@functools.cache
+def rms_gate_up_swiglu() -> Program:
+    """F2: rstd-scaled gate/up projection + SwiGLU, weight rows interleaved ``(g0, u0, g1, u1, ...)``.
+
+    ``z = rstd[m] * (a @ b^T)``; outputs ``preact = z`` (saved for backward, [M, 2F]) and
+    ``out[m, j] = silu(z[m, 2j]) * z[m, 2j+1]`` ([M, F]).
+    """
+    z = acc * rstd
+    return Program("rms_gate_up_swiglu", Gemm.linear(), (
+        Store("preact", z),
+        Store("out", SwiGLU(z)),
+    ), doc=rms_gate_up_swiglu.__doc__)
+
+
+@functools.cache
+def rms_qkv_rope() -> Program:
+    """F4: rstd-scaled QKV projection + RoPE on interleaved pairs.
+
+    ``z = rstd[m] * (a @ b^T)``; ``qkv[m, 2j:2j+2] = rotate(z[m, 2j:2j+2], positions[m] * frequencies[j])``.
+    ``frequencies`` [N/2] holds each pair's inverse frequency; V's pairs hold 0 (no rotation).
+    """
+    z = acc * rstd
+    return Program("rms_qkv_rope", Gemm.linear(), (
+        Store("qkv", Rope(z, RowVector("positions"), ColVector("frequencies", Width.HALF))),
+    ), doc=rms_qkv_rope.__doc__)
+
+
+@functools.cache
+def rms_lm_head_cross_entropy() -> Program:
+    """LM head + cross-entropy forward, logits never stored.
+
+    ``z = rstd[m] * (a @ b^T)`` (the logits, N = vocab); outputs ``partial_lse[m, t]`` = logsumexp of
+    z over tile t, and ``partial_target[m, t]`` = z[m, target[m]] if the target column is in tile t,
+    else 0. Finished: ``loss[m] = logsumexp_t(partial_lse) - sum_t(partial_target)`` for rows whose
+    target is not ignore_index (-100 matches no column).
+    """
+    z = acc * rstd
+    return Program("rms_lm_head_cross_entropy", Gemm.linear(), (
+        RowPartial("partial_lse", z, "logsumexp"),
+        RowPartial("partial_target", z * OneHot(RowVector("target", index=True))),
+    ), doc=rms_lm_head_cross_entropy.__doc__)
+
+
+@functools.cache
+def rms_lm_head_cross_entropy_backward() -> Program:
+    """LM head + cross-entropy backward: recompute the logits, emit their gradient and sum(z * dz).
+
+    ``z = rstd[m] * (a @ b^T)``; ``dz = (exp(z - lse[m]) - [n == target[m]]) * row_weight[m] * grad_scale``
+    where ``row_weight`` is 0 on ignored rows (and 1/#valid for a mean) and ``grad_scale`` is the
+    incoming loss gradient (a device scalar). Outputs ``grad_logits = dz`` and
+    ``partial_z_dz[m, t] = sum over tile t of z * dz`` (the RMSNorm-backward statistic).
+    """
+    z = acc * rstd
+    prob = Unary("exp", z - RowVector("lse"))
+    dz = (prob - OneHot(RowVector("target", index=True))) * RowVector("row_weight") * ScalarInput("grad_scale")
+    return Program("rms_lm_head_cross_entropy_backward", Gemm.linear(), (
+        Store("grad_logits", dz),
+        RowPartial("partial_z_dz", z * dz),
+    ), doc=rms_lm_head_cross_entropy_backward.__doc__)
+
+
+@functools.cache
+def rms_norm_backward(residual_grad: str = "add") -> Program:
+    """B2/B6: ``G = grad_z @ W`` with the RMSNorm backward in its epilogue.
+
+    a: grad_z [M, out] (the gradient of the consumer GEMM's output z), b: W [out, d]. With the saved
+    residual stream ``x`` (``residual``), ``c = x * rstd[m]`` and ``s[m] = mean_z_dz[m] = sum_k z dz / d``::
+
+        norm_grad = rstd[m] * (norm_weight[n] * G - c * s[m])
+        normed = c * norm_weight[n]          (RMSNorm output, recomputed for grad_W = grad_z^T @ normed)
+        partial_grad_norm_weight[t, n] = sum over the rows of M-tile t of G * c
+
+    The residual path's gradient joins in the same store: ``residual_grad="add"`` writes a new
+    ``grad_x = grad_residual + norm_grad``; ``"accumulate"`` adds ``norm_grad`` into the given
+    ``grad_residual`` in place.
+    """
+    if residual_grad not in ("add", "accumulate"):
+        raise ValueError(f"residual_grad must be 'add' or 'accumulate', got {residual_grad!r}")
+    c = TileInput("residual") * rstd
+    gamma = ColVector("norm_weight")
+    norm_grad = rstd * (gamma * acc - c * RowVector("mean_z_dz"))
+    if residual_grad == "add":
+        grad_store = Store("grad_x", TileInput("grad_residual") + norm_grad)
+    else:
+        grad_store = Store("grad_residual", norm_grad, accumulate=True)
+    return Program("rms_norm_backward", Gemm.input_grad(), (
+        grad_store,
+        Store("normed", c * gamma),
+        ColPartial("partial_grad_norm_weight", acc * c),
+    ), doc=rms_norm_backward.__doc__)
+
+
+@functools.cache
+def swiglu_backward() -> Program:
+    """B4: ``dy = grad_out @ W_down`` with SwiGLU backward in its epilogue.
+
+    a: grad_out [M, d], b: W_down [d, F]; ``dy`` is [M, F]; ``preact`` [M, 2F] holds interleaved
+    ``(g, u)`` saved by F2. With ``s = sigmoid(g)``: ``dg = dy * u * s * (1 + g (1 - s))``, ``du = dy * g * s``.
+    Outputs ``grad_preact`` = interleaved ``(dg, du)`` [M, 2F], ``act = silu(g) * u`` [M, F]
+    (recomputed for ``grad_W_down = grad_out^T @ act``) and ``partial_z_dz[m, t]`` = sum over tile t
+    of ``g dg + u du`` (the RMSNorm-backward statistic of the gate/up GEMM).
+    """
+    preact = TileInput("preact", Width.DOUBLE)
+    grad_preact = SwiGLUBackward(preact, acc)
+    return Program("swiglu_backward", Gemm.input_grad(), (
+        Store("grad_preact", grad_preact),
+        Store("act", SwiGLU(preact)),
+        RowPartial("partial_z_dz", preact * grad_preact),
+    ), doc=swiglu_backward.__doc__)
+
+
+#: name -> factory of every library program (defaults for the ones with options)
+PROGRAMS = {f.__name__: f for f in (
+    linear, input_grad, weight_grad, rms_linear, residual_rms_stats, rms_gate_up_swiglu, rms_qkv_rope,
+    rms_lm_head_cross_entropy, rms_lm_head_cross_entropy_backward, rms_norm_backward, swiglu_backward)}
