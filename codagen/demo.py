@@ -10,7 +10,7 @@ from codagen.backends import execute, resolve_backend_name
 from codagen.epilogue import finish, library
 
 
-def main(tokens: int = 256, hidden: int = 128, ffn: int = 384) -> int:
+def main(argv: list[str] | None = None, tokens: int = 256, hidden: int = 128, ffn: int = 384) -> int:
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

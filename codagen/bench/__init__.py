@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m codagen bench kernels`` and ``python -m codagen bench block``."""

@@ -1,0 +1,62 @@
+"""What every benchmark shares: timing, environment record, the JSON results schema.
+
+Schema (one file per run under ``bench/results/``)::
+
+    {"env": {"gpu", "torch", "triton", "codagen", "date", ...},
+     "records": [{"suite", "name", "pass": "fwd"|"bwd"|"fwd+bwd"|"step", "shape": {...},
+                  "provider", "median_ms", ...}]}
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+__all__ = ["environment", "median_ms", "write_results", "RESULTS_DIR"]
+
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def environment() -> dict:
+    """GPU name and library versions, recorded with every result file."""
+    import codagen
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "codagen": codagen.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 500) -> float:
+    """Median time of ``fn`` in milliseconds, measured with CUDA events after warm-up.
+
+    ``triton.testing.do_bench`` clears the L2 cache between runs, so repeated runs over the same
+    buffers do not measure the cache.
+    """
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def write_results(suite: str, records: list[dict], out_dir: str | os.PathLike | None = None) -> Path:
+    """Write ``{"env", "records"}`` to ``<out_dir>/<date>-<suite>.json`` and return the path."""
+    env = environment()
+    out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{env['date'][:10]}-{suite}.json"
+    path.write_text(json.dumps({"env": env, "records": records}, indent=1) + "\n")
+    return path
