@@ -326,7 +326,7 @@ class Unary(Expr):
         return (self.x,)
 
     def __str__(self) -> str:
-        return f"-({self.x})" if self.op == "neg" else f"{self.op}({self.x})"
+        return _render(self, str)
 
 
 @dataclass(frozen=True, eq=True)
@@ -352,9 +352,7 @@ class Binary(Expr):
         return (self.a, self.b)
 
     def __str__(self) -> str:
-        if self.op in _BINARY_SYMBOL:
-            return f"({self.a} {_BINARY_SYMBOL[self.op]} {self.b})"
-        return f"{self.op}({self.a}, {self.b})"
+        return _render(self, str)
 
 
 @dataclass(frozen=True, eq=True)
@@ -412,7 +410,7 @@ class SwiGLU(Expr):
         return (self.x,)
 
     def __str__(self) -> str:
-        return f"swiglu({self.x})"
+        return _render(self, str)
 
 
 @dataclass(frozen=True, eq=True)
@@ -447,7 +445,7 @@ class SwiGLUBackward(Expr):
         return (self.preact, self.grad)
 
     def __str__(self) -> str:
-        return f"swiglu_backward({self.preact}, {self.grad})"
+        return _render(self, str)
 
 
 @dataclass(frozen=True, eq=True)
@@ -489,8 +487,7 @@ class Rope(Expr):
         return (self.x, self.positions, self.frequencies)
 
     def __str__(self) -> str:
-        sign = "-" if self.inverse else ""
-        return f"rope({self.x}, {sign}{self.positions} * {self.frequencies})"
+        return _render(self, str)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -519,10 +516,14 @@ class Store:
         if self.dtype not in STORE_DTYPES:
             raise ProgramError(f"Store {self.name!r}: dtype must be one of {STORE_DTYPES}, got {self.dtype!r}")
 
-    def __str__(self) -> str:
+    def describe(self, value: str) -> str:
         arrow = "+=" if self.accumulate else "<-"
         dtype = "" if self.accumulate else f"  ({self.dtype})"
-        return f"{self.name}[m, n{'' if self.value.width == Width.FULL else ':' + repr(self.value.width)}] {arrow} {self.value}{dtype}"
+        cols = "n" if self.value.width == Width.FULL else f"n:{self.value.width!r}"
+        return f"{self.name}[m, {cols}] {arrow} {value}{dtype}"
+
+    def __str__(self) -> str:
+        return self.describe(str(self.value))
 
 
 @dataclass(frozen=True)
@@ -544,8 +545,11 @@ class RowPartial:
         if self.reduction not in ("sum", "logsumexp"):
             raise ProgramError(f"RowPartial {self.name!r}: reduction must be 'sum' or 'logsumexp', got {self.reduction!r}")
 
+    def describe(self, value: str) -> str:
+        return f"{self.name}[m, tile_n] <- {self.reduction}_n({value})  (float32 partial)"
+
     def __str__(self) -> str:
-        return f"{self.name}[m, tile_n] <- {self.reduction}_n({self.value})  (float32 partial)"
+        return self.describe(str(self.value))
 
 
 @dataclass(frozen=True)
@@ -562,11 +566,31 @@ class ColPartial:
         if self.value.kind != "tile":
             raise ProgramError(f"ColPartial {self.name!r} needs a tile value, got {self.value} ({self.value.kind})")
 
+    def describe(self, value: str) -> str:
+        return f"{self.name}[tile_m, n] <- sum_m({value})  (float32 partial)"
+
     def __str__(self) -> str:
-        return f"{self.name}[tile_m, n] <- sum_m({self.value})  (float32 partial)"
+        return self.describe(str(self.value))
 
 
 Output = Union[Store, RowPartial, ColPartial]
+
+
+def _render(e: Expr, show) -> str:
+    """``str(e)`` with each child printed by ``show`` (which may substitute a name)."""
+    if isinstance(e, Unary):
+        return f"-({show(e.x)})" if e.op == "neg" else f"{e.op}({show(e.x)})"
+    if isinstance(e, Binary):
+        if e.op in _BINARY_SYMBOL:
+            return f"({show(e.a)} {_BINARY_SYMBOL[e.op]} {show(e.b)})"
+        return f"{e.op}({show(e.a)}, {show(e.b)})"
+    if isinstance(e, SwiGLU):
+        return f"swiglu({show(e.x)})"
+    if isinstance(e, SwiGLUBackward):
+        return f"swiglu_backward({show(e.preact)}, {show(e.grad)})"
+    if isinstance(e, Rope):
+        return f"rope({show(e.x)}, {'-' if e.inverse else ''}{e.positions} * {e.frequencies})"
+    return str(e)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -636,9 +660,34 @@ class Program:
     def has_pairs(self) -> bool:
         return any(isinstance(e, (SwiGLU, SwiGLUBackward, Rope)) for e in self.expressions())
 
+    def shared_expressions(self) -> list[Expr]:
+        """Compound expressions used more than once (named once in the printout, computed once by kernels)."""
+        uses: dict[Expr, int] = {}
+        for e in self.expressions():
+            for child in e.children():
+                uses[child] = uses.get(child, 0) + 1
+        for out in self.outputs:
+            uses[out.value] = uses.get(out.value, 0) + 1
+        return [e for e in self.expressions() if uses.get(e, 0) > 1 and e.children()]
+
     def __str__(self) -> str:
+        """The program as math: shared subexpressions become named lines ``t0 = ...``."""
+        names: dict[Expr, str] = {}
+
+        def show(e: Expr) -> str:
+            if e in names:
+                return names[e]
+            if not e.children():
+                return str(e)
+            # Render with children replaced by their names: rebuild a shallow printout.
+            return _render(e, show)
+
         lines = [f"program {self.name}:", f"  {self.gemm!r}"]
-        lines += [f"  {o}" for o in self.outputs]
+        for i, e in enumerate(self.shared_expressions()):
+            lines.append(f"  t{i} = {show(e)}")
+            names[e] = f"t{i}"
+        for out in self.outputs:
+            lines.append("  " + out.describe(show(out.value)))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
