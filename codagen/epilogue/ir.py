@@ -168,6 +168,9 @@ class Expr:
     def __truediv__(self, other: Operand) -> "Binary":
         return Binary("div", self, _expr(other))
 
+    def __rtruediv__(self, other: Operand) -> "Binary":
+        return Binary("div", _expr(other), self)
+
     def __neg__(self) -> "Unary":
         return Unary("neg", self)
 

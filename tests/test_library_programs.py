@@ -1,0 +1,244 @@
+"""The CODA program library against naive float64 PyTorch math (reference backend, CPU).
+
+Small tiles (16 x 8) so that every partial reduction spans several tiles, including a ragged last one.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codagen.backends.reference import ReferenceBackend, rope_ref
+from codagen.epilogue import bind, finish, library
+
+F64 = torch.float64
+EPS = 1e-6
+
+
+def run(program, a, b, **tensors):
+    return ReferenceBackend(block_m=16, block_n=8).run(bind(program, a, b, tensors))
+
+
+def rms_norm(x, weight):
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * weight
+
+
+def rstd_of(x):
+    return torch.rsqrt(x.square().mean(-1) + EPS)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((-x2, x1), -1)
+
+
+def pairs_from_half_split(weight, head_dim):
+    """Rows of each head reordered so HF's half-split RoPE pairs (i, i + hd/2) become adjacent (2i, 2i+1)."""
+    heads = weight.shape[0] // head_dim
+    w = weight.view(heads, 2, head_dim // 2, -1)
+    return w.transpose(1, 2).reshape(weight.shape)
+
+
+SHAPES = [(1, 24), (7, 40), (129, 36)]   # (tokens M, hidden d); d is not a multiple of the 8-wide tile
+
+
+@pytest.mark.parametrize("m, d", SHAPES)
+def test_residual_rms_stats(m, d):
+    inp, w_o = torch.randn(m, 20, dtype=F64), torch.randn(d, 20, dtype=F64)
+    residual, gamma = torch.randn(m, d, dtype=F64), torch.randn(d, dtype=F64)
+    out = run(library.residual_rms_stats(), inp, w_o, residual=residual, norm_weight=gamma)
+    x = inp @ w_o.T + residual
+    torch.testing.assert_close(out["residual_out"], x)
+    torch.testing.assert_close(out["normed"], x * gamma)
+    assert out["partial_sumsq"].shape == (m, -(-d // 8))
+    torch.testing.assert_close(finish.rstd_from_partial_sumsq(out["partial_sumsq"], d, EPS), rstd_of(x))
+
+
+@pytest.mark.parametrize("m, d", SHAPES)
+def test_rmsnorm_commutes_with_the_consumer_gemm(m, d):
+    """rstd * ((x * gamma) @ W^T) == RMSNorm(x) @ W^T: the row scale moves into the consumer's epilogue."""
+    x, gamma, w = torch.randn(m, d, dtype=F64), torch.randn(d, dtype=F64), torch.randn(10, d, dtype=F64)
+    out = run(library.rms_linear(), x * gamma, w, rstd=rstd_of(x))["out"]
+    torch.testing.assert_close(out, rms_norm(x, gamma) @ w.T)
+
+
+@pytest.mark.parametrize("m, d", SHAPES)
+def test_gate_up_swiglu_with_interleaved_weights(m, d):
+    ffn = 12
+    x, gamma = torch.randn(m, d, dtype=F64), torch.randn(d, dtype=F64)
+    w_gate, w_up = torch.randn(ffn, d, dtype=F64), torch.randn(ffn, d, dtype=F64)
+    gate_up = torch.stack((w_gate, w_up), 1).reshape(2 * ffn, d)       # rows g0, u0, g1, u1, ...
+    out = run(library.rms_gate_up_swiglu(), x * gamma, gate_up, rstd=rstd_of(x))
+    h = rms_norm(x, gamma)
+    torch.testing.assert_close(out["out"], F.silu(h @ w_gate.T) * (h @ w_up.T))
+    torch.testing.assert_close(out["preact"][:, 0::2], h @ w_gate.T)
+
+
+def rope_frequencies(heads, kv_heads, head_dim, base=10000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=F64) / head_dim)
+    return torch.cat([inv_freq.repeat(heads + kv_heads), torch.zeros(kv_heads * head_dim // 2, dtype=F64)])
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])   # MHA and GQA
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_qkv_rope_matches_half_split_rope_on_permuted_weights(heads, kv_heads, m):
+    d, hd = 24, 8
+    x, gamma = torch.randn(m, d, dtype=F64), torch.randn(d, dtype=F64)
+    w_q, w_k, w_v = (torch.randn(h * hd, d, dtype=F64) for h in (heads, kv_heads, kv_heads))
+    positions = torch.randperm(4 * m)[:m].float()
+    # Hugging Face convention: half-split rotate_half on Q and K.
+    h = rms_norm(x, gamma)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, hd, 2, dtype=F64) / hd)
+    angle = positions.double()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat((angle.cos(), angle.cos()), -1), torch.cat((angle.sin(), angle.sin()), -1)
+
+    def hf_rope(t, n_heads):
+        t = t.view(m, n_heads, hd)
+        return (t * cos[:, None] + rotate_half(t) * sin[:, None]).reshape(m, -1)
+
+    q_ref, k_ref, v_ref = hf_rope(h @ w_q.T, heads), hf_rope(h @ w_k.T, kv_heads), h @ w_v.T
+    qkv_weight = torch.cat((pairs_from_half_split(w_q, hd), pairs_from_half_split(w_k, hd), w_v))
+    qkv = run(library.rms_qkv_rope(), x * gamma, qkv_weight, rstd=rstd_of(x), positions=positions,
+              frequencies=rope_frequencies(heads, kv_heads, hd))["qkv"]
+    q, k, v = qkv.split((heads * hd, kv_heads * hd, kv_heads * hd), -1)
+    # Same channels, pair order: q[:, 2i] is HF's channel i, q[:, 2i+1] is channel i + hd/2 of each head.
+    unpair = lambda t, n: t.view(m, n, hd // 2, 2).transpose(2, 3).reshape(m, -1)
+    torch.testing.assert_close(unpair(q, heads), q_ref)
+    torch.testing.assert_close(unpair(k, kv_heads), k_ref)
+    torch.testing.assert_close(v, v_ref)
+    # Attention scores are unchanged: q.k is invariant to one permutation of both.
+    torch.testing.assert_close(q.view(m, heads, hd)[:, 0] @ k.view(m, kv_heads, hd)[:, 0].T,
+                               q_ref.view(m, heads, hd)[:, 0] @ k_ref.view(m, kv_heads, hd)[:, 0].T)
+
+
+def cross_entropy_targets(m, vocab):
+    target = torch.randint(0, vocab, (m,))
+    target[torch.rand(m) < 0.3] = -100
+    target[0] = vocab - 1                      # the last column, in the ragged last tile
+    return target
+
+
+@pytest.mark.parametrize("m, vocab", [(1, 50), (7, 50), (129, 37)])
+def test_cross_entropy_forward_from_partial_logsumexp(m, vocab):
+    d = 16
+    x, gamma, w = torch.randn(m, d, dtype=F64), torch.randn(d, dtype=F64), 3 * torch.randn(vocab, d, dtype=F64)
+    target = cross_entropy_targets(m, vocab)
+    out = run(library.rms_lm_head_cross_entropy(), x * gamma, w, rstd=rstd_of(x), target=target)
+    assert out["partial_lse"].shape == (m, -(-vocab // 8))
+    lse = finish.logsumexp_from_partials(out["partial_lse"])
+    loss = torch.where(target != -100, lse - finish.sum_row_partials(out["partial_target"]), 0.0)
+    logits = rms_norm(x, gamma) @ w.T
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
+    torch.testing.assert_close(loss, F.cross_entropy(logits, target, ignore_index=-100, reduction="none"))
+
+
+def norm_backward(dz, consumer_weight, x, gamma, partial_z_dz, grad_residual):
+    """B2/B6 + weight and norm-weight gradients, as the ops layer chains them."""
+    d = x.shape[1]
+    mean_z_dz = finish.sum_row_partials(partial_z_dz) / d
+    out = run(library.rms_norm_backward("add"), dz, consumer_weight, grad_residual=grad_residual, residual=x,
+              rstd=rstd_of(x), norm_weight=gamma, mean_z_dz=mean_z_dz)
+    grad_weight = run(library.weight_grad(), dz, out["normed"])["grad_weight"]
+    torch.testing.assert_close(out["normed"], rms_norm(x, gamma))
+    return out["grad_x"], finish.sum_col_partials(out["partial_grad_norm_weight"]), grad_weight
+
+
+def leaves(m, d):
+    x = torch.randn(m, d, dtype=F64, requires_grad=True)
+    gamma = (1 + 0.1 * torch.randn(d, dtype=F64)).requires_grad_()
+    return x, gamma, torch.randn(m, d, dtype=F64)
+
+
+@pytest.mark.parametrize("m, d", SHAPES)
+def test_swiglu_backward_and_rmsnorm_backward_through_the_mlp(m, d):
+    ffn = 12
+    x, gamma, grad_residual = leaves(m, d)
+    w_gu = torch.randn(2 * ffn, d, dtype=F64, requires_grad=True)
+    w_down = torch.randn(d, ffn, dtype=F64, requires_grad=True)
+    grad_out = torch.randn(m, d, dtype=F64)
+    z = rms_norm(x, gamma) @ w_gu.T
+    y = (F.silu(z[:, 0::2]) * z[:, 1::2]) @ w_down.T
+    ((y * grad_out).sum() + (x * grad_residual).sum()).backward()
+
+    forward = run(library.rms_gate_up_swiglu(), (x * gamma).detach(), w_gu.detach(), rstd=rstd_of(x).detach())
+    back = run(library.swiglu_backward(), grad_out, w_down.detach(), preact=forward["preact"])
+    torch.testing.assert_close(back["act"], forward["out"])
+    grad_w_down = run(library.weight_grad(), grad_out, back["act"])["grad_weight"]
+    torch.testing.assert_close(grad_w_down, w_down.grad)
+    grad_x, grad_gamma, grad_w_gu = norm_backward(back["grad_preact"], w_gu.detach(), x.detach(), gamma.detach(),
+                                                  back["partial_z_dz"], grad_residual)
+    torch.testing.assert_close(grad_x, x.grad)
+    torch.testing.assert_close(grad_gamma, gamma.grad)
+    torch.testing.assert_close(grad_w_gu, w_gu.grad)
+
+
+@pytest.mark.parametrize("m, d", SHAPES)
+def test_rope_backward_and_rmsnorm_backward_through_qkv(m, d):
+    heads, kv_heads, hd = 2, 1, 8
+    n = (heads + 2 * kv_heads) * hd
+    x, gamma, grad_residual = leaves(m, d)
+    w_qkv = torch.randn(n, d, dtype=F64, requires_grad=True)
+    positions, freqs = torch.arange(m).float() + 5, rope_frequencies(heads, kv_heads, hd)
+    grad_qkv = torch.randn(m, n, dtype=F64)
+    theta = positions.double()[:, None] * freqs[None, :]
+    qkv_ref = rope_ref(rms_norm(x, gamma) @ w_qkv.T, theta)
+    ((qkv_ref * grad_qkv).sum() + (x * grad_residual).sum()).backward()
+
+    qkv = run(library.rms_qkv_rope(), (x * gamma).detach(), w_qkv.detach(), rstd=rstd_of(x).detach(),
+              positions=positions, frequencies=freqs)["qkv"]
+    # B1 (elementwise): rotate the gradient back; rotations preserve dot products, so
+    # sum(qkv * grad_qkv) == sum(z * dz) without the pre-RoPE z.
+    grad_z = rope_ref(grad_qkv, -theta)
+    z = rms_norm(x, gamma).detach() @ w_qkv.detach().T
+    torch.testing.assert_close((qkv * grad_qkv).sum(1), (z * grad_z).sum(1))
+    partial_z_dz = (qkv * grad_qkv).sum(1, keepdim=True)
+    grad_x, grad_gamma, grad_w = norm_backward(grad_z, w_qkv.detach(), x.detach(), gamma.detach(), partial_z_dz,
+                                               grad_residual)
+    torch.testing.assert_close(grad_x, x.grad)
+    torch.testing.assert_close(grad_gamma, gamma.grad)
+    torch.testing.assert_close(grad_w, w_qkv.grad)
+
+
+@pytest.mark.parametrize("m, d", SHAPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_backward_and_rmsnorm_backward_through_the_lm_head(m, d, reduction):
+    vocab = 45
+    x, gamma, grad_residual = leaves(m, d)
+    w = torch.randn(vocab, d, dtype=F64, requires_grad=True)
+    target = cross_entropy_targets(m, vocab)
+    grad_loss = torch.rand((), dtype=F64) + 0.5
+    loss = F.cross_entropy(rms_norm(x, gamma) @ w.T, target, ignore_index=-100, reduction=reduction)
+    (loss * grad_loss + (x * grad_residual).sum()).backward()
+
+    normed, rstd = (x * gamma).detach(), rstd_of(x).detach()
+    fwd = run(library.rms_lm_head_cross_entropy(), normed, w.detach(), rstd=rstd, target=target)
+    valid = (target != -100).double()
+    row_weight = valid / valid.sum().clamp(min=1) if reduction == "mean" else valid
+    back = run(library.rms_lm_head_cross_entropy_backward(), normed, w.detach(), rstd=rstd,
+               lse=finish.logsumexp_from_partials(fwd["partial_lse"]), target=target, row_weight=row_weight,
+               grad_scale=grad_loss.reshape(1))
+    grad_x, grad_gamma, grad_w = norm_backward(back["grad_logits"], w.detach(), x.detach(), gamma.detach(),
+                                               back["partial_z_dz"], grad_residual)
+    torch.testing.assert_close(grad_x, x.grad)
+    torch.testing.assert_close(grad_gamma, gamma.grad)
+    torch.testing.assert_close(grad_w, w.grad)
+
+
+def test_rms_norm_backward_accumulates_in_place():
+    m, d, n = 9, 16, 10
+    x, gamma, grad_residual = leaves(m, d)
+    dz, w = torch.randn(m, n, dtype=F64), torch.randn(n, d, dtype=F64)
+    common = dict(residual=x.detach(), rstd=rstd_of(x).detach(), norm_weight=gamma.detach(),
+                  mean_z_dz=torch.randn(m, dtype=F64))
+    fresh = run(library.rms_norm_backward("add"), dz, w, grad_residual=grad_residual, **common)["grad_x"]
+    in_place = grad_residual.clone()
+    run(library.rms_norm_backward("accumulate"), dz, w, grad_residual=in_place, **common)
+    torch.testing.assert_close(in_place, fresh)
+
+
+def test_weight_grad_accumulates_and_input_grad_is_plain():
+    dy, x = torch.randn(13, 6, dtype=F64), torch.randn(13, 4, dtype=F64)
+    main_grad = torch.randn(6, 4, dtype=F64)
+    expected = main_grad + dy.T @ x
+    run(library.weight_grad(accumulate=True), dy, x, grad_weight=main_grad)
+    torch.testing.assert_close(main_grad, expected)
+    w = torch.randn(6, 4, dtype=F64)
+    torch.testing.assert_close(run(library.input_grad(), dy, w)["grad_input"], dy @ w)
