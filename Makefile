@@ -3,13 +3,14 @@
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+TRITON ?= triton==3.6.0   # the version on our H200 machine; its interpreter runs the CPU tests
 STAMP := $(VENV)/.codagen-installed
 
 .PHONY: demo test gpu-test clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)" "$(TRITON)"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench]"
 	touch $(STAMP)
 
