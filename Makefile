@@ -3,10 +3,11 @@
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
-TRITON ?= triton==3.6.0   # the version on our H200 machine; its interpreter runs the CPU tests
+# Triton as on our H200 machine; its interpreter runs the CPU tests.
+TRITON ?= triton==3.6.0
 STAMP := $(VENV)/.codagen-installed
 
-.PHONY: demo test gpu-test clean
+.PHONY: demo test clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
