@@ -146,15 +146,18 @@ def rms_norm_backward(residual_grad: str = "add") -> Program:
 
     The residual path's gradient joins in the same store: ``residual_grad="add"`` writes a new
     ``grad_x = grad_residual + norm_grad``; ``"accumulate"`` adds ``norm_grad`` into the given
-    ``grad_residual`` in place.
+    ``grad_residual`` in place; ``"none"`` writes a fresh ``grad_x = norm_grad`` (the op that owns the
+    norm has no residual-path gradient at hand; autograd adds it elsewhere).
     """
-    if residual_grad not in ("add", "accumulate"):
-        raise ValueError(f"residual_grad must be 'add' or 'accumulate', got {residual_grad!r}")
+    if residual_grad not in ("add", "accumulate", "none"):
+        raise ValueError(f"residual_grad must be 'add', 'accumulate' or 'none', got {residual_grad!r}")
     c = TileInput("residual") * rstd
     gamma = ColVector("norm_weight")
     norm_grad = rstd * (gamma * acc - c * RowVector("mean_z_dz"))
     if residual_grad == "add":
         grad_store = Store("grad_x", TileInput("grad_residual") + norm_grad)
+    elif residual_grad == "none":
+        grad_store = Store("grad_x", norm_grad)
     else:
         grad_store = Store("grad_residual", norm_grad, accumulate=True)
     return Program("rms_norm_backward", Gemm.input_grad(), (

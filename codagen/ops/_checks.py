@@ -1,0 +1,111 @@
+"""Argument validation for the public ops: every error names the argument and what was expected."""
+from __future__ import annotations
+
+import torch
+
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of row statistics (rstd): float32, or float64 for float64 activations (the test oracle)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tensor(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _shape(name: str, t: torch.Tensor, shape: tuple, desc: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {desc} = {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _device(name: str, t: torch.Tensor, device: torch.device | None) -> None:
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of x), got {t.device}")
+
+
+def _contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())} for shape "
+                         f"{tuple(t.shape)}; call .contiguous() first")
+
+
+def activation(name: str, t, *, cols: int | None = None, rows: int | None = None, like: torch.Tensor | None = None,
+               desc: str = "[tokens, features]") -> torch.Tensor:
+    """A 2-D contiguous float matrix; ``like`` fixes its dtype and device."""
+    t = tensor(name, t)
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor {desc} (flatten batch and sequence first), "
+                         f"got shape {tuple(t.shape)}")
+    if t.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"{name}: expected one of {[str(d) for d in ACTIVATION_DTYPES]}, got {t.dtype}")
+    if like is not None:
+        if t.dtype != like.dtype:
+            raise ValueError(f"{name}: expected dtype {like.dtype} (that of x), got {t.dtype}")
+        _device(name, t, like.device)
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"{name}: expected {rows} rows {desc}, got shape {tuple(t.shape)}")
+    if cols is not None and t.shape[1] != cols:
+        raise ValueError(f"{name}: expected {cols} columns {desc}, got shape {tuple(t.shape)}")
+    _contiguous(name, t)
+    return t
+
+
+def weight(name: str, t, shape: tuple, desc: str, like: torch.Tensor, *, even_rows: bool = False) -> torch.Tensor:
+    """A contiguous weight matrix of the activations' dtype and device; ``None`` in ``shape`` matches any size."""
+    t = tensor(name, t)
+    if t.dtype != like.dtype:
+        raise ValueError(f"{name}: expected dtype {like.dtype} (that of x), got {t.dtype}")
+    _device(name, t, like.device)
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        shown = tuple("*" if s is None else s for s in shape)
+        raise ValueError(f"{name}: expected shape {desc} = {shown}, got {tuple(t.shape)}")
+    if even_rows and t.shape[0] % 2:
+        raise ValueError(f"{name}: expected an even number of rows (adjacent column pairs), got shape {tuple(t.shape)}")
+    _contiguous(name, t)
+    return t
+
+
+def vector(name: str, t, length: int, desc: str, like: torch.Tensor, *, dtypes=None) -> torch.Tensor:
+    """A contiguous 1-D float vector (norm weight, frequencies); ``dtypes`` narrows the accepted dtypes."""
+    t = tensor(name, t)
+    _shape(name, t, (length,), desc)
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if dtypes is None and not t.dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating-point vector, got {t.dtype}")
+    _device(name, t, like.device)
+    _contiguous(name, t)
+    return t
+
+
+def rstd(name: str, t, x: torch.Tensor) -> torch.Tensor:
+    """rstd [M] in the statistics dtype of x (float32; float64 for float64 x)."""
+    return vector(name, t, x.shape[0], "[tokens]", x, dtypes=(stats_dtype(x.dtype),))
+
+
+def normed(name: str, t, x: torch.Tensor) -> torch.Tensor:
+    t = activation(name, t, like=x)
+    _shape(name, t, tuple(x.shape), "x.shape")
+    return t
+
+
+def index_vector(name: str, t, length: int, like: torch.Tensor, *, allow_float: bool = False) -> torch.Tensor:
+    """A 1-D integer vector [tokens] (targets, positions); positions may also be float."""
+    t = tensor(name, t)
+    _shape(name, t, (length,), "[tokens]")
+    if t.dtype.is_floating_point and not allow_float or t.dtype.is_complex or t.dtype == torch.bool:
+        kind = "an integer or float" if allow_float else "an integer (int32 or int64)"
+        raise ValueError(f"{name}: expected {kind} vector, got {t.dtype}")
+    _device(name, t, like.device)
+    _contiguous(name, t)
+    return t
+
+
+def eps(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"eps: expected a positive float, got {value!r}")
+    return float(value)

@@ -1,0 +1,430 @@
+"""The fused ops of a CODA-reparameterized LLaMA block (everything but attention and the LM-head loss).
+
+Every activation is a contiguous 2-D matrix ``[tokens, features]``. RMSNorm is split around the GEMMs
+(METHOD.md section 2): the producer of the residual stream ``x`` returns ``(x, normed = x * gamma, rstd)``
+with ``rstd = rsqrt(mean(x^2) + eps)``; ``normed`` and ``rstd`` are non-differentiable. The single
+consumer of that norm takes ``(x, normed, rstd, norm_weight)``, multiplies its accumulator by ``rstd``
+and, in backward, computes the whole RMSNorm backward for ``x`` and ``norm_weight`` with the row
+statistic ``mean_z_dz = sum_k z dz / d`` taken from its own output side (METHOD.md section 3).
+
+Layering: each public function validates its arguments, then calls a ``torch.autograd.Function`` whose
+forward and backward are ``torch.library`` custom ops (``codagen::...``) with fake implementations, so
+``torch.compile(fullgraph=True)`` sees one opaque node per fused step. The custom ops run library
+programs through :func:`codagen.backends.execute` (reference or Triton backend) and finish the
+partial reductions inside, so their outputs have static shapes.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from codagen.backends import execute
+from codagen.epilogue import finish, library
+
+from . import _checks as check
+from . import kernels
+from ._checks import stats_dtype
+
+__all__ = ["rms_norm_stats", "out_proj_residual_rms", "rms_qkv_rope", "rms_gate_up_swiglu",
+           "swiglu_mlp_residual_rms", "rms_linear"]
+
+
+def _stats(x: Tensor, length: int) -> Tensor:
+    return x.new_empty(length, dtype=stats_dtype(x.dtype))
+
+
+def rms_norm_weight_backward(grad_z: Tensor, weight: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
+                             mean_z_dz: Tensor, grad_residual: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """B2/B6 + B3/B7: the RMSNorm backward of a consumer GEMM ``z = rstd * ((x * gamma) @ W^T)``.
+
+    One GEMM ``G = grad_z @ W`` whose epilogue writes ``grad_x = [grad_residual +] rstd * (gamma * G - c * mean_z_dz)``
+    (``c = x * rstd``), the normalized activation ``n = c * gamma`` and per-tile partials of ``G * c``;
+    then the plain GEMM ``grad_W = grad_z^T @ n`` and the finishing sum ``grad_gamma = sum_tiles(partials)``.
+    Returns ``(grad_x, grad_norm_weight, grad_weight)``.
+    """
+    tensors = dict(residual=x, rstd=rstd, norm_weight=norm_weight, mean_z_dz=mean_z_dz)
+    if grad_residual is None:
+        program = library.rms_norm_backward("none")
+    else:
+        program = library.rms_norm_backward("add")
+        tensors["grad_residual"] = grad_residual
+    out = execute(program, grad_z, weight, **tensors)
+    grad_weight = execute(library.weight_grad(), grad_z, out["normed"])["grad_weight"]
+    grad_norm_weight = finish.sum_col_partials(out["partial_grad_norm_weight"]).to(norm_weight.dtype)
+    return out["grad_x"], grad_norm_weight, grad_weight
+
+
+# ==================================================================================================
+# rms_norm_stats: the first block's norm (no producer GEMM)
+# ==================================================================================================
+@torch.library.custom_op("codagen::rms_norm_stats", mutates_args=())
+def _rms_norm_stats_op(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return kernels.rms_norm_stats(x, norm_weight, eps)
+
+
+@_rms_norm_stats_op.register_fake
+def _(x, norm_weight, eps):
+    return torch.empty_like(x), _stats(x, x.shape[0])
+
+
+def rms_norm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """RMSNorm statistics without a GEMM: ``normed = x * norm_weight`` and ``rstd = rsqrt(mean(x^2) + eps)``.
+
+    For the first block, whose residual stream (the embeddings) no fused GEMM produces. Both outputs
+    are non-differentiable: the norm's consumer op owns its backward. ``rstd`` is float32 [M]
+    (float64 for float64 ``x``).
+    """
+    x = check.activation("x", x)
+    norm_weight = check.vector("norm_weight", norm_weight, x.shape[1], "[features]", x)
+    eps = check.eps(eps)
+    return _rms_norm_stats_op(x.detach(), norm_weight.detach(), eps)
+
+
+# ==================================================================================================
+# F1/F3: out-projection + residual + RMSNorm statistics
+# ==================================================================================================
+@torch.library.custom_op("codagen::out_proj_residual_rms", mutates_args=())
+def _out_proj_residual_rms_op(inp: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor,
+                              eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    out = execute(library.residual_rms_stats(), inp, weight, residual=residual, norm_weight=norm_weight)
+    rstd = finish.rstd_from_partial_sumsq(out["partial_sumsq"], residual.shape[1], eps)
+    return out["residual_out"], out["normed"], rstd
+
+
+@_out_proj_residual_rms_op.register_fake
+def _(inp, weight, residual, norm_weight, eps):
+    return torch.empty_like(residual), torch.empty_like(residual), _stats(residual, residual.shape[0])
+
+
+@torch.library.custom_op("codagen::linear_backward", mutates_args=())
+def _linear_backward_op(grad_out: Tensor, inp: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """B8 + B9: ``grad_inp = grad_out @ W``, ``grad_W = grad_out^T @ inp``."""
+    grad_inp = execute(library.input_grad(), grad_out, weight)["grad_input"]
+    grad_weight = execute(library.weight_grad(), grad_out, inp)["grad_weight"]
+    return grad_inp, grad_weight
+
+
+@_linear_backward_op.register_fake
+def _(grad_out, inp, weight):
+    return torch.empty_like(inp), torch.empty_like(weight)
+
+
+class _OutProjResidualRms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, weight, residual, norm_weight, eps):
+        residual_out, normed, rstd = _out_proj_residual_rms_op(inp, weight, residual, norm_weight, eps)
+        ctx.save_for_backward(inp, weight)
+        ctx.mark_non_differentiable(normed, rstd)
+        ctx.set_materialize_grads(False)
+        return residual_out, normed, rstd
+
+    @staticmethod
+    def backward(ctx, grad_residual_out, _grad_normed, _grad_rstd):
+        if grad_residual_out is None:
+            return None, None, None, None, None
+        inp, weight = ctx.saved_tensors
+        grad = grad_residual_out.contiguous()
+        grad_inp, grad_weight = _linear_backward_op(grad, inp, weight)
+        # residual_out = inp @ W^T + residual: the residual's gradient passes through unchanged; the
+        # norm weight's gradient belongs to the norm's consumer (ownership rule).
+        return grad_inp, grad_weight, grad, None, None
+
+
+def out_proj_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor,
+                          eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """F1/F3: ``x = inp @ weight^T + residual``; returns ``(x, normed = x * norm_weight, rstd)``.
+
+    One GEMM: the epilogue adds the residual tile, stores ``x`` and ``normed`` and writes per-tile
+    partial sums of ``x^2``, finished to ``rstd = rsqrt(sum / d + eps)``. ``normed`` and ``rstd`` are
+    non-differentiable (the norm's consumer owns its backward).
+
+    Backward: ``grad_inp = grad_x @ W`` (B8), ``grad_W = grad_x^T @ inp`` (B9), ``grad_residual = grad_x``.
+    Saved: ``inp``, ``weight``.
+    """
+    residual = check.activation("residual", residual)
+    m, d = residual.shape
+    inp = check.activation("inp", inp, rows=m, like=residual)
+    weight = check.weight("weight", weight, (d, inp.shape[1]), "[features, inp features]", residual)
+    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", residual)
+    return _OutProjResidualRms.apply(inp, weight, residual, norm_weight.detach(), check.eps(eps))
+
+
+# ==================================================================================================
+# F4 (+ B1, B2, B3): RMSNorm-scaled QKV projection + RoPE
+# ==================================================================================================
+@torch.library.custom_op("codagen::rms_qkv_rope", mutates_args=())
+def _rms_qkv_rope_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor,
+                     frequencies: Tensor) -> Tensor:
+    return execute(library.rms_qkv_rope(), normed, qkv_weight, rstd=rstd, positions=positions,
+                   frequencies=frequencies)["qkv"]
+
+
+@_rms_qkv_rope_op.register_fake
+def _(normed, rstd, qkv_weight, positions, frequencies):
+    return normed.new_empty(normed.shape[0], qkv_weight.shape[0])
+
+
+@torch.library.custom_op("codagen::rms_qkv_rope_backward", mutates_args=())
+def _rms_qkv_rope_backward_op(grad_qkv: Tensor, qkv: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
+                              qkv_weight: Tensor, positions: Tensor,
+                              frequencies: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    grad_z, mean_z_dz = kernels.rope_backward(grad_qkv, qkv, positions, frequencies, x.shape[1])  # B1
+    return rms_norm_weight_backward(grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz)  # B2, B3
+
+
+@_rms_qkv_rope_backward_op.register_fake
+def _(grad_qkv, qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies):
+    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(qkv_weight)
+
+
+class _RmsQkvRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies):
+        qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies)
+        ctx.save_for_backward(qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies)
+        ctx.set_materialize_grads(False)
+        return qkv
+
+    @staticmethod
+    def backward(ctx, grad_qkv):
+        if grad_qkv is None:
+            return (None,) * 7
+        qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies = ctx.saved_tensors
+        grad_x, grad_norm_weight, grad_qkv_weight = _rms_qkv_rope_backward_op(
+            grad_qkv.contiguous(), qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies)
+        return grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None
+
+
+def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor,
+                 positions: Tensor, frequencies: Tensor) -> Tensor:
+    """F4: ``qkv = rope(RMSNorm(x) @ qkv_weight^T)`` on adjacent pairs, one GEMM.
+
+    ``z = rstd[m] * (normed @ W^T)``; pair ``j`` of row ``m`` rotates by ``positions[m] * frequencies[j]``
+    (``frequencies`` [N/2] from :func:`rope_frequencies`; V pairs are 0). Q/K rows of ``qkv_weight``
+    must be in the adjacent-pair layout (:func:`rope_pairs_from_half_split`).
+
+    Backward: B1 rotates ``grad_qkv`` back by ``-theta`` and computes ``mean_z_dz = sum qkv * grad_qkv / d``
+    (rotations preserve dot products); B2 is the RMSNorm-backward GEMM ``grad_z @ W`` (fresh ``grad_x``:
+    the residual path's gradient arrives through the out-projection op); B3 ``grad_W = grad_z^T @ n``.
+    Saved: ``qkv`` (attention keeps it alive anyway), ``x``, ``rstd``; ``n = RMSNorm(x)`` is recomputed.
+    """
+    x = check.activation("x", x)
+    m, d = x.shape
+    normed = check.normed("normed", normed, x)
+    rstd = check.rstd("rstd", rstd, x)
+    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
+    qkv_weight = check.weight("qkv_weight", qkv_weight, (None, d), "[(heads + 2 kv_heads) * head_dim, features]", x,
+                              even_rows=True)
+    positions = check.index_vector("positions", positions, m, x, allow_float=True)
+    frequencies = check.vector("frequencies", frequencies, qkv_weight.shape[0] // 2, "[qkv features / 2]", x,
+                               dtypes=(torch.float32, torch.float64))
+    positions = positions.to(stats_dtype(x.dtype))  # angles are computed in fp32 registers
+    return _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
+                             frequencies.detach())
+
+
+# ==================================================================================================
+# F2 standalone: RMSNorm-scaled gate/up projection + SwiGLU
+# ==================================================================================================
+@torch.library.custom_op("codagen::rms_gate_up_swiglu", mutates_args=())
+def _rms_gate_up_swiglu_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor) -> tuple[Tensor, Tensor]:
+    out = execute(library.rms_gate_up_swiglu(), normed, gate_up_weight, rstd=rstd)
+    return out["out"], out["preact"]
+
+
+@_rms_gate_up_swiglu_op.register_fake
+def _(normed, rstd, gate_up_weight):
+    m, two_f = normed.shape[0], gate_up_weight.shape[0]
+    return normed.new_empty(m, two_f // 2), normed.new_empty(m, two_f)
+
+
+@torch.library.custom_op("codagen::rms_gate_up_swiglu_backward", mutates_args=())
+def _rms_gate_up_swiglu_backward_op(grad_act: Tensor, preact: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
+                                    gate_up_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    grad_preact, mean_z_dz = kernels.swiglu_backward(grad_act, preact, x.shape[1])
+    return rms_norm_weight_backward(grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz)
+
+
+@_rms_gate_up_swiglu_backward_op.register_fake
+def _(grad_act, preact, x, rstd, norm_weight, gate_up_weight):
+    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(gate_up_weight)
+
+
+class _RmsGateUpSwiglu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight):
+        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight)
+        ctx.save_for_backward(preact, x, rstd, norm_weight, gate_up_weight)
+        ctx.set_materialize_grads(False)
+        return act
+
+    @staticmethod
+    def backward(ctx, grad_act):
+        if grad_act is None:
+            return (None,) * 5
+        grad_x, grad_norm_weight, grad_gate_up_weight = _rms_gate_up_swiglu_backward_op(
+            grad_act.contiguous(), *ctx.saved_tensors)
+        return grad_x, None, None, grad_norm_weight, grad_gate_up_weight
+
+
+def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor) -> Tensor:
+    """F2: ``act = swiglu(RMSNorm(x) @ gate_up_weight^T)``, rows of ``gate_up_weight`` interleaved ``g0, u0, ...``.
+
+    One GEMM: ``z = rstd[m] * (normed @ W^T)``; stores ``preact = z`` [M, 2F] (saved) and
+    ``act[:, j] = silu(z[:, 2j]) * z[:, 2j+1]`` [M, F].
+
+    Backward (standalone, so the SwiGLU backward has no GEMM to live in): one elementwise kernel for
+    ``(dg, du)`` and ``mean_z_dz = sum (g dg + u du) / d``, then the RMSNorm-backward GEMM and ``grad_W``.
+    Prefer :func:`swiglu_mlp_residual_rms`, which moves the SwiGLU backward into the down-projection's epilogue.
+    Saved: ``preact``, ``x``, ``rstd``.
+    """
+    x = check.activation("x", x)
+    d = x.shape[1]
+    normed = check.normed("normed", normed, x)
+    rstd = check.rstd("rstd", rstd, x)
+    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
+    gate_up_weight = check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, features]", x,
+                                  even_rows=True)
+    return _RmsGateUpSwiglu.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight)
+
+
+# ==================================================================================================
+# F2 + F3 (+ B4, B5, B6, B7): the whole SwiGLU MLP with its residual and the next norm's statistics
+# ==================================================================================================
+@torch.library.custom_op("codagen::swiglu_mlp_residual_rms", mutates_args=())
+def _swiglu_mlp_residual_rms_op(x: Tensor, normed: Tensor, rstd: Tensor, gate_up_weight: Tensor, down_weight: Tensor,
+                                next_norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    f2 = execute(library.rms_gate_up_swiglu(), normed, gate_up_weight, rstd=rstd)
+    f3 = execute(library.residual_rms_stats(), f2["out"], down_weight, residual=x, norm_weight=next_norm_weight)
+    rstd_next = finish.rstd_from_partial_sumsq(f3["partial_sumsq"], x.shape[1], eps)
+    return f3["residual_out"], f3["normed"], rstd_next, f2["preact"]
+
+
+@_swiglu_mlp_residual_rms_op.register_fake
+def _(x, normed, rstd, gate_up_weight, down_weight, next_norm_weight, eps):
+    preact = x.new_empty(x.shape[0], gate_up_weight.shape[0])
+    return torch.empty_like(x), torch.empty_like(x), _stats(x, x.shape[0]), preact
+
+
+@torch.library.custom_op("codagen::swiglu_mlp_residual_rms_backward", mutates_args=())
+def _swiglu_mlp_residual_rms_backward_op(grad_x_out: Tensor, preact: Tensor, x: Tensor, rstd: Tensor,
+                                         norm_weight: Tensor, gate_up_weight: Tensor,
+                                         down_weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # B4: grad_act = grad_x_out @ W_down with the SwiGLU backward in its epilogue (recomputes act for B5)
+    b4 = execute(library.swiglu_backward(), grad_x_out, down_weight, preact=preact)
+    mean_z_dz = finish.sum_row_partials(b4["partial_z_dz"]) / x.shape[1]
+    grad_down_weight = execute(library.weight_grad(), grad_x_out, b4["act"])["grad_weight"]  # B5
+    # B6 + B7: the residual path's gradient (grad_x_out) joins the norm's input gradient in one store
+    grad_x, grad_norm_weight, grad_gate_up_weight = rms_norm_weight_backward(
+        b4["grad_preact"], gate_up_weight, x, rstd, norm_weight, mean_z_dz, grad_residual=grad_x_out)
+    return grad_x, grad_norm_weight, grad_gate_up_weight, grad_down_weight
+
+
+@_swiglu_mlp_residual_rms_backward_op.register_fake
+def _(grad_x_out, preact, x, rstd, norm_weight, gate_up_weight, down_weight):
+    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(gate_up_weight), \
+        torch.empty_like(down_weight)
+
+
+class _SwigluMlpResidualRms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, down_weight, next_norm_weight, eps):
+        x_out, normed_next, rstd_next, preact = _swiglu_mlp_residual_rms_op(
+            x, normed, rstd, gate_up_weight, down_weight, next_norm_weight, eps)
+        ctx.save_for_backward(preact, x, rstd, norm_weight, gate_up_weight, down_weight)
+        ctx.mark_non_differentiable(normed_next, rstd_next)
+        ctx.set_materialize_grads(False)
+        return x_out, normed_next, rstd_next
+
+    @staticmethod
+    def backward(ctx, grad_x_out, _grad_normed_next, _grad_rstd_next):
+        if grad_x_out is None:
+            return (None,) * 8
+        grad_x, grad_norm_weight, grad_gate_up_weight, grad_down_weight = _swiglu_mlp_residual_rms_backward_op(
+            grad_x_out.contiguous(), *ctx.saved_tensors)
+        return grad_x, None, None, grad_norm_weight, grad_gate_up_weight, grad_down_weight, None, None
+
+
+def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor,
+                            down_weight: Tensor, next_norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """F2 + F3: ``x_out = x + swiglu(RMSNorm(x) @ gate_up_weight^T) @ down_weight^T``, two GEMMs.
+
+    Returns ``(x_out, normed_next = x_out * next_norm_weight, rstd_next)`` (the latter two
+    non-differentiable, for the next norm's consumer). F2 stores ``preact`` [M, 2F] (saved) and ``act``
+    [M, F] (freed after F3); F3 adds the residual and writes the next norm's statistics.
+
+    Backward, one autograd node: B4 ``grad_act = grad_x_out @ W_down`` with the SwiGLU backward in its
+    epilogue (emits ``grad_preact``, recomputes ``act`` and the partials of ``mean_z_dz``); B5
+    ``grad_W_down = grad_x_out^T @ act``; B6 the RMSNorm-backward GEMM ``grad_preact @ W_gate_up`` writing
+    ``grad_x = grad_x_out + norm_grad`` in one store; B7 ``grad_W_gate_up = grad_preact^T @ n``.
+    Saved: ``preact``, ``x``, ``rstd``; ``act`` and ``n = RMSNorm(x)`` are recomputed.
+    """
+    x = check.activation("x", x)
+    d = x.shape[1]
+    normed = check.normed("normed", normed, x)
+    rstd = check.rstd("rstd", rstd, x)
+    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
+    gate_up_weight = check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, features]", x,
+                                  even_rows=True)
+    ffn = gate_up_weight.shape[0] // 2
+    down_weight = check.weight("down_weight", down_weight, (d, ffn), "[features, ffn features]", x)
+    next_norm_weight = check.vector("next_norm_weight", next_norm_weight, d, "[features]", x)
+    return _SwigluMlpResidualRms.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight, down_weight,
+                                       next_norm_weight.detach(), check.eps(eps))
+
+
+# ==================================================================================================
+# RMSNorm(x) @ W^T (logits for inference, or any norm consumer without an epilogue op)
+# ==================================================================================================
+@torch.library.custom_op("codagen::rms_linear", mutates_args=())
+def _rms_linear_op(normed: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    return execute(library.rms_linear(), normed, weight, rstd=rstd)["out"]
+
+
+@_rms_linear_op.register_fake
+def _(normed, rstd, weight):
+    return normed.new_empty(normed.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("codagen::rms_linear_backward", mutates_args=())
+def _rms_linear_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
+                            weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    mean_z_dz = kernels.mean_row_dot(out, grad_out, x.shape[1])
+    return rms_norm_weight_backward(grad_out, weight, x, rstd, norm_weight, mean_z_dz)
+
+
+@_rms_linear_backward_op.register_fake
+def _(grad_out, out, x, rstd, norm_weight, weight):
+    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(weight)
+
+
+class _RmsLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normed, rstd, norm_weight, weight):
+        out = _rms_linear_op(normed, rstd, weight)
+        ctx.save_for_backward(out, x, rstd, norm_weight, weight)
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if grad_out is None:
+            return (None,) * 5
+        grad_x, grad_norm_weight, grad_weight = _rms_linear_backward_op(grad_out.contiguous(), *ctx.saved_tensors)
+        return grad_x, None, None, grad_norm_weight, grad_weight
+
+
+def rms_linear(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, weight: Tensor) -> Tensor:
+    """``out = RMSNorm(x) @ weight^T = rstd[m] * (normed @ weight^T)``, one GEMM.
+
+    Backward: ``mean_z_dz = sum out * grad_out / d`` (one row-reduction kernel), then the RMSNorm-backward
+    GEMM and ``grad_W``. Saved: ``out``, ``x``, ``rstd``. For training logits use
+    :func:`rms_lm_head_cross_entropy`, which never stores them.
+    """
+    x = check.activation("x", x)
+    d = x.shape[1]
+    normed = check.normed("normed", normed, x)
+    rstd = check.rstd("rstd", rstd, x)
+    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
+    weight = check.weight("weight", weight, (None, d), "[out features, features]", x)
+    return _RmsLinear.apply(x, normed.detach(), rstd.detach(), norm_weight, weight)

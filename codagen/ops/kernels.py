@@ -1,0 +1,217 @@
+"""Small row-wise kernels the ops need outside any GEMM, each with a PyTorch ``*_ref`` twin.
+
+- :func:`rms_norm_stats`: the first block's RMSNorm statistics (no producer GEMM precedes it);
+- :func:`rope_backward` (B1): rotate the QKV gradient back and compute ``mean_z_dz`` for the RMSNorm backward;
+- :func:`swiglu_backward`: SwiGLU backward + ``mean_z_dz`` for the standalone gate/up op (the fused MLP op
+  does this in the down-projection's input-gradient epilogue instead);
+- :func:`mean_row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is.
+
+The dispatcher runs the Triton kernel when the selected backend for the tensors' device is ``triton``
+(CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) and the dtype is not float64 (the oracle dtype, which
+always takes the reference path); otherwise the ``*_ref`` twin. Kernels keep fp32 statistics and write
+one value per row: no atomics, so results are deterministic.
+"""
+from __future__ import annotations
+
+import torch
+
+from codagen.backends import resolve_backend_name
+from codagen.backends.reference import rope_ref, swiglu_backward_ref
+
+from ._checks import stats_dtype
+
+try:  # the package must import without Triton (or without a GPU)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
+
+__all__ = ["rms_norm_stats", "rms_norm_stats_ref", "rope_backward", "rope_backward_ref", "swiglu_backward",
+           "swiglu_backward_ref", "mean_row_dot", "mean_row_dot_ref"]
+
+_MAX_BLOCK = 2048
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return triton is not None and t.dtype != torch.float64 and resolve_backend_name(t.device) == "triton"
+
+
+def _block(columns: int) -> int:
+    return min(triton.next_power_of_2(max(columns, 1)), _MAX_BLOCK)
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels: one program per row, looping over the row in blocks
+# --------------------------------------------------------------------------------------------------
+if triton is not None:
+    @triton.jit
+    def _rms_norm_stats_kernel(x_ptr, norm_weight_ptr, normed_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * n_cols
+        sumsq = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            sumsq += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / n_cols + eps)
+        tl.store(rstd_ptr + row, rstd)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            gamma = tl.load(norm_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(normed_ptr + row * n_cols + cols, (x * gamma).to(normed_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_backward_kernel(grad_ptr, qkv_ptr, positions_ptr, frequencies_ptr, grad_z_ptr, mean_z_dz_ptr,
+                              n_pairs, inv_width, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offset = row * 2 * n_pairs
+        position = tl.load(positions_ptr + row).to(tl.float32)
+        z_dz = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_pairs, BLOCK):
+            pair = start + tl.arange(0, BLOCK)
+            mask = pair < n_pairs
+            theta = position * tl.load(frequencies_ptr + pair, mask=mask, other=0.0).to(tl.float32)
+            cos, sin = tl.cos(theta), tl.sin(theta)
+            even, odd = offset + 2 * pair, offset + 2 * pair + 1
+            g0 = tl.load(grad_ptr + even, mask=mask, other=0.0).to(tl.float32)
+            g1 = tl.load(grad_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+            y0 = tl.load(qkv_ptr + even, mask=mask, other=0.0).to(tl.float32)
+            y1 = tl.load(qkv_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+            z_dz += y0 * g0 + y1 * g1  # rotations preserve dot products: sum y.dy = sum z.dz
+            out_ty = grad_z_ptr.dtype.element_ty
+            tl.store(grad_z_ptr + even, (g0 * cos + g1 * sin).to(out_ty), mask=mask)  # rotate by -theta
+            tl.store(grad_z_ptr + odd, (g1 * cos - g0 * sin).to(out_ty), mask=mask)
+        tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
+
+    @triton.jit
+    def _swiglu_backward_kernel(grad_ptr, preact_ptr, grad_preact_ptr, mean_z_dz_ptr, n_out, inv_width,
+                                BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        z_dz = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_out, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            mask = j < n_out
+            dy = tl.load(grad_ptr + row * n_out + j, mask=mask, other=0.0).to(tl.float32)
+            gate_at, up_at = row * 2 * n_out + 2 * j, row * 2 * n_out + 2 * j + 1
+            gate = tl.load(preact_ptr + gate_at, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(preact_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+            d_up = dy * gate * sig
+            z_dz += gate * d_gate + up * d_up
+            out_ty = grad_preact_ptr.dtype.element_ty
+            tl.store(grad_preact_ptr + gate_at, d_gate.to(out_ty), mask=mask)
+            tl.store(grad_preact_ptr + up_at, d_up.to(out_ty), mask=mask)
+        tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
+
+    @triton.jit
+    def _mean_row_dot_kernel(a_ptr, b_ptr, out_ptr, n_cols, inv_width, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            a = tl.load(a_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += a * b
+        tl.store(out_ptr + row, tl.sum(acc, axis=0) * inv_width)
+
+
+# --------------------------------------------------------------------------------------------------
+# RMSNorm statistics (first block)
+# --------------------------------------------------------------------------------------------------
+def rms_norm_stats_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rstd = rsqrt(mean(x^2) + eps)`` (fp32; fp64 for fp64 x) and ``normed = x * norm_weight`` (x's dtype)."""
+    cd = stats_dtype(x.dtype)
+    xf = x.to(cd)
+    rstd = torch.rsqrt(xf.square().mean(dim=-1) + eps)
+    return (xf * norm_weight.to(cd)).to(x.dtype), rstd
+
+
+def rms_norm_stats(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm_stats_ref` as one kernel launch where Triton runs."""
+    if not _use_triton(x):
+        return rms_norm_stats_ref(x, norm_weight, eps)
+    m, n = x.shape
+    normed = torch.empty_like(x)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _rms_norm_stats_kernel[(m,)](x, norm_weight, normed, rstd, n, eps, BLOCK=_block(n))
+    return normed, rstd
+
+
+# --------------------------------------------------------------------------------------------------
+# B1: RoPE backward
+# --------------------------------------------------------------------------------------------------
+def rope_backward_ref(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor,
+                      frequencies: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad_z = rotate(grad_qkv, -positions[m] * frequencies[j])``, ``mean_z_dz[m] = sum_k qkv grad_qkv / width``.
+
+    ``sum_k z dz = sum_k qkv grad_qkv`` because a rotation preserves dot products, so the pre-RoPE
+    activations are never needed. ``width`` is the normalized dimension d (x's width), not N.
+    """
+    cd = stats_dtype(grad_qkv.dtype)
+    grad = grad_qkv.to(cd)
+    theta = positions.to(cd)[:, None] * frequencies.to(cd)[None, :]
+    grad_z = rope_ref(grad, -theta).to(grad_qkv.dtype)
+    mean_z_dz = (qkv.to(cd) * grad).sum(dim=-1) / width
+    return grad_z, mean_z_dz
+
+
+def rope_backward(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor,
+                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_backward_ref` as one kernel launch where Triton runs."""
+    if not _use_triton(grad_qkv):
+        return rope_backward_ref(grad_qkv, qkv, positions, frequencies, width)
+    m, n = grad_qkv.shape
+    grad_z = torch.empty_like(grad_qkv)
+    mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_qkv.device)
+    if m:
+        _rope_backward_kernel[(m,)](grad_qkv, qkv, positions, frequencies, grad_z, mean_z_dz, n // 2, 1.0 / width,
+                                    BLOCK=_block(n // 2))
+    return grad_z, mean_z_dz
+
+
+# --------------------------------------------------------------------------------------------------
+# SwiGLU backward (standalone gate/up op)
+# --------------------------------------------------------------------------------------------------
+def swiglu_backward_ref(grad_act: torch.Tensor, preact: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved ``(dg, du)`` of ``act = silu(g) * u`` and ``mean_z_dz[m] = sum_j (g dg + u du) / width``."""
+    cd = stats_dtype(grad_act.dtype)
+    preact_c = preact.to(cd)
+    grad_preact = swiglu_backward_ref(preact_c, grad_act.to(cd))
+    return grad_preact.to(grad_act.dtype), (preact_c * grad_preact).sum(dim=-1) / width
+
+
+def swiglu_backward(grad_act: torch.Tensor, preact: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`swiglu_backward_ref` as one kernel launch where Triton runs."""
+    if not _use_triton(grad_act):
+        return swiglu_backward_ref(grad_act, preact, width)
+    m, f = grad_act.shape
+    grad_preact = torch.empty_like(preact)
+    mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_act.device)
+    if m:
+        _swiglu_backward_kernel[(m,)](grad_act, preact, grad_preact, mean_z_dz, f, 1.0 / width, BLOCK=_block(f))
+    return grad_preact, mean_z_dz
+
+
+# --------------------------------------------------------------------------------------------------
+# mean_z_dz of a plain output
+# --------------------------------------------------------------------------------------------------
+def mean_row_dot_ref(z: torch.Tensor, grad_z: torch.Tensor, width: int) -> torch.Tensor:
+    """``mean_z_dz[m] = sum_k z[m, k] grad_z[m, k] / width``."""
+    cd = stats_dtype(z.dtype)
+    return (z.to(cd) * grad_z.to(cd)).sum(dim=-1) / width
+
+
+def mean_row_dot(z: torch.Tensor, grad_z: torch.Tensor, width: int) -> torch.Tensor:
+    """:func:`mean_row_dot_ref` as one kernel launch where Triton runs."""
+    if not _use_triton(z):
+        return mean_row_dot_ref(z, grad_z, width)
+    m, n = z.shape
+    out = torch.empty(m, dtype=torch.float32, device=z.device)
+    if m:
+        _mean_row_dot_kernel[(m,)](z, grad_z, out, n, 1.0 / width, BLOCK=_block(n))
+    return out

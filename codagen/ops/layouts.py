@@ -1,0 +1,83 @@
+"""Conversions between standard (Hugging Face LLaMA) weights and the fused layouts the ops expect.
+
+- gate/up: the F2 epilogue applies SwiGLU to adjacent output columns, so the fused weight interleaves
+  rows ``g0, u0, g1, u1, ...`` (``gate_up_weight[2j] = gate_weight[j]``, ``gate_up_weight[2j+1] = up_weight[j]``).
+- RoPE: the F4 epilogue rotates adjacent column pairs ``(2i, 2i+1)``. Hugging Face rotates ``(i, i + hd/2)``
+  ("half split", ``rotate_half``); permuting the Q and K weight rows inside each head maps one onto the
+  other. Attention is unchanged: ``q . k`` is invariant under a common permutation of head_dim channels,
+  and V (not permuted) carries the output.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["interleave_gate_up", "split_gate_up", "rope_pairs_from_half_split", "rope_half_split_from_pairs",
+           "rope_frequencies"]
+
+
+def interleave_gate_up(gate_weight: torch.Tensor, up_weight: torch.Tensor) -> torch.Tensor:
+    """``[F, d], [F, d] -> [2F, d]`` with rows ``g0, u0, g1, u1, ...``."""
+    if gate_weight.shape != up_weight.shape:
+        raise ValueError(f"up_weight: expected the shape of gate_weight {tuple(gate_weight.shape)}, "
+                         f"got {tuple(up_weight.shape)}")
+    if gate_weight.dim() < 1:
+        raise ValueError("gate_weight: expected at least one dimension (rows = FFN features)")
+    return torch.stack((gate_weight, up_weight), dim=1).flatten(0, 1).contiguous()
+
+
+def split_gate_up(gate_up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`interleave_gate_up`: ``[2F, d] -> ([F, d], [F, d])``."""
+    if gate_up_weight.dim() < 1 or gate_up_weight.shape[0] % 2:
+        raise ValueError(f"gate_up_weight: expected an even number of rows, got shape {tuple(gate_up_weight.shape)}")
+    return gate_up_weight[0::2].contiguous(), gate_up_weight[1::2].contiguous()
+
+
+def _head_permutation(weight: torch.Tensor, head_dim: int, name: str = "weight") -> torch.Tensor:
+    """Row indices that take half-split pairs ``(i, i + hd/2)`` to adjacent pairs ``(2i, 2i+1)``."""
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim: expected a positive even int, got {head_dim!r}")
+    if weight.dim() < 1 or weight.shape[0] % head_dim:
+        raise ValueError(f"{name}: expected a row count that is a multiple of head_dim = {head_dim}, "
+                         f"got shape {tuple(weight.shape)}")
+    half = head_dim // 2
+    # new row 2i <- old row i, new row 2i+1 <- old row i + hd/2
+    inside = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).flatten()
+    heads = torch.arange(weight.shape[0] // head_dim)[:, None] * head_dim
+    return (heads + inside[None, :]).flatten().to(weight.device)
+
+
+def rope_pairs_from_half_split(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Permute Q or K projection rows (``[heads * head_dim, ...]``) from half-split RoPE to adjacent pairs."""
+    return weight[_head_permutation(weight, head_dim)].contiguous()
+
+
+def rope_half_split_from_pairs(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of :func:`rope_pairs_from_half_split`."""
+    perm = _head_permutation(weight, head_dim)
+    out = torch.empty_like(weight)
+    out[perm] = weight
+    return out.contiguous()
+
+
+def rope_frequencies(num_heads: int, num_kv_heads: int, head_dim: int, base: float = 10000.0,
+                     inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies of a fused QKV output, float32 ``[(h + 2 kv) * hd / 2]``.
+
+    Columns are ``[Q heads | K heads | V heads]``; pair ``i`` of every Q and K head rotates with
+    ``inv_freq[i] = base ** (-2i / hd)`` (Hugging Face's formula), V pairs get 0 (no rotation).
+    ``inv_freq`` [hd/2] overrides the default (Hugging Face RoPE scaling variants compute their own).
+    """
+    for name, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim: expected a positive even int, got {head_dim!r}")
+    if inv_freq is None:
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    elif tuple(inv_freq.shape) != (head_dim // 2,):
+        raise ValueError(f"inv_freq: expected shape [head_dim / 2] = ({head_dim // 2},), got {tuple(inv_freq.shape)}")
+    inv_freq = inv_freq.to(torch.float32)
+    v_pairs = inv_freq.new_zeros(num_kv_heads * head_dim // 2)
+    return torch.cat((inv_freq.repeat(num_heads), inv_freq.repeat(num_kv_heads), v_pairs)).contiguous()
