@@ -1,0 +1,271 @@
+"""codagen.ops against a naive eager LLaMA block, in float64 on the reference backend.
+
+The eager model uses the standard (Hugging Face) layouts: separate q/k/v/gate/up weights and half-split
+RoPE. The fused model builds its weights from the same leaf tensors through the layout conversions
+(differentiably), so every gradient is compared on the standard parameters.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codagen import ops
+from codagen.backends import get_backend, use_backend
+
+
+# ==================================================================================================
+# The model, eager and fused
+# ==================================================================================================
+@dataclass(frozen=True)
+class Config:
+    batch: int = 2
+    seq: int = 5
+    hidden: int = 32
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 8
+    ffn: int = 40
+    vocab: int = 50
+    layers: int = 2
+    eps: float = 1e-6
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+LAYER_WEIGHTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
+
+
+def make_params(cfg: Config, dtype=torch.float64, device="cpu") -> dict[str, torch.Tensor]:
+    """Fresh random leaf parameters in the standard layout (norm weights near 1, never all ones)."""
+    d, hd = cfg.hidden, cfg.head_dim
+
+    def w(*shape, scale=None):
+        scale = shape[-1] ** -0.5 if scale is None else scale
+        return torch.randn(*shape, dtype=torch.float64) * scale
+
+    params = {}
+    for layer in range(cfg.layers):
+        p = f"{layer}."
+        params[p + "attn_norm"] = 1 + 0.2 * w(d, scale=1)
+        params[p + "q"] = w(cfg.heads * hd, d)
+        params[p + "k"] = w(cfg.kv_heads * hd, d)
+        params[p + "v"] = w(cfg.kv_heads * hd, d)
+        params[p + "o"] = w(d, cfg.heads * hd)
+        params[p + "mlp_norm"] = 1 + 0.2 * w(d, scale=1)
+        params[p + "gate"] = w(cfg.ffn, d)
+        params[p + "up"] = w(cfg.ffn, d)
+        params[p + "down"] = w(d, cfg.ffn)
+    params["final_norm"] = 1 + 0.2 * w(d, scale=1)
+    params["lm_head"] = w(cfg.vocab, d)
+    return {k: v.to(device=device, dtype=dtype).requires_grad_() for k, v in params.items()}
+
+
+def make_inputs(cfg: Config, dtype=torch.float64, device="cpu"):
+    x = torch.randn(cfg.tokens, cfg.hidden, dtype=torch.float64).to(device, dtype).requires_grad_()
+    positions = torch.arange(cfg.seq).repeat(cfg.batch).to(device)
+    target = torch.randint(0, cfg.vocab, (cfg.tokens,))
+    target[torch.randperm(cfg.tokens)[: cfg.tokens // 4]] = -100  # some ignored rows (none if M < 4)
+    probe = torch.randn(cfg.tokens, cfg.hidden, dtype=torch.float64).to(device, dtype)
+    return x, positions, target.to(device), probe
+
+
+def rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_half_split(t, positions, inv_freq):
+    """Hugging Face RoPE: rotate (i, i + hd/2) by positions * inv_freq[i]; t is [B, heads, S, hd]."""
+    freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(t.dtype), emb.sin().to(t.dtype)
+    half = t.shape[-1] // 2
+    rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+    return t * cos + rotated * sin
+
+
+def attention(q, k, v, cfg: Config):
+    """Causal GQA attention on [tokens, heads * hd] inputs -> [tokens, heads * hd]."""
+    b, s, hd = cfg.batch, cfg.seq, cfg.head_dim
+    q = q.reshape(b, s, cfg.heads, hd).transpose(1, 2)
+    k = k.reshape(b, s, cfg.kv_heads, hd).transpose(1, 2)
+    v = v.reshape(b, s, cfg.kv_heads, hd).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.heads != cfg.kv_heads)
+    return out.transpose(1, 2).reshape(b * s, cfg.heads * hd)
+
+
+def inv_freq(cfg: Config, device="cpu"):
+    return 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)).to(device)
+
+
+def eager_model(params, x, positions, target, cfg: Config):
+    """The naive block stack: RMSNorm -> QKV -> RoPE -> SDPA -> out-proj -> residual -> RMSNorm -> SwiGLU
+    MLP -> residual; then final norm + LM head + cross-entropy. Returns (hidden, loss)."""
+    b, s = cfg.batch, cfg.seq
+    pos = positions[: s]
+    freq = inv_freq(cfg, x.device).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    for layer in range(cfg.layers):
+        p = {name: params[f"{layer}.{name}"] for name in LAYER_WEIGHTS}
+        h = rms_norm(x, p["attn_norm"], cfg.eps)
+        q, k, v = h @ p["q"].t(), h @ p["k"].t(), h @ p["v"].t()
+        q = rope_half_split(q.reshape(b, s, cfg.heads, -1).transpose(1, 2), pos, freq)
+        k = rope_half_split(k.reshape(b, s, cfg.kv_heads, -1).transpose(1, 2), pos, freq)
+        q, k = (t.transpose(1, 2).reshape(b * s, -1) for t in (q, k))
+        x = x + attention(q, k, v, cfg) @ p["o"].t()
+        h = rms_norm(x, p["mlp_norm"], cfg.eps)
+        x = x + (F.silu(h @ p["gate"].t()) * (h @ p["up"].t())) @ p["down"].t()
+    logits = rms_norm(x, params["final_norm"], cfg.eps) @ params["lm_head"].t()
+    loss = F.cross_entropy(logits.float() if logits.dtype != torch.float64 else logits, target, ignore_index=-100)
+    return x, loss
+
+
+def fused_weights(params, cfg: Config):
+    """Fused layouts built differentiably from the standard leaf parameters."""
+    out = {}
+    for layer in range(cfg.layers):
+        p = f"{layer}."
+        out[p + "qkv"] = torch.cat((ops.rope_pairs_from_half_split(params[p + "q"], cfg.head_dim),
+                                    ops.rope_pairs_from_half_split(params[p + "k"], cfg.head_dim),
+                                    params[p + "v"]))
+        out[p + "gate_up"] = ops.interleave_gate_up(params[p + "gate"], params[p + "up"])
+    return out
+
+
+def fused_model(params, x, positions, target, cfg: Config, reduction="mean"):
+    """The same stack from codagen.ops. Returns (hidden, loss)."""
+    fused = fused_weights(params, cfg)
+    frequencies = ops.rope_frequencies(cfg.heads, cfg.kv_heads, cfg.head_dim).to(x.device)
+    if x.dtype == torch.float64:
+        frequencies = frequencies.double()
+    q_cols, kv_cols = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    normed, rstd = ops.rms_norm_stats(x, params["0.attn_norm"], cfg.eps)
+    for layer in range(cfg.layers):
+        p = f"{layer}."
+        next_norm = params[f"{layer + 1}.attn_norm"] if layer + 1 < cfg.layers else params["final_norm"]
+        qkv = ops.rms_qkv_rope(x, normed, rstd, params[p + "attn_norm"], fused[p + "qkv"], positions, frequencies)
+        q, k, v = qkv.split((q_cols, kv_cols, kv_cols), dim=1)
+        x, normed, rstd = ops.out_proj_residual_rms(attention(q, k, v, cfg), params[p + "o"], x,
+                                                    params[p + "mlp_norm"], cfg.eps)
+        x, normed, rstd = ops.swiglu_mlp_residual_rms(x, normed, rstd, params[p + "mlp_norm"], fused[p + "gate_up"],
+                                                      params[p + "down"], next_norm, cfg.eps)
+    loss = ops.rms_lm_head_cross_entropy(x, normed, rstd, params["final_norm"], params["lm_head"], target,
+                                         reduction=reduction)
+    return x, loss
+
+
+def forward_backward(model, params, x, positions, target, probe, cfg: Config):
+    """Loss + a random probe of the hidden output (so the residual path's gradient is checked too)."""
+    hidden, loss = model(params, x, positions, target, cfg)
+    objective = loss + (hidden * probe).sum()
+    leaves = [x, *params.values()]
+    grads = torch.autograd.grad(objective, leaves)
+    return hidden.detach(), loss.detach(), dict(zip(["x", *params], grads))
+
+
+@contextlib.contextmanager
+def reference_tiles(block_m: int = 16, block_n: int = 8):
+    """The reference backend with small tiles, so partial reductions span several tiles."""
+    backend = get_backend("reference")
+    saved = backend.block_m, backend.block_n
+    backend.block_m, backend.block_n = block_m, block_n
+    try:
+        with use_backend("reference"):
+            yield
+    finally:
+        backend.block_m, backend.block_n = saved
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend():
+    with reference_tiles():
+        yield
+
+
+def assert_close(name, got, want, rtol=1e-9, atol=1e-10):
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+# ==================================================================================================
+# Tests
+# ==================================================================================================
+CONFIGS = {
+    "gqa": Config(),
+    "mha": Config(heads=4, kv_heads=4, layers=1),
+    "m1": Config(batch=1, seq=1, layers=1),
+    "m7": Config(batch=1, seq=7, heads=2, kv_heads=1, ffn=24, vocab=37),
+    "m129": Config(batch=1, seq=129, hidden=16, heads=2, kv_heads=1, ffn=16, vocab=33, layers=1),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_block_matches_eager_float64(name):
+    cfg = CONFIGS[name]
+    params = make_params(cfg)
+    x, positions, target, probe = make_inputs(cfg)
+    want_hidden, want_loss, want_grads = forward_backward(eager_model, params, x, positions, target, probe, cfg)
+    got_hidden, got_loss, got_grads = forward_backward(fused_model, params, x, positions, target, probe, cfg)
+    assert_close("hidden", got_hidden, want_hidden)
+    assert_close("loss", got_loss, want_loss)
+    for key, want in want_grads.items():
+        assert want.abs().max() > 0, f"{key}: the eager gradient is zero, the test would be vacuous"
+        assert_close(f"grad {key}", got_grads[key], want)
+
+
+def test_block_is_bitwise_deterministic():
+    cfg = CONFIGS["gqa"]
+    params = make_params(cfg)
+    x, positions, target, probe = make_inputs(cfg)
+    first = forward_backward(fused_model, params, x, positions, target, probe, cfg)
+    second = forward_backward(fused_model, params, x, positions, target, probe, cfg)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for key in first[2]:
+        assert torch.equal(first[2][key], second[2][key]), key
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_chunks_and_reductions(monkeypatch, reduction):
+    """Several token chunks give the single-chunk result; sum and mean match torch with ignore_index."""
+    from codagen.ops import cross_entropy
+
+    cfg = CONFIGS["m7"]
+    m, d, v = 23, cfg.hidden, cfg.vocab
+    x = torch.randn(m, d, dtype=torch.float64, requires_grad=True)
+    gamma = (1 + 0.2 * torch.randn(d, dtype=torch.float64)).requires_grad_()
+    weight = (torch.randn(v, d, dtype=torch.float64) / d ** 0.5).requires_grad_()
+    target = torch.randint(0, v, (m,))
+    target[[0, 5, 6, 22]] = 7  # a custom ignore_index inside [0, vocab)
+
+    def fused():
+        normed, rstd = ops.rms_norm_stats(x, gamma, cfg.eps)
+        loss = ops.rms_lm_head_cross_entropy(x, normed, rstd, gamma, weight, target, ignore_index=7,
+                                             reduction=reduction)
+        return (loss, *torch.autograd.grad(loss, (x, gamma, weight)))
+
+    logits = rms_norm(x, gamma, cfg.eps) @ weight.t()
+    want_loss = F.cross_entropy(logits, target, ignore_index=7, reduction=reduction)
+    want = (want_loss, *torch.autograd.grad(want_loss, (x, gamma, weight)))
+    one_chunk = fused()
+    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 5 * v * x.element_size())  # 5 rows: 5 chunks
+    assert cross_entropy.chunk_rows(m, v, x.element_size()) == 5
+    chunked = fused()
+    for name, a, b, c in zip(("loss", "grad x", "grad gamma", "grad W"), one_chunk, chunked, want):
+        assert_close(name, a, c)
+        assert_close(name + " (chunked)", b, c)
+    assert one_chunk[1][[0, 5, 6, 22]].abs().max() == 0, "ignored rows must get no gradient"
+
+
+def test_cross_entropy_chunk_rows_bounds_memory():
+    from codagen.ops.cross_entropy import chunk_rows
+
+    assert chunk_rows(16384, 128256, 2, budget=512 * 2**20) == 2048 - 2048 % 128
+    assert chunk_rows(16384, 128256, 2, budget=512 * 2**20) * 128256 * 2 <= 512 * 2**20
+    assert chunk_rows(10, 32000, 2) == 10
+    assert chunk_rows(0, 32000, 2) == 1
+    assert chunk_rows(100, 10**9, 4, budget=1) == 1
