@@ -1,0 +1,192 @@
+"""Run Hugging Face ``transformers`` causal LMs on codagen kernels, in place.
+
+::
+
+    model = LlamaForCausalLM(config)        # or Qwen2ForCausalLM, MistralForCausalLM
+    codagen.patch(model)                     # model.forward now runs the fused CODA decoder
+    loss = model(input_ids, labels=labels).loss
+    codagen.unpatch(model)                   # back to the transformers forward
+
+``patch`` replaces ``forward`` on this one instance (the class is untouched) and ``unpatch`` removes
+it. No parameter is replaced or copied: the optimizer keeps working on the model's own
+``nn.Parameter``\\s. The fused layouts the kernels need (``[W_q; W_k; W_v]`` with Q/K rows permuted
+to adjacent RoPE pairs, gate/up rows interleaved) are built from those parameters on every forward,
+as differentiable gathers, so gradients land on the original parameters. The trade-off: one extra
+copy of the QKV and gate/up weights per step (saved for backward), and two weight-sized gathers per
+step; small next to the activations of a training step. :class:`codagen.models.Llama` stores the
+fused layout directly and pays neither.
+
+What runs differently, and what is refused (``NotImplementedError`` naming the feature; never a silent
+approximation):
+
+- With ``labels`` the loss is the fused LM-head cross-entropy and ``logits`` is ``None`` (never
+  materialized); call without ``labels`` to get logits.
+- Handled exactly: Q/K/V biases (Qwen2; RoPE is linear, so the rotated bias is added after the fused
+  kernel), O-proj bias (folded into the residual add), tied embeddings, ``position_ids``,
+  ``inputs_embeds``, all-ones ``attention_mask``, sliding-window attention (an explicit SDPA mask when
+  the sequence is longer than the window), attention dropout, ``num_items_in_batch``,
+  ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``.
+- Refused: MLP biases, activations other than SiLU, other RoPE types (``dynamic``, ``yarn``, ...),
+  padding in ``attention_mask``, KV cache / generation (``past_key_values``, ``use_cache=True``),
+  ``output_attentions`` / ``output_hidden_states``, gradient checkpointing, extra attention kwargs.
+  ``unpatch`` the model (or use an unpatched copy) for those.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from codagen import ops
+
+from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
+
+__all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODELS"]
+
+SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ROPE_TYPES = ("default", "linear", "llama3")  # static inv_freq and attention_scaling == 1
+
+
+def _refuse(feature: str) -> NotImplementedError:
+    return NotImplementedError(f"codagen.patch: {feature} is not supported by the fused kernels; "
+                               f"call codagen.unpatch(model) to run it with transformers")
+
+
+def _check_model(model: nn.Module) -> None:
+    """Refuse, at patch time, architectures the fused decoder would compute differently."""
+    names = [cls.__name__ for cls in type(model).__mro__]
+    if not any(name in SUPPORTED_MODELS for name in names):
+        raise TypeError(f"codagen.patch: model must be one of {SUPPORTED_MODELS} (or a subclass), "
+                        f"got {type(model).__name__}")
+    config = model.config
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        raise _refuse(f"hidden_act={config.hidden_act!r} (only SiLU/SwiGLU)")
+    rotary = model.model.rotary_emb
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type not in _ROPE_TYPES or getattr(rotary, "attention_scaling", 1.0) != 1.0:
+        raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES} with attention_scaling 1)")
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+            raise _refuse(f"MLP biases (layer {i})")
+        qkv_bias = [getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
+        if any(qkv_bias) and not all(qkv_bias):
+            raise _refuse(f"biases on only some of q/k/v_proj (layer {i})")
+        if not (layer.input_layernorm.variance_epsilon == layer.post_attention_layernorm.variance_epsilon
+                == model.model.norm.variance_epsilon):
+            raise _refuse(f"different eps among the RMSNorms (layer {i})")
+
+
+def patch(model: nn.Module) -> nn.Module:
+    """Make a ``transformers`` Llama/Mistral/Qwen2 ``...ForCausalLM`` run on codagen kernels; returns it.
+
+    Undo with :func:`unpatch`. Patching twice is a no-op. See the module docstring for what is
+    handled and what is refused.
+    """
+    _check_model(model)
+    if not is_patched(model):
+        model.forward = types.MethodType(_forward, model)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch`: ``model.forward`` is the ``transformers`` one again; returns the model."""
+    if not is_patched(model):
+        raise ValueError("codagen.unpatch: model is not patched by codagen.patch")
+    del model.forward
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    forward = model.__dict__.get("forward")
+    return isinstance(forward, types.MethodType) and forward.__func__ is _forward
+
+
+def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None) -> BlockWeights:
+    """One HF decoder layer's parameters in the fused layout (differentiable gathers, see module docstring)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = fuse_qkv(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, head_dim)
+    qkv_bias = (None if attn.q_proj.bias is None
+                else fuse_qkv(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, head_dim))
+    return BlockWeights(
+        attn_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias,
+        o=attn.o_proj.weight, o_bias=attn.o_proj.bias, mlp_norm=layer.post_attention_layernorm.weight,
+        gate_up=ops.interleave_gate_up(mlp.gate_proj.weight, mlp.up_proj.weight), down=mlp.down_proj.weight,
+        sliding_window=sliding_window)
+
+
+def _sliding_window(model: nn.Module, layer: nn.Module) -> int | None:
+    # Qwen2 sets it per layer (layer_types); Mistral has one for all layers; Llama has none.
+    if hasattr(layer.self_attn, "sliding_window"):
+        return layer.self_attn.sliding_window
+    return getattr(model.config, "sliding_window", None)
+
+
+def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+             labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
+             return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
+    """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if kwargs:
+        raise _refuse(f"forward arguments {sorted(kwargs)}")
+    if past_key_values is not None or use_cache:
+        raise _refuse("KV cache / generation (past_key_values, use_cache=True)")
+    if output_attentions or output_hidden_states:
+        raise _refuse("output_attentions / output_hidden_states")
+    if self.model.gradient_checkpointing and self.training:
+        raise _refuse("gradient checkpointing")
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("codagen.patch: give exactly one of input_ids or inputs_embeds")
+    x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    if x.dim() != 3:
+        raise ValueError(f"codagen.patch: expected [batch, seq] input_ids or [batch, seq, hidden] inputs_embeds, "
+                         f"got embeddings of shape {tuple(x.shape)}")
+    batch, seq, hidden = x.shape
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise _refuse("padding in attention_mask (zeros)")
+    config = self.config
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=x.device)
+    positions = position_ids.expand(batch, seq).reshape(-1).contiguous()
+
+    rotary = self.model.rotary_emb
+    attn0 = self.model.layers[0].self_attn if len(self.model.layers) else None
+    head_dim = attn0.head_dim if attn0 is not None else getattr(config, "head_dim", hidden // config.num_attention_heads)
+    frequencies = ops.rope_frequencies(config.num_attention_heads, config.num_key_value_heads, head_dim,
+                                       inv_freq=rotary.inv_freq.to(x.device))
+    spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
+                         dropout=config.attention_dropout if self.training else 0.0)
+    layers = self.model.layers[: config.num_hidden_layers]
+    blocks = [_block_weights(layer, head_dim, _sliding_window(self, layer)) for layer in layers]
+    final_norm = self.model.norm
+    h, normed, rstd = decoder_stack(x.reshape(batch * seq, hidden).contiguous(), blocks, final_norm.weight,
+                                    final_norm.variance_epsilon, spec, positions, frequencies)
+
+    loss = logits = None
+    if labels is not None or shift_labels is not None:
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise _refuse("logits_to_keep together with labels")
+        if shift_labels is None:  # tokens < n predict n; the last position has no target
+            shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        targets = shift_labels.reshape(-1).to(x.device).contiguous()
+        if targets.shape[0] != batch * seq:
+            raise ValueError(f"codagen.patch: labels must be [batch, seq] = {(batch, seq)}, got {tuple(labels.shape)}")
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        loss = lm_head(h, normed, rstd, final_norm.weight, self.lm_head.weight, targets, reduction=reduction)
+        if num_items_in_batch is not None:
+            loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
+                           else num_items_in_batch)
+    else:
+        if isinstance(logits_to_keep, int):
+            keep = torch.arange(seq - logits_to_keep if logits_to_keep else 0, seq, device=x.device)
+        else:
+            keep = logits_to_keep.to(x.device)
+        if keep.numel() != seq:  # the head's rows, gathered per sequence
+            rows = (torch.arange(batch, device=x.device)[:, None] * seq + keep[None, :]).reshape(-1)
+            h, normed, rstd = h[rows].contiguous(), normed[rows].contiguous(), rstd[rows].contiguous()
+        logits = lm_head(h, normed, rstd, final_norm.weight, self.lm_head.weight, None).view(batch, -1,
+                                                                                            config.vocab_size)
+    output = CausalLMOutputWithPast(loss=loss, logits=logits)
+    return output if return_dict is None or return_dict else output.to_tuple()

@@ -1,0 +1,259 @@
+"""A LLaMA decoder built from the fused ops and regrouped the CODA way.
+
+Each RMSNorm is split around GEMMs (METHOD.md section 2): the GEMM that produces the residual stream
+``x`` also produces ``normed = x * gamma`` and ``rstd``, and the next GEMM applies ``rstd`` in its
+epilogue. So a block is three fused GEMMs plus attention::
+
+    qkv            = rms_qkv_rope(x, normed, rstd, attn_norm, W_qkv, positions, frequencies)   # norm + QKV + RoPE
+    attn           = SDPA(q, k, v, causal, GQA)
+    x, normed, r   = out_proj_residual_rms(attn, W_o, x, mlp_norm, eps)                          # O-proj + residual + stats
+    x, normed, r   = swiglu_mlp_residual_rms(x, normed, r, mlp_norm, W_gu, W_down, next_norm, eps)  # MLP + residual + stats
+
+where ``next_norm`` is the next block's input norm weight, or the final norm's for the last block.
+The first block's statistics come from ``rms_norm_stats``; the last block's ``normed``/``rstd``
+feed the LM head (``rms_lm_head_cross_entropy`` for the loss, ``rms_linear`` for logits).
+
+Weight layouts (converted from/to Hugging Face's inside :meth:`Llama.from_hf_state_dict` /
+:meth:`Llama.to_hf_state_dict`): ``W_qkv = [W_q; W_k; W_v]`` with each Q/K head's rows permuted from
+HF's half-split RoPE order ``(0..hd/2-1 | hd/2..hd-1)`` to adjacent pairs ``(0, hd/2), (1, hd/2+1), ...``
+(q.k is invariant under a common permutation of head channels, so attention is unchanged; V is not
+permuted); ``W_gu`` interleaves gate and up rows ``(g0, u0, g1, u1, ...)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from codagen import ops
+
+from .config import LlamaConfig
+
+__all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "lm_head", "rotate_pairs", "fuse_qkv",
+           "split_qkv"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWeights:
+    """One block's tensors in the fused layout the ops take (see the module docstring)."""
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None  # pair order, as the rows of ``qkv``
+    o_bias: torch.Tensor | None = None
+    sliding_window: int | None = None  # key j is visible to query i iff i - window < j <= i
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """How SDPA runs over ``[batch * seq]`` token rows: causal, GQA, attention dropout."""
+    batch: int
+    seq: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dropout: float = 0.0
+
+
+def rotate_pairs(z: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent column pairs: ``(a, b) -> (a cos t - b sin t, a sin t + b cos t)``, ``angles`` [..., N/2]."""
+    a, b = z.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+
+
+def attention(qkv: torch.Tensor, spec: AttentionSpec, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal (GQA) SDPA over the fused ``qkv`` rows ``[B*S, (h + 2 kv) hd]`` -> ``[B*S, h hd]``."""
+    b, s, h, kv, hd = spec.batch, spec.seq, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q, k, v = qkv.view(b, s, h + 2 * kv, hd).transpose(1, 2).split((h, kv, kv), dim=1)
+    mask = None
+    if sliding_window is not None and s > sliding_window:  # shorter sequences: the window is the causal mask
+        i = torch.arange(s, device=qkv.device)
+        offset = i[:, None] - i[None, :]
+        mask = (offset >= 0) & (offset < sliding_window)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                         dropout_p=spec.dropout, enable_gqa=kv != h)
+    return out.transpose(1, 2).reshape(b * s, h * hd)
+
+
+def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: torch.Tensor, eps: float,
+                  spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor):
+    """Run the blocks on the embeddings ``x`` [tokens, d]; return ``(x, normed, rstd)`` of the final norm.
+
+    ``positions`` [tokens] and ``frequencies`` [(h + 2 kv) hd / 2] (V pairs 0) drive RoPE in the QKV epilogue.
+    """
+    norms = [blk.attn_norm for blk in blocks] + [final_norm]
+    normed, rstd = ops.rms_norm_stats(x, norms[0], eps)
+    for blk, next_norm in zip(blocks, norms[1:]):
+        qkv = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies)
+        if blk.qkv_bias is not None:
+            # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
+            angles = positions.float()[:, None] * frequencies[None, :]
+            qkv = qkv + rotate_pairs(blk.qkv_bias.expand_as(qkv), angles).to(qkv.dtype)
+        attn = attention(qkv, spec, blk.sliding_window)
+        # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
+        residual = x if blk.o_bias is None else x + blk.o_bias
+        x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps)
+        x, normed, rstd = ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down,
+                                                      next_norm, eps)
+    return x, normed, rstd
+
+
+def lm_head(x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, norm_weight: torch.Tensor,
+            weight: torch.Tensor, targets: torch.Tensor | None, reduction: str = "mean") -> torch.Tensor:
+    """Logits ``RMSNorm(x) W^T`` [tokens, vocab] without ``targets``, else the fused cross-entropy
+    (``targets`` [tokens], -100 ignored; logits never stored)."""
+    if targets is None:
+        return ops.rms_linear(x, normed, rstd, norm_weight, weight)
+    return ops.rms_lm_head_cross_entropy(x, normed, rstd, norm_weight, weight, targets, ignore_index=-100,
+                                         reduction=reduction)
+
+
+# --- Hugging Face layout <-> fused layout --------------------------------------------------------------
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[W_q; W_k; W_v]`` with Q/K rows moved from HF's half-split RoPE order to adjacent pairs.
+
+    Takes weights ``[rows, in]`` or biases ``[rows]``; differentiable (the model's own parameters can
+    be fused on every forward).
+    """
+    def pairs(w):
+        return ops.rope_pairs_from_half_split(w if w.dim() == 2 else w[:, None], head_dim).reshape(w.shape)
+    return torch.cat((pairs(q), pairs(k), v), dim=0)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Inverse of :func:`fuse_qkv`: ``(W_q, W_k, W_v)`` in HF layout."""
+    q, k, v = qkv.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=0)
+    return ops.rope_half_split_from_pairs(q, head_dim), ops.rope_half_split_from_pairs(k, head_dim), v
+
+
+class _Block(nn.Module):
+    def __init__(self, c: LlamaConfig, factory: dict):
+        super().__init__()
+        d = c.hidden_size
+        self.attn_norm = nn.Parameter(torch.ones(d, **factory))
+        self.qkv = nn.Parameter(torch.empty(c.qkv_size, d, **factory))
+        self.o = nn.Parameter(torch.empty(d, c.num_heads * c.head_dim, **factory))
+        self.mlp_norm = nn.Parameter(torch.ones(d, **factory))
+        self.gate_up = nn.Parameter(torch.empty(2 * c.intermediate_size, d, **factory))
+        self.down = nn.Parameter(torch.empty(d, c.intermediate_size, **factory))
+
+    def weights(self) -> BlockWeights:
+        return BlockWeights(self.attn_norm, self.qkv, self.o, self.mlp_norm, self.gate_up, self.down)
+
+
+class Llama(nn.Module):
+    """LLaMA decoder on codagen ops; parameters stored in the fused layout (no per-step conversion).
+
+    ``forward(input_ids [B, S], targets=None, positions=None)``: mean cross-entropy over targets
+    (already shifted, -100 ignored) when given, else logits ``[B, S, vocab]``.
+    """
+
+    def __init__(self, config: LlamaConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.config = c = config
+        factory = {"device": device, "dtype": dtype}
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, **factory)
+        self.layers = nn.ModuleList(_Block(c, factory) for _ in range(c.num_layers))
+        self.norm = nn.Parameter(torch.ones(c.hidden_size, **factory))
+        self.lm_head = (self.embed.weight if c.tie_word_embeddings
+                        else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **factory)))
+        frequencies = ops.rope_frequencies(c.num_heads, c.num_kv_heads, c.head_dim, base=c.rope_theta)
+        self.register_buffer("frequencies", frequencies.to(device), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Hugging Face's init: every matrix ~ N(0, std^2), norm weights 1. Row permutations of an
+        i.i.d. matrix are i.i.d., so initializing the fused layout directly gives the same law."""
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=std)
+            else:
+                nn.init.ones_(p)
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.config
+        if input_ids.dim() != 2:
+            raise ValueError(f"Llama.forward: input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        batch, seq = input_ids.shape
+        if positions is None:
+            positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        x = self.embed(input_ids).reshape(batch * seq, c.hidden_size)
+        spec = AttentionSpec(batch, seq, c.num_heads, c.num_kv_heads, c.head_dim)
+        x, normed, rstd = decoder_stack(x, [blk.weights() for blk in self.layers], self.norm, c.rms_norm_eps, spec,
+                                        positions.reshape(-1).float(), self.frequencies)
+        out = lm_head(x, normed, rstd, self.norm, self.lm_head, None if targets is None else targets.reshape(-1))
+        return out if targets is not None else out.view(batch, seq, c.vocab_size)
+
+    # --- Hugging Face state dicts (LlamaForCausalLM names) --------------------------------------------
+    def _hf_keys(self) -> list[str]:
+        keys = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            keys += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+            keys += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        return keys
+
+    @torch.no_grad()
+    def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters under Hugging Face ``LlamaForCausalLM`` names and layouts (copies)."""
+        c = self.config
+        sd = {"model.embed_tokens.weight": self.embed.weight, "model.norm.weight": self.norm,
+              "lm_head.weight": self.lm_head}
+        for i, blk in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q, k, v = split_qkv(blk.qkv, c.num_heads, c.num_kv_heads, c.head_dim)
+            gate, up = ops.split_gate_up(blk.gate_up)
+            sd.update({p + "input_layernorm.weight": blk.attn_norm, p + "post_attention_layernorm.weight": blk.mlp_norm,
+                       p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                       p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": blk.o,
+                       p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                       p + "mlp.down_proj.weight": blk.down})
+        return {key: t.detach().clone() for key, t in sd.items()}
+
+    @classmethod
+    def from_hf_state_dict(cls, config: LlamaConfig, state_dict: Mapping[str, torch.Tensor], *, device=None,
+                           dtype=None) -> "Llama":
+        """Build from a Hugging Face ``LlamaForCausalLM`` state dict (converting layouts).
+
+        Raises ``KeyError`` naming missing or unexpected keys (e.g. biases, which this model lacks).
+        With tied embeddings ``lm_head.weight`` may be absent; if present it must equal the embedding.
+        """
+        model = cls(config, device=device or "meta", dtype=dtype)
+        expected = set(model._hf_keys())
+        given = {k for k in state_dict if not k.endswith("rotary_emb.inv_freq")}
+        missing = expected - given - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+        if missing or given - expected:
+            raise KeyError(f"Llama.from_hf_state_dict: state_dict does not match the config: missing "
+                           f"{sorted(missing)}, unexpected {sorted(given - expected)}")
+        sd = state_dict
+        if config.tie_word_embeddings and "lm_head.weight" in sd and not torch.equal(
+                sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
+            raise ValueError("Llama.from_hf_state_dict: tie_word_embeddings is set but lm_head.weight differs "
+                             "from model.embed_tokens.weight")
+        ours = {"embed.weight": sd["model.embed_tokens.weight"], "norm": sd["model.norm.weight"],
+                "lm_head": sd["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]}
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            qkv = fuse_qkv(*(sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"), config.head_dim)
+            gate_up = ops.interleave_gate_up(sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"])
+            ours.update({f"layers.{i}.attn_norm": sd[p + "input_layernorm.weight"],
+                         f"layers.{i}.mlp_norm": sd[p + "post_attention_layernorm.weight"],
+                         f"layers.{i}.qkv": qkv, f"layers.{i}.o": sd[p + "self_attn.o_proj.weight"],
+                         f"layers.{i}.gate_up": gate_up, f"layers.{i}.down": sd[p + "mlp.down_proj.weight"]})
+        if device is None:
+            device = sd["model.embed_tokens.weight"].device
+        model = model.to_empty(device=device)
+        model.load_state_dict(ours, strict=True)
+        model.frequencies = ops.rope_frequencies(config.num_heads, config.num_kv_heads, config.head_dim,
+                                                 base=config.rope_theta).to(device)
+        return model

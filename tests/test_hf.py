@@ -1,0 +1,189 @@
+"""codagen.patch on tiny Hugging Face models built from configs (no downloads): loss, logits and every
+parameter gradient match the unpatched model; unsupported features are refused."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import codagen
+from codagen.models import is_patched, patch, unpatch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.test_models import BACKENDS  # noqa: E402  (after the importorskip)
+
+COMMON = dict(vocab_size=67, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="sdpa")
+
+
+def build(family: str, **overrides) -> torch.nn.Module:
+    """A randomly initialized tiny ``<family>ForCausalLM`` in fp32, norm weights perturbed away from 1."""
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "mistral": transformers.MistralConfig}[family]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "mistral": transformers.MistralForCausalLM}[family]
+    model = model_cls(config_cls(**{**COMMON, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))  # norm weights and biases
+            elif "proj" in name:
+                p.normal_(0, 0.15)  # larger than HF's 0.02 init so attention and RoPE visibly matter
+    return model.train()
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_same_training(model, inputs: dict, *, rtol=2e-4, atol=2e-6, backend="reference"):
+    """Loss, logits and every gradient of the patched model equal those of an unpatched copy."""
+    expected = copy.deepcopy(model)
+    out = expected(**inputs)
+    out.loss.backward()
+    patch(model)
+    with codagen.use_backend(backend):
+        got = model(**inputs)
+        assert got.logits is None  # the fused cross-entropy never materializes logits
+        got.loss.backward()
+        logits = model(**{k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}).logits
+    torch.testing.assert_close(got.loss, out.loss, rtol=rtol, atol=atol)
+    torch.testing.assert_close(logits, out.logits, rtol=rtol, atol=atol)
+    want = grads(expected)
+    for name, g in grads(model).items():
+        if want[name] is None:  # e.g. the embedding, when inputs_embeds are given
+            assert g is None, f"{name} got a gradient transformers does not give it"
+            continue
+        assert g is not None, f"{name} got no gradient"
+        torch.testing.assert_close(g, want[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def lm_inputs(batch=2, seq=12, vocab=67, ignore=True):
+    ids = torch.randint(0, vocab, (batch, seq))
+    labels = ids.clone()
+    if ignore:
+        labels[0, :4] = -100  # prompt tokens without loss
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_llama(backend):
+    assert_same_training(build("llama"), lm_inputs(), backend=backend)
+
+
+def test_llama_biases_tied_llama3_rope():
+    """attention_bias (q/k/v/o), tied embeddings and llama3 RoPE scaling, handled exactly."""
+    model = build("llama", attention_bias=True, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert_same_training(model, lm_inputs())
+
+
+def test_qwen2_qkv_bias():
+    model = build("qwen2")
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    assert_same_training(model, lm_inputs())
+
+
+def test_mistral_sliding_window():
+    """A window shorter than the sequence needs an explicit mask; checked against transformers' own."""
+    model = build("mistral", sliding_window=5, num_key_value_heads=1)
+    assert_same_training(model, lm_inputs(seq=14))
+
+
+def test_position_ids_embeds_and_num_items():
+    model = build("llama")
+    inputs = lm_inputs(batch=1, seq=10, ignore=False)
+    embeds = model.model.embed_tokens(inputs.pop("input_ids")).detach()
+    inputs.update(inputs_embeds=embeds, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6]]),
+                  num_items_in_batch=torch.tensor(7), attention_mask=torch.ones(1, 10, dtype=torch.long))
+    assert_same_training(model, inputs)
+
+
+def test_parameters_kept_and_unpatch():
+    model = build("llama")
+    params = list(model.parameters())
+    inputs = lm_inputs()
+    before = model(**inputs).loss
+    assert patch(model) is model and is_patched(model)
+    assert patch(model) is model  # idempotent
+    assert all(p is q for p, q in zip(model.parameters(), params))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(**inputs).loss.backward()
+    assert all(p.grad is not None for p in params)
+    opt.step()  # the optimizer updates the model's own parameters
+    assert unpatch(model) is model and not is_patched(model)
+    assert "forward" not in model.__dict__
+    after = model(**inputs).loss  # transformers' forward on the updated weights
+    assert after < before
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch(model)
+
+
+def test_refused_at_patch():
+    with pytest.raises(NotImplementedError, match="MLP biases"):
+        patch(build("llama", mlp_bias=True))
+    with pytest.raises(NotImplementedError, match="hidden_act"):
+        patch(build("llama", hidden_act="gelu"))
+    with pytest.raises(NotImplementedError, match="rope_type='yarn'"):
+        patch(build("llama", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                              "original_max_position_embeddings": 16}))
+    with pytest.raises(TypeError, match="model must be one of"):
+        patch(torch.nn.Linear(2, 2))
+
+
+def test_refused_at_forward():
+    model = patch(build("llama"))
+    inputs = lm_inputs()
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    with pytest.raises(NotImplementedError, match="padding"):
+        model(**inputs, attention_mask=mask)
+    with pytest.raises(NotImplementedError, match="KV cache"):
+        model(inputs["input_ids"], use_cache=True)
+    with pytest.raises(NotImplementedError, match="output_hidden_states"):
+        model(inputs["input_ids"], output_hidden_states=True)
+    with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
+        model(inputs["input_ids"], cu_seq_lens_q=torch.tensor([0, 12]))
+    model.gradient_checkpointing_enable()
+    with pytest.raises(NotImplementedError, match="gradient checkpointing"):
+        model(**inputs)
+
+
+def test_logits_to_keep_and_tuple_output():
+    model = build("qwen2")
+    ids = lm_inputs()["input_ids"]
+    want = model(ids, logits_to_keep=3).logits
+    patch(model)
+    got = model(ids, logits_to_keep=3, return_dict=False)
+    assert isinstance(got, tuple)
+    torch.testing.assert_close(got[0], want, rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bf16_gpu_two_x_rule(family):
+    """bf16 on the GPU: each output's error vs an fp32 run is at most 2x that of transformers in bf16 (+1e-6)."""
+    fields = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=1000, num_hidden_layers=2)
+    model = build(family, **fields).cuda()
+    inputs = {k: v.cuda() for k, v in lm_inputs(batch=2, seq=128, vocab=1000).items()}
+    exact = copy.deepcopy(model)
+    exact.model.rotary_emb.inv_freq = exact.model.rotary_emb.inv_freq.double()
+    exact.double()(**inputs).loss.backward()
+    bf16 = copy.deepcopy(model).bfloat16()
+    bf16(**inputs).loss.backward()
+    ours = patch(copy.deepcopy(model).bfloat16())
+    ours(**inputs).loss.backward()
+
+    def err(a, b):
+        return (a.double() - b.double()).abs().max().item()
+
+    outputs = {"loss": (ours(**inputs).loss, bf16(**inputs).loss, exact(**inputs).loss)}
+    for name, p in exact.named_parameters():
+        outputs[name] = (dict(ours.named_parameters())[name].grad, dict(bf16.named_parameters())[name].grad, p.grad)
+    for name, (got, torch_bf16, ref) in outputs.items():
+        assert err(got, ref) <= 2 * err(torch_bf16, ref) + 1e-6, name
