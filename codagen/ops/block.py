@@ -367,6 +367,8 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     gate_up_weight = check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, features]", x,
                                   even_rows=True)
     ffn = gate_up_weight.shape[0] // 2
+    if ffn % 2:  # the down-projection's backward epilogue works on (gate, up) pairs of a width-ffn tile
+        raise ValueError(f"gate_up_weight: expected 2 * ffn rows with an even ffn, got shape {tuple(gate_up_weight.shape)}")
     down_weight = check.weight("down_weight", down_weight, (d, ffn), "[features, ffn features]", x)
     next_norm_weight = check.vector("next_norm_weight", next_norm_weight, d, "[features]", x)
     return _SwigluMlpResidualRms.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight, down_weight,

@@ -6,17 +6,18 @@
   does this in the down-projection's input-gradient epilogue instead);
 - :func:`mean_row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is.
 
-The dispatcher runs the Triton kernel when the selected backend for the tensors' device is ``triton``
-(CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) and the dtype is not float64 (the oracle dtype, which
-always takes the reference path); otherwise the ``*_ref`` twin. Kernels keep fp32 statistics and write
-one value per row: no atomics, so results are deterministic.
+Each comes as ``foo_ref`` (PyTorch), ``foo_triton`` (one launch of a module-level ``@triton.jit`` kernel)
+and the dispatcher ``foo``: the kernel for CUDA tensors when the selected backend is ``triton`` and the
+dtype is not float64 (the oracle dtype); otherwise the twin. (The tests run the ``*_triton`` launchers
+on CPU under ``TRITON_INTERPRET=1``.) Kernels keep fp32 statistics and write one value per row: no
+atomics, so results are deterministic.
 """
 from __future__ import annotations
 
 import torch
 
 from codagen.backends import resolve_backend_name
-from codagen.backends.reference import rope_ref, swiglu_backward_ref
+from codagen.backends import reference
 
 from ._checks import stats_dtype
 
@@ -26,14 +27,15 @@ try:  # the package must import without Triton (or without a GPU)
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
-__all__ = ["rms_norm_stats", "rms_norm_stats_ref", "rope_backward", "rope_backward_ref", "swiglu_backward",
-           "swiglu_backward_ref", "mean_row_dot", "mean_row_dot_ref"]
+__all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "swiglu_backward", "mean_row_dot")
+           for kind in ("", "_ref", "_triton")]
 
 _MAX_BLOCK = 2048
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return triton is not None and t.dtype != torch.float64 and resolve_backend_name(t.device) == "triton"
+    return (triton is not None and t.is_cuda and t.dtype != torch.float64
+            and resolve_backend_name(t.device) == "triton")
 
 
 def _block(columns: int) -> int:
@@ -131,9 +133,11 @@ def rms_norm_stats_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -
 
 
 def rms_norm_stats(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rms_norm_stats_ref` as one kernel launch where Triton runs."""
-    if not _use_triton(x):
-        return rms_norm_stats_ref(x, norm_weight, eps)
+    return (rms_norm_stats_triton if _use_triton(x) else rms_norm_stats_ref)(x, norm_weight, eps)
+
+
+def rms_norm_stats_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm_stats_ref` as one kernel launch (fp16/bf16/fp32)."""
     m, n = x.shape
     normed = torch.empty_like(x)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -155,16 +159,20 @@ def rope_backward_ref(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: torc
     cd = stats_dtype(grad_qkv.dtype)
     grad = grad_qkv.to(cd)
     theta = positions.to(cd)[:, None] * frequencies.to(cd)[None, :]
-    grad_z = rope_ref(grad, -theta).to(grad_qkv.dtype)
+    grad_z = reference.rope_ref(grad, -theta).to(grad_qkv.dtype)
     mean_z_dz = (qkv.to(cd) * grad).sum(dim=-1) / width
     return grad_z, mean_z_dz
 
 
 def rope_backward(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor,
                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rope_backward_ref` as one kernel launch where Triton runs."""
-    if not _use_triton(grad_qkv):
-        return rope_backward_ref(grad_qkv, qkv, positions, frequencies, width)
+    impl = rope_backward_triton if _use_triton(grad_qkv) else rope_backward_ref
+    return impl(grad_qkv, qkv, positions, frequencies, width)
+
+
+def rope_backward_triton(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor,
+                         frequencies: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_backward_ref` as one kernel launch (fp16/bf16/fp32)."""
     m, n = grad_qkv.shape
     grad_z = torch.empty_like(grad_qkv)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_qkv.device)
@@ -181,14 +189,16 @@ def swiglu_backward_ref(grad_act: torch.Tensor, preact: torch.Tensor, width: int
     """Interleaved ``(dg, du)`` of ``act = silu(g) * u`` and ``mean_z_dz[m] = sum_j (g dg + u du) / width``."""
     cd = stats_dtype(grad_act.dtype)
     preact_c = preact.to(cd)
-    grad_preact = swiglu_backward_ref(preact_c, grad_act.to(cd))
+    grad_preact = reference.swiglu_backward_ref(preact_c, grad_act.to(cd))
     return grad_preact.to(grad_act.dtype), (preact_c * grad_preact).sum(dim=-1) / width
 
 
 def swiglu_backward(grad_act: torch.Tensor, preact: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`swiglu_backward_ref` as one kernel launch where Triton runs."""
-    if not _use_triton(grad_act):
-        return swiglu_backward_ref(grad_act, preact, width)
+    return (swiglu_backward_triton if _use_triton(grad_act) else swiglu_backward_ref)(grad_act, preact, width)
+
+
+def swiglu_backward_triton(grad_act: torch.Tensor, preact: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`swiglu_backward_ref` as one kernel launch (fp16/bf16/fp32)."""
     m, f = grad_act.shape
     grad_preact = torch.empty_like(preact)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_act.device)
@@ -207,9 +217,11 @@ def mean_row_dot_ref(z: torch.Tensor, grad_z: torch.Tensor, width: int) -> torch
 
 
 def mean_row_dot(z: torch.Tensor, grad_z: torch.Tensor, width: int) -> torch.Tensor:
-    """:func:`mean_row_dot_ref` as one kernel launch where Triton runs."""
-    if not _use_triton(z):
-        return mean_row_dot_ref(z, grad_z, width)
+    return (mean_row_dot_triton if _use_triton(z) else mean_row_dot_ref)(z, grad_z, width)
+
+
+def mean_row_dot_triton(z: torch.Tensor, grad_z: torch.Tensor, width: int) -> torch.Tensor:
+    """:func:`mean_row_dot_ref` as one kernel launch (fp16/bf16/fp32)."""
     m, n = z.shape
     out = torch.empty(m, dtype=torch.float32, device=z.device)
     if m:

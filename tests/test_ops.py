@@ -1,0 +1,246 @@
+"""codagen.ops one by one: gradcheck on tiny float64 shapes, layouts, argument errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.autograd import gradcheck
+
+from codagen import ops
+from codagen.ops import kernels
+
+from .test_ops_block import reference_tiles, rms_norm, rope_half_split
+
+EPS = 1e-5
+M, D, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 5, 6, 2, 1, 4, 4, 7
+QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend():
+    with reference_tiles(block_m=2, block_n=4):  # several tiles even on tiny shapes
+        yield
+
+
+def rand(*shape, requires_grad=True):
+    return torch.randn(*shape, dtype=torch.float64).requires_grad_(requires_grad)
+
+
+def norm_weight():
+    return (1 + 0.3 * torch.randn(D, dtype=torch.float64)).requires_grad_()
+
+
+def stats(x, gamma):
+    """(x, normed, rstd, gamma) as the norm's consumer receives them."""
+    return (x, *ops.rms_norm_stats(x, gamma, EPS), gamma)
+
+
+# ==================================================================================================
+# gradcheck: each op composed with the producer of its (non-differentiable) normed and rstd, so the
+# consumer's backward must supply the whole RMSNorm gradient (ownership rule)
+# ==================================================================================================
+def test_rms_norm_stats_values_and_no_grad():
+    x, gamma = rand(M, D), norm_weight()
+    normed, rstd = ops.rms_norm_stats(x, gamma, EPS)
+    torch.testing.assert_close(rstd, torch.rsqrt(x.pow(2).mean(-1) + EPS))
+    torch.testing.assert_close(normed, x * gamma)
+    assert not normed.requires_grad and not rstd.requires_grad
+
+
+def test_gradcheck_out_proj_residual_rms():
+    inp, weight, residual, gamma, head = rand(M, 4), rand(D, 4), rand(M, D), norm_weight(), rand(3, D)
+
+    def f(inp, weight, residual, gamma, head):
+        x, normed, rstd = ops.out_proj_residual_rms(inp, weight, residual, gamma, EPS)
+        assert not normed.requires_grad and not rstd.requires_grad
+        return x, ops.rms_linear(x, normed, rstd, gamma, head)
+
+    assert gradcheck(f, (inp, weight, residual, gamma, head))
+    x, normed, rstd = ops.out_proj_residual_rms(inp, weight, residual, gamma, EPS)
+    want = inp @ weight.t() + residual
+    torch.testing.assert_close(x, want)
+    torch.testing.assert_close(normed, want * gamma)
+    torch.testing.assert_close(rstd, torch.rsqrt(want.pow(2).mean(-1) + EPS))
+
+
+def test_gradcheck_rms_qkv_rope():
+    x, gamma, weight = rand(M, D), norm_weight(), rand(QKV, D)
+    positions = torch.randint(0, 50, (M,))
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM, base=7.0).double()
+
+    def f(x, gamma, weight):
+        return ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies)
+
+    assert gradcheck(f, (x, gamma, weight))
+
+
+def test_rms_qkv_rope_matches_half_split_rope():
+    """Permuted weights + adjacent-pair RoPE = Hugging Face half-split RoPE, up to the same permutation."""
+    x, gamma = rand(M, D, requires_grad=False), norm_weight().detach()
+    wq, wk, wv = rand(HEADS * HEAD_DIM, D), rand(KV_HEADS * HEAD_DIM, D), rand(KV_HEADS * HEAD_DIM, D)
+    positions = torch.randint(0, 1000, (M,))
+    fused_weight = torch.cat((ops.rope_pairs_from_half_split(wq, HEAD_DIM),
+                              ops.rope_pairs_from_half_split(wk, HEAD_DIM), wv)).detach()
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM).double()
+    qkv = ops.rms_qkv_rope(*stats(x, gamma), fused_weight, positions, frequencies)
+    h = rms_norm(x, gamma, EPS)
+    inv_freq = (1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))).double()  # HF: fp32
+    want_q = rope_half_split((h @ wq.t()).view(M, HEADS, HEAD_DIM).transpose(0, 1), positions, inv_freq)
+    want_k = rope_half_split((h @ wk.t()).view(M, KV_HEADS, HEAD_DIM).transpose(0, 1), positions, inv_freq)
+    q, k, v = qkv.split((HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM), dim=1)
+    unpermute = lambda t: ops.rope_half_split_from_pairs(t.t(), HEAD_DIM).t()  # noqa: E731 (columns back)
+    torch.testing.assert_close(unpermute(q), want_q.transpose(0, 1).reshape(M, -1).detach())
+    torch.testing.assert_close(unpermute(k), want_k.transpose(0, 1).reshape(M, -1).detach())
+    torch.testing.assert_close(v, (h @ wv.t()).detach())
+
+
+def test_gradcheck_rms_gate_up_swiglu():
+    x, gamma, weight = rand(M, D), norm_weight(), rand(2 * FFN, D)
+
+    def f(x, gamma, weight):
+        return ops.rms_gate_up_swiglu(*stats(x, gamma), weight)
+
+    assert gradcheck(f, (x, gamma, weight))
+    act = f(x, gamma, weight)
+    h = rms_norm(x, gamma, EPS)
+    torch.testing.assert_close(act, F.silu(h @ weight[0::2].t()) * (h @ weight[1::2].t()))
+
+
+def test_gradcheck_swiglu_mlp_residual_rms():
+    x, gamma, gate_up, down, next_gamma, head = rand(M, D), norm_weight(), rand(2 * FFN, D), rand(D, FFN), \
+        norm_weight(), rand(3, D)
+
+    def f(x, gamma, gate_up, down, next_gamma, head):
+        x_out, normed, rstd = ops.swiglu_mlp_residual_rms(*stats(x, gamma), gate_up, down, next_gamma, EPS)
+        assert not normed.requires_grad and not rstd.requires_grad
+        return x_out, ops.rms_linear(x_out, normed, rstd, next_gamma, head)
+
+    assert gradcheck(f, (x, gamma, gate_up, down, next_gamma, head))
+
+
+def test_gradcheck_rms_linear():
+    x, gamma, weight = rand(M, D), norm_weight(), rand(VOCAB, D)
+    assert gradcheck(lambda x, gamma, weight: ops.rms_linear(*stats(x, gamma), weight), (x, gamma, weight))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradcheck_rms_lm_head_cross_entropy(reduction):
+    x, gamma, weight = rand(M, D), norm_weight(), rand(VOCAB, D)
+    target = torch.randint(0, VOCAB, (M,))
+    target[1] = -100
+
+    def f(x, gamma, weight):
+        return ops.rms_lm_head_cross_entropy(*stats(x, gamma), weight, target, reduction=reduction)
+
+    assert gradcheck(f, (x, gamma, weight))
+    want = F.cross_entropy(rms_norm(x, gamma, EPS) @ weight.t(), target, reduction=reduction)
+    torch.testing.assert_close(f(x, gamma, weight), want)
+
+
+def test_cross_entropy_int32_targets_and_all_ignored():
+    x, gamma, weight = rand(M, D), norm_weight(), rand(VOCAB, D)
+    target = torch.randint(0, VOCAB, (M,), dtype=torch.int32)
+    got = ops.rms_lm_head_cross_entropy(*stats(x, gamma), weight, target, reduction="sum")
+    torch.testing.assert_close(got, F.cross_entropy(rms_norm(x, gamma, EPS) @ weight.t(), target.long(),
+                                                    reduction="sum"))
+    ignored = torch.full((M,), -100)
+    assert ops.rms_lm_head_cross_entropy(*stats(x, gamma), weight, ignored, reduction="sum") == 0
+    assert ops.rms_lm_head_cross_entropy(*stats(x, gamma), weight, ignored).isnan()  # as torch's mean
+
+
+# ==================================================================================================
+# The row kernels' reference twins (the Triton kernels are checked against them in test_ops_triton.py)
+# ==================================================================================================
+def test_rope_backward_ref_is_the_adjoint_of_rope():
+    z, grad_qkv = rand(M, QKV, requires_grad=False), rand(M, QKV, requires_grad=False)
+    positions = torch.randint(0, 100, (M,)).double()
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM).double()
+    z.requires_grad_()
+    from codagen.backends.reference import rope_ref
+    qkv = rope_ref(z, positions[:, None] * frequencies[None, :])
+    (want_grad_z,) = torch.autograd.grad(qkv, z, grad_qkv)
+    grad_z, mean_z_dz = kernels.rope_backward_ref(grad_qkv, qkv.detach(), positions, frequencies, width=D)
+    torch.testing.assert_close(grad_z, want_grad_z)
+    torch.testing.assert_close(mean_z_dz, (z * want_grad_z).sum(-1).detach() / D)
+
+
+def test_swiglu_backward_ref_matches_autograd():
+    preact, grad_act = rand(M, 2 * FFN), rand(M, FFN, requires_grad=False)
+    act = F.silu(preact[:, 0::2]) * preact[:, 1::2]
+    (want,) = torch.autograd.grad(act, preact, grad_act)
+    grad_preact, mean_z_dz = kernels.swiglu_backward_ref(grad_act, preact.detach(), width=D)
+    torch.testing.assert_close(grad_preact, want)
+    torch.testing.assert_close(mean_z_dz, (preact * want).sum(-1).detach() / D)
+
+
+# ==================================================================================================
+# Layouts
+# ==================================================================================================
+def test_gate_up_interleave_round_trip():
+    gate, up = rand(FFN, D, requires_grad=False), rand(FFN, D, requires_grad=False)
+    fused = ops.interleave_gate_up(gate, up)
+    assert torch.equal(fused[0::2], gate) and torch.equal(fused[1::2], up)
+    g, u = ops.split_gate_up(fused)
+    assert torch.equal(g, gate) and torch.equal(u, up)
+
+
+def test_rope_permutation_round_trip_and_pairs():
+    w = rand(3 * HEAD_DIM, D, requires_grad=False)
+    p = ops.rope_pairs_from_half_split(w, HEAD_DIM)
+    half = HEAD_DIM // 2
+    for head in range(3):
+        for i in range(half):
+            assert torch.equal(p[head * HEAD_DIM + 2 * i], w[head * HEAD_DIM + i])
+            assert torch.equal(p[head * HEAD_DIM + 2 * i + 1], w[head * HEAD_DIM + i + half])
+    assert torch.equal(ops.rope_half_split_from_pairs(p, HEAD_DIM), w)
+
+
+def test_rope_frequencies_layout():
+    freqs = ops.rope_frequencies(4, 2, 8, base=500000.0)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 8, 2, dtype=torch.int64).float() / 8))
+    assert freqs.dtype == torch.float32 and freqs.shape == ((4 + 2 * 2) * 8 // 2,)
+    assert torch.equal(freqs[: 4 * 4], inv.repeat(4)) and torch.equal(freqs[16:24], inv.repeat(2))
+    assert torch.equal(freqs[24:], torch.zeros(8))
+    custom = torch.rand(4)
+    assert torch.equal(ops.rope_frequencies(1, 1, 8, inv_freq=custom)[:4], custom)
+
+
+# ==================================================================================================
+# Errors name the argument and what was expected
+# ==================================================================================================
+def test_errors_name_the_argument():
+    x, gamma = rand(M, D, requires_grad=False), norm_weight().detach()
+    normed, rstd = ops.rms_norm_stats(x, gamma, EPS)
+    weight = rand(2 * FFN, D, requires_grad=False)
+    cases = [
+        (lambda: ops.rms_norm_stats(x[None], gamma, EPS), "x: expected a 2-D tensor"),
+        (lambda: ops.rms_norm_stats(x.int(), gamma, EPS), "x: expected one of"),
+        (lambda: ops.rms_norm_stats(x, gamma[:-1], EPS), "norm_weight: expected shape"),
+        (lambda: ops.rms_norm_stats(x, gamma, -1.0), "eps: expected a positive float"),
+        (lambda: ops.rms_gate_up_swiglu(x, normed, rstd.float(), gamma, weight), "rstd: expected dtype torch.float64"),
+        (lambda: ops.rms_gate_up_swiglu(x, normed[:2], rstd, gamma, weight), "normed: expected"),
+        (lambda: ops.rms_gate_up_swiglu(x, normed, rstd, gamma, weight.float()), "gate_up_weight: expected dtype"),
+        (lambda: ops.rms_gate_up_swiglu(x, normed, rstd, gamma, weight[:-1]), "gate_up_weight: expected an even"),
+        (lambda: ops.rms_gate_up_swiglu(x, normed, rstd, gamma, weight.t().contiguous().t()), "contiguous"),
+        (lambda: ops.rms_gate_up_swiglu(x, normed, rstd, gamma, weight.to("meta")), "gate_up_weight: expected device"),
+        (lambda: ops.swiglu_mlp_residual_rms(x, normed, rstd, gamma, weight, rand(D, FFN + 1), gamma, EPS),
+         "down_weight: expected shape"),
+        (lambda: ops.swiglu_mlp_residual_rms(x, normed, rstd, gamma, rand(6, D), rand(D, 3), gamma, EPS),
+         "gate_up_weight: expected 2 \\* ffn rows with an even ffn"),
+        (lambda: ops.rms_qkv_rope(x, normed, rstd, gamma, rand(QKV, D), torch.zeros(M + 1), torch.zeros(QKV // 2)),
+         "positions: expected shape"),
+        (lambda: ops.rms_qkv_rope(x, normed, rstd, gamma, rand(QKV, D), torch.zeros(M), torch.zeros(QKV)),
+         "frequencies: expected shape"),
+        (lambda: ops.out_proj_residual_rms(rand(M + 1, 4), rand(D, 4), x, gamma, EPS), "inp: expected 5 rows"),
+        (lambda: ops.out_proj_residual_rms(rand(M, 4), rand(D, 3), x, gamma, EPS), "weight: expected shape"),
+        (lambda: ops.rms_lm_head_cross_entropy(x, normed, rstd, gamma, rand(VOCAB, D), torch.zeros(M)),
+         "target: expected an integer"),
+        (lambda: ops.rms_lm_head_cross_entropy(x, normed, rstd, gamma, rand(VOCAB, D), torch.zeros(M, dtype=int),
+                                               reduction="none"), "reduction: expected 'mean' or 'sum'"),
+        (lambda: ops.rope_frequencies(3, 2, 8), "num_heads (3) must be a multiple of num_kv_heads (2)"),
+        (lambda: ops.rope_pairs_from_half_split(rand(10, D), 4), "multiple of head_dim"),
+        (lambda: ops.interleave_gate_up(rand(3, D), rand(4, D)), "up_weight: expected the shape"),
+    ]
+    for call, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
+            call()
