@@ -119,16 +119,22 @@ def eager_model(params, x, positions, target, cfg: Config):
         x = x + attention(q, k, v, cfg) @ p["o"].t()
         h = rms_norm(x, p["mlp_norm"], cfg.eps)
         x = x + (F.silu(h @ p["gate"].t()) * (h @ p["up"].t())) @ p["down"].t()
+    if target is None:  # the block stack alone
+        return x, None
     logits = rms_norm(x, params["final_norm"], cfg.eps) @ params["lm_head"].t()
     loss = F.cross_entropy(logits.float() if logits.dtype != torch.float64 else logits, target, ignore_index=-100)
     return x, loss
 
 
 def fused_weights(params, cfg: Config):
-    """Fused layouts built differentiably from the standard leaf parameters."""
+    """Fused layouts: taken as given (``{layer}.qkv``, ``{layer}.gate_up``) or built differentiably from the
+    standard leaf parameters."""
     out = {}
     for layer in range(cfg.layers):
         p = f"{layer}."
+        if p + "qkv" in params:
+            out[p + "qkv"], out[p + "gate_up"] = params[p + "qkv"], params[p + "gate_up"]
+            continue
         out[p + "qkv"] = torch.cat((ops.rope_pairs_from_half_split(params[p + "q"], cfg.head_dim),
                                     ops.rope_pairs_from_half_split(params[p + "k"], cfg.head_dim),
                                     params[p + "v"]))
@@ -153,6 +159,8 @@ def fused_model(params, x, positions, target, cfg: Config, reduction="mean"):
                                                     params[p + "mlp_norm"], cfg.eps)
         x, normed, rstd = ops.swiglu_mlp_residual_rms(x, normed, rstd, params[p + "mlp_norm"], fused[p + "gate_up"],
                                                       params[p + "down"], next_norm, cfg.eps)
+    if target is None:  # the block stack alone
+        return x, None
     loss = ops.rms_lm_head_cross_entropy(x, normed, rstd, params["final_norm"], params["lm_head"], target,
                                          reduction=reduction)
     return x, loss
@@ -161,10 +169,35 @@ def fused_model(params, x, positions, target, cfg: Config, reduction="mean"):
 def forward_backward(model, params, x, positions, target, probe, cfg: Config):
     """Loss + a random probe of the hidden output (so the residual path's gradient is checked too)."""
     hidden, loss = model(params, x, positions, target, cfg)
-    objective = loss + (hidden * probe).sum()
-    leaves = [x, *params.values()]
-    grads = torch.autograd.grad(objective, leaves)
-    return hidden.detach(), loss.detach(), dict(zip(["x", *params], grads))
+    objective = (hidden * probe).sum() if loss is None else loss + (hidden * probe).sum()
+    names = ["x", *(k for k, v in params.items() if v.requires_grad)]
+    leaves = [x, *(v for v in params.values() if v.requires_grad)]
+    grads = torch.autograd.grad(objective, leaves, allow_unused=True)  # the head's weights without a head
+    return hidden.detach(), None if loss is None else loss.detach(), {
+        name: grad for name, grad in zip(names, grads) if grad is not None}
+
+
+def fuse_params(params, cfg: Config) -> dict[str, torch.Tensor]:
+    """New leaf parameters in the fused layouts (qkv, gate_up), as a model would store them."""
+    fused = {k: v.detach().clone().requires_grad_() for k, v in params.items()
+             if k.split(".")[-1] not in ("q", "k", "v", "gate", "up")}
+    for key, value in fused_weights(params, cfg).items():
+        fused[key] = value.detach().clone().requires_grad_()
+    return fused
+
+
+def unfuse_grads(grads: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
+    """Gradients of fused parameters mapped back to the standard layout (q, k, v, gate, up)."""
+    out = dict(grads)
+    q_rows, kv_rows = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    for layer in range(cfg.layers):
+        p = f"{layer}."
+        q, k, v = out.pop(p + "qkv").split((q_rows, kv_rows, kv_rows))
+        out[p + "q"] = ops.rope_half_split_from_pairs(q, cfg.head_dim)
+        out[p + "k"] = ops.rope_half_split_from_pairs(k, cfg.head_dim)
+        out[p + "v"] = v
+        out[p + "gate"], out[p + "up"] = ops.split_gate_up(out.pop(p + "gate_up"))
+    return out
 
 
 @contextlib.contextmanager
@@ -213,9 +246,24 @@ def test_block_matches_eager_float64(name):
     got_hidden, got_loss, got_grads = forward_backward(fused_model, params, x, positions, target, probe, cfg)
     assert_close("hidden", got_hidden, want_hidden)
     assert_close("loss", got_loss, want_loss)
+    assert sorted(got_grads) == sorted(want_grads)
     for key, want in want_grads.items():
         assert want.abs().max() > 0, f"{key}: the eager gradient is zero, the test would be vacuous"
         assert_close(f"grad {key}", got_grads[key], want)
+
+
+def test_block_with_fused_leaf_parameters():
+    """A model that stores qkv and gate_up in the fused layouts gets the same gradients, mapped back."""
+    cfg = CONFIGS["gqa"]
+    params = make_params(cfg)
+    x, positions, target, probe = make_inputs(cfg)
+    want = forward_backward(eager_model, params, x, positions, None, probe, cfg)
+    got = forward_backward(fused_model, fuse_params(params, cfg), x, positions, None, probe, cfg)
+    assert_close("hidden", got[0], want[0])
+    grads = unfuse_grads(got[2], cfg)
+    assert sorted(grads) == sorted(want[2])
+    for key, value in want[2].items():
+        assert_close(f"grad {key}", grads[key], value)
 
 
 def test_block_is_bitwise_deterministic():
