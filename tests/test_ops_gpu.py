@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .test_ops_block import (Config, eager_model, forward_backward, fuse_params, fused_model, make_inputs,
-                             make_params)
+from .test_ops_block import Config, bf16_problem, eager_model, forward_backward, fuse_params, fused_model, max_errors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -19,34 +18,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CFG = Config(batch=2, seq=300, hidden=512, heads=8, kv_heads=2, head_dim=64, ffn=1376, vocab=5000, layers=2)
 
 
-def _bf16(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(torch.bfloat16).requires_grad_(t.requires_grad)
-
-
-def _problem(cfg: Config = CFG):
-    """bf16 parameters and inputs, and float32 copies of exactly the same (bf16-rounded) values."""
-    params = {k: _bf16(v) for k, v in make_params(cfg, dtype=torch.float32, device="cuda").items()}
-    x, positions, target, probe = make_inputs(cfg, dtype=torch.float32, device="cuda")
-    x, probe = _bf16(x), _bf16(probe)
-    as32 = lambda t: t.detach().float().requires_grad_(t.requires_grad)  # noqa: E731
-    return (params, x, positions, target, probe), ({k: as32(v) for k, v in params.items()}, as32(x), positions,
-                                                   target, as32(probe))
-
-
-def _max_errors(run, reference) -> dict[str, float]:
-    errors = {"hidden": (run[0].float() - reference[0]).abs().max().item()}
-    if reference[1] is not None:
-        errors["loss"] = (run[1].float() - reference[1]).abs().max().item()
-    for key, value in reference[2].items():
-        errors[f"grad {key}"] = (run[2][key].float() - value).abs().max().item()
-    return errors
-
-
 def test_bf16_block_two_x_rule():
-    bf16, fp32 = _problem()
+    bf16, fp32 = bf16_problem(CFG, "cuda")
     reference = forward_backward(eager_model, *fp32, CFG)
-    eager = _max_errors(forward_backward(eager_model, *bf16, CFG), reference)
-    fused = _max_errors(forward_backward(fused_model, *bf16, CFG), reference)
+    eager = max_errors(forward_backward(eager_model, *bf16, CFG), reference)
+    fused = max_errors(forward_backward(fused_model, *bf16, CFG), reference)
     failures = [f"{k}: fused {fused[k]:.3e} > 2 x eager {eager[k]:.3e} + 1e-6" for k in eager
                 if not fused[k] <= 2 * eager[k] + 1e-6]
     assert not failures, "\n".join(failures)
@@ -64,7 +40,7 @@ def _peak_bytes(model, params, x, positions, probe) -> int:
 
 
 def test_block_peak_memory_not_above_eager():
-    (params, x, positions, _, probe), _ = _problem()
+    (params, x, positions, _, probe), _ = bf16_problem(CFG, "cuda")
     eager = _peak_bytes(eager_model, params, x, positions, probe)
     fused = _peak_bytes(fused_model, fuse_params(params, CFG), x, positions, probe)  # weights stored fused
     assert fused <= eager, f"fused block fwd+bwd peaks at {fused / 2**20:.1f} MiB, eager at {eager / 2**20:.1f} MiB"
@@ -72,7 +48,7 @@ def test_block_peak_memory_not_above_eager():
 
 @sdpa_kernel(SDPBackend.MATH)  # flash attention's backward may accumulate with atomics; ours must not
 def test_bf16_block_bitwise_deterministic():
-    bf16, _ = _problem()
+    bf16, _ = bf16_problem(CFG, "cuda")
     first = forward_backward(fused_model, *bf16, CFG)
     second = forward_backward(fused_model, *bf16, CFG)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
@@ -83,7 +59,7 @@ def test_bf16_block_bitwise_deterministic():
 @sdpa_kernel(SDPBackend.MATH)  # deterministic attention, so replay and eager run compare bitwise
 def test_block_captures_in_a_cuda_graph():
     """No host sync anywhere in forward or backward: the whole step captures and replays."""
-    (params, x, positions, target, probe), _ = _problem()
+    (params, x, positions, target, probe), _ = bf16_problem(CFG, "cuda")
     want = forward_backward(fused_model, params, x, positions, target, probe, CFG)  # also warms up / autotunes
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
