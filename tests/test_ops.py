@@ -149,6 +149,40 @@ def test_cross_entropy_int32_targets_and_all_ignored():
 
 
 # ==================================================================================================
+# Each fused step is one GEMM program: count the programs each op's forward and backward run
+# ==================================================================================================
+def test_programs_per_op(monkeypatch):
+    from codagen.backends.reference import ReferenceBackend
+
+    ran = []
+    run = ReferenceBackend.run
+    monkeypatch.setattr(ReferenceBackend, "run", lambda self, bound: ran.append(bound.program.name) or run(self, bound))
+
+    def programs(f, *args):
+        ran.clear()
+        out = f(*args)
+        forward = list(ran)
+        ran.clear()
+        loss = sum((o * torch.randn_like(o)).sum() for o in (out if isinstance(out, tuple) else (out,))
+                   if o.requires_grad)
+        loss.backward()
+        return forward, list(ran)
+
+    x, gamma = rand(M, D), norm_weight()
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM).double()
+    assert programs(ops.rms_qkv_rope, *stats(x, gamma), rand(QKV, D), torch.arange(M), frequencies) == (
+        ["rms_qkv_rope"], ["rms_norm_backward", "weight_grad"])  # + the B1 row kernel
+    assert programs(ops.out_proj_residual_rms, rand(M, 4), rand(D, 4), x, gamma, EPS) == (
+        ["residual_rms_stats"], ["input_grad", "weight_grad"])
+    assert programs(ops.swiglu_mlp_residual_rms, *stats(x, gamma), rand(2 * FFN, D), rand(D, FFN), gamma, EPS) == (
+        ["rms_gate_up_swiglu", "residual_rms_stats"],
+        ["swiglu_backward", "weight_grad", "rms_norm_backward", "weight_grad"])
+    target = torch.randint(0, VOCAB, (M,))
+    assert programs(ops.rms_lm_head_cross_entropy, *stats(x, gamma), rand(VOCAB, D), target) == (
+        ["rms_lm_head_cross_entropy"], ["rms_lm_head_cross_entropy_backward", "rms_norm_backward", "weight_grad"])
+
+
+# ==================================================================================================
 # The row kernels' reference twins (the Triton kernels are checked against them in test_ops_triton.py)
 # ==================================================================================================
 def test_rope_backward_ref_is_the_adjoint_of_rope():

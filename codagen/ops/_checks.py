@@ -97,7 +97,8 @@ def index_vector(name: str, t, length: int, like: torch.Tensor, *, allow_float: 
     """A 1-D integer vector [tokens] (targets, positions); positions may also be float."""
     t = tensor(name, t)
     _shape(name, t, (length,), "[tokens]")
-    if t.dtype.is_floating_point and not allow_float or t.dtype.is_complex or t.dtype == torch.bool:
+    integer = not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+    if not (integer or allow_float and t.dtype.is_floating_point):
         kind = "an integer or float" if allow_float else "an integer (int32 or int64)"
         raise ValueError(f"{name}: expected {kind} vector, got {t.dtype}")
     _device(name, t, like.device)

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from codagen.backends import resolve_backend_name
-from codagen.backends import reference
+from codagen.backends import reference, resolve_backend_name
 
 from ._checks import stats_dtype
 
