@@ -33,7 +33,7 @@ def _stats(x: Tensor, length: int) -> Tensor:
     return x.new_empty(length, dtype=stats_dtype(x.dtype))
 
 
-def rms_norm_weight_backward(grad_z: Tensor, weight: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
+def consumer_rms_norm_backward(grad_z: Tensor, weight: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
                              mean_z_dz: Tensor, grad_residual: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """B2/B6 + B3/B7: the RMSNorm backward of a consumer GEMM ``z = rstd * ((x * gamma) @ W^T)``.
 
@@ -169,7 +169,7 @@ def _rms_qkv_rope_backward_op(grad_qkv: Tensor, qkv: Tensor, x: Tensor, rstd: Te
                               qkv_weight: Tensor, positions: Tensor,
                               frequencies: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     grad_z, mean_z_dz = kernels.rope_backward(grad_qkv, qkv, positions, frequencies, x.shape[1])  # B1
-    return rms_norm_weight_backward(grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz)  # B2, B3
+    return consumer_rms_norm_backward(grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz)  # B2, B3
 
 
 @_rms_qkv_rope_backward_op.register_fake
@@ -242,7 +242,7 @@ def _(normed, rstd, gate_up_weight):
 def _rms_gate_up_swiglu_backward_op(grad_act: Tensor, preact: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
                                     gate_up_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     grad_preact, mean_z_dz = kernels.swiglu_backward(grad_act, preact, x.shape[1])
-    return rms_norm_weight_backward(grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz)
+    return consumer_rms_norm_backward(grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz)
 
 
 @_rms_gate_up_swiglu_backward_op.register_fake
@@ -315,7 +315,7 @@ def _swiglu_mlp_residual_rms_backward_op(grad_x_out: Tensor, preact: Tensor, x: 
     mean_z_dz = finish.sum_row_partials(b4["partial_z_dz"]) / x.shape[1]
     grad_down_weight = execute(library.weight_grad(), grad_x_out, b4["act"])["grad_weight"]  # B5
     # B6 + B7: the residual path's gradient (grad_x_out) joins the norm's input gradient in one store
-    grad_x, grad_norm_weight, grad_gate_up_weight = rms_norm_weight_backward(
+    grad_x, grad_norm_weight, grad_gate_up_weight = consumer_rms_norm_backward(
         b4["grad_preact"], gate_up_weight, x, rstd, norm_weight, mean_z_dz, grad_residual=grad_x_out)
     return grad_x, grad_norm_weight, grad_gate_up_weight, grad_down_weight
 
@@ -392,7 +392,7 @@ def _(normed, rstd, weight):
 def _rms_linear_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
                             weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     mean_z_dz = kernels.mean_row_dot(out, grad_out, x.shape[1])
-    return rms_norm_weight_backward(grad_out, weight, x, rstd, norm_weight, mean_z_dz)
+    return consumer_rms_norm_backward(grad_out, weight, x, rstd, norm_weight, mean_z_dz)
 
 
 @_rms_linear_backward_op.register_fake
