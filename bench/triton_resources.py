@@ -1,0 +1,102 @@
+"""Compiler resource report of every library kernel for Hopper, made on any machine (no GPU needed).
+
+    python bench/triton_resources.py [--arch 90] [--dtype bf16] [program ...]
+
+For each program and each Hopper candidate configuration it compiles the generated kernel for
+``sm_<arch>`` (``triton.compile`` with a ``GPUTarget``) and prints shared memory, registers per thread,
+spilled bytes (``cuobjdump --dump-resource-usage`` on the cubin) and whether the PTX uses ``wgmma``.
+That is what decides which configurations can run before any device time is spent.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from codagen.backends.triton.backend import load_kernel  # noqa: E402
+from codagen.backends.triton.configs import _SM90, candidates, smem_estimate  # noqa: E402
+from codagen.epilogue import library  # noqa: E402
+from codagen.epilogue.ir import ColVector, RowVector, ScalarInput, Store, TileInput  # noqa: E402
+
+
+def signature(program, dtype: str) -> dict[str, str]:
+    sig = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}"}
+    for name, e in program.inputs.items():
+        if isinstance(e, RowVector) and e.index:
+            sig[f"{name}_ptr"] = "*i64"
+        elif isinstance(e, TileInput):
+            sig[f"{name}_ptr"] = f"*{dtype}"
+        else:
+            sig[f"{name}_ptr"] = "*fp32"
+    for o in program.outputs:
+        sig[f"{o.name}_ptr"] = (f"*{dtype}" if o.dtype == "input" else "*fp32") if isinstance(o, Store) else "*fp32"
+    sig.update(M="i32", N="i32", K="i32")
+    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EPILOGUE_SPLIT", "SUB_N", "TMA_MAINLOOP", "TMA_EPILOGUE",
+              "UPCAST_OPERANDS", "DOT_PRECISION", "FLATTEN", "INTERPRETER"):
+        sig[c] = "constexpr"
+    return sig
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", text)
+    stack = re.search(r"STACK:(\d+)", text)
+    return int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1
+
+
+def compile_one(program, cfg, dtype: str, arch: int):
+    kernel = load_kernel(program, dtypes=f"report:{dtype}", arch=f"sm_{arch}", interpret=False)
+    sig = signature(program, dtype)
+    n_ptr = sum(1 for v in sig.values() if v.startswith("*"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr + 3)}  # aligned pointers, M, N, K % 16 == 0
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=True,
+                      TMA_EPILOGUE=cfg.tma_epilogue, UPCAST_OPERANDS=False, DOT_PRECISION="tf32", FLATTEN=True, INTERPRETER=False)
+    src = ASTSource(kernel, sig, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("programs", nargs="*")
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--all", action="store_true", help="every Hopper config, not only the pruned candidates")
+    args = p.parse_args(argv)
+    names = args.programs or list(library.PROGRAMS)
+    print(f"{'program':36s} {'config':34s} {'est KiB':>7s} {'smem KiB':>8s} {'regs':>4s} {'stack':>5s} wgmma")
+    for name in names:
+        program = library.PROGRAMS[name]()
+        pool = list(_SM90) if args.all else candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True)
+        for cfg in pool:
+            est = smem_estimate(program, cfg, 2) / 1024
+            try:
+                c = compile_one(program, cfg, args.dtype, args.arch)
+            except Exception as e:  # noqa: BLE001 - a report: show the failure and go on
+                print(f"{name:36s} {cfg.short():34s} {est:7.0f} FAILED {type(e).__name__}: {str(e)[:80]}")
+                continue
+            regs, stack = resources(c.asm["cubin"])
+            print(f"{name:36s} {cfg.short():34s} {est:7.0f} {c.metadata.shared / 1024:8.0f} {regs:4d} {stack:5d} "
+                  f"{'yes' if 'wgmma' in c.asm['ptx'] else 'NO'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""The Triton backend: generate, cache, load, tune and launch a program's fused kernel.
+
+CUDA tensors run compiled kernels; CPU tensors run the same kernels in the Triton interpreter. The
+interpreter is normally chosen once, by ``TRITON_INTERPRET=1`` before ``import triton``; here it is
+chosen per call: the generated module is loaded a second time with ``triton.knobs.runtime.interpret``
+set (so its ``@triton.jit`` functions become interpreted ones), and while it runs, the ``@triton.jit``
+functions of ``triton.language`` itself (``tl.zeros``, ``tl.sum``, ...) are called the interpreter's
+way (:func:`_interpreting`). Nothing needs exporting before import and GPU kernels are unaffected.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import codagen
+from codagen.epilogue.bind import BoundProgram, cdiv
+from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
+
+from . import codegen
+from .configs import INTERPRETER_CONFIG, KernelConfig, TuningCache, cache_dir, candidates
+
+__all__ = ["TritonBackend", "program_source", "load_kernel", "SUPPORTED_DTYPES"]
+
+#: operand dtypes the Triton backend multiplies (float64 stays with the reference backend)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+                 torch.int32: "i32", torch.int64: "i64"}
+
+
+def _versions() -> str:
+    import triton
+    return f"codagen {codagen.__version__}, generator {codegen.GENERATOR_VERSION}, triton {triton.__version__}, torch {torch.__version__.split('+')[0]}"
+
+
+def program_source(program: Program, dtypes: str = "any", arch: str = "any") -> str:
+    """Readable Triton source of ``program``'s fused kernel (``Program.triton_source()``)."""
+    header = f"# dtypes: {dtypes}; arch: {arch}; {_versions()}\n"
+    return codegen.generate(program, header=header)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading generated modules
+# --------------------------------------------------------------------------------------------------
+_modules: dict[tuple[str, bool], object] = {}
+_modules_lock = threading.Lock()
+
+
+def load_kernel(program: Program, *, dtypes: str, arch: str, interpret: bool):
+    """The ``<name>_kernel`` JIT function of ``program``, from a real module file in the cache.
+
+    The file name hashes the program, dtypes, arch and library versions; ``@triton.jit`` reads its
+    source with ``inspect``, so it must live in a file, at module level.
+    """
+    key_text = "\n".join([codegen.program_key(program), dtypes, arch, _versions()])
+    digest = codegen.source_hash(key_text)
+    with _modules_lock:
+        module = _modules.get((digest, interpret))
+        if module is None:
+            path = cache_dir() / "triton" / "kernels" / f"{program.name}_{digest}.py"
+            source = program_source(program, dtypes, arch)
+            if not path.exists() or path.read_text() != source:
+                from .configs import _atomic_write
+                _atomic_write(path, source)
+            mod_name = f"codagen_kernels.{program.name}_{digest}{'_interpreted' if interpret else ''}"
+            spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(spec)
+            from triton import knobs
+            previous = knobs.runtime.interpret
+            knobs.runtime.interpret = interpret
+            try:
+                spec.loader.exec_module(module)
+            finally:
+                knobs.runtime.interpret = previous
+            sys.modules[mod_name] = module
+            _modules[(digest, interpret)] = module
+    return getattr(module, f"{program.name}_kernel")
+
+
+_interpret_lock = threading.RLock()
+_interpreted_wrappers: dict = {}
+
+
+@contextlib.contextmanager
+def _interpreting():
+    """Run ``triton.language``'s own ``@triton.jit`` helpers the interpreter's way, for one launch."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    def call_interpreted(self, *args, **kwargs):
+        wrapper = _interpreted_wrappers.get(self.fn)
+        if wrapper is None:
+            wrapper = _interpreted_wrappers[self.fn] = InterpretedFunction(self.fn)
+        return wrapper(*args, **kwargs)
+
+    with _interpret_lock, np.errstate(all="ignore"):  # masked-off lanes are computed too (log 0, x / 0)
+        original = JITFunction.__call__
+        JITFunction.__call__ = call_interpreted
+        try:
+            yield
+        finally:
+            JITFunction.__call__ = original
+
+
+@functools.lru_cache(maxsize=None)
+def _set_allocator() -> None:
+    """Device-side tensor descriptors need a little global scratch memory per launch."""
+    import triton
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(alloc)
+
+
+# --------------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class _Launch:
+    """Everything one launch needs except the config."""
+    kernel: object
+    args: list
+    m: int
+    n: int
+    k: int
+    tma_mainloop: bool
+    tma_epilogue_ok: bool
+    upcast: bool
+    precision: str
+    interpret: bool
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs a 16-byte aligned base, a row stride that is a non-zero multiple of 16 bytes."""
+    if t.dim() != 2 or t.shape[1] == 0:
+        return False
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+class TritonBackend:
+    """Fused Triton kernels: one launch per program (see the package docstring).
+
+    ``config``: force one :class:`KernelConfig` (tests, benchmarks); otherwise the tuned one.
+    ``autotune``: time the candidates on first use of a (program, dtypes, shape bucket) on this GPU;
+    default from ``CODAGEN_TRITON_AUTOTUNE`` (``1``), else the first viable candidate.
+    ``tma``: ``False`` forces the pointer-load mainloop and epilogue even where TMA is possible.
+    """
+    name = "triton"
+
+    def __init__(self, config: KernelConfig | None = None, autotune: bool | None = None, tma: bool = True,
+                 verbose: bool | None = None):
+        self.config = config
+        self.autotune = autotune
+        self.tma = tma
+        self.verbose = verbose
+        self.tuning = TuningCache()
+        self.launches = 0           # kernel launches made by this backend object (tests count them)
+        self.last_config: KernelConfig | None = None
+
+    # -- checks ------------------------------------------------------------------------------------
+    def _check(self, bound: BoundProgram) -> tuple[bool, int]:
+        """(interpret?, compute capability major); raises on what this backend cannot run."""
+        dev = bound.device
+        if bound.dtype not in SUPPORTED_DTYPES:
+            raise ProgramError(f"{bound.program.name}: the triton backend multiplies float16, bfloat16 or float32 "
+                               f"operands, got a: {bound.dtype}; use backend='reference' for {bound.dtype}")
+        if dev.type == "cpu":
+            return True, 0
+        if dev.type != "cuda":
+            raise ProgramError(f"{bound.program.name}: the triton backend runs CUDA tensors (compiled) and CPU "
+                               f"tensors (interpreted), got device {dev}")
+        major, minor = torch.cuda.get_device_capability(dev)
+        if major < 8:
+            raise ProgramError(f"{bound.program.name}: the triton backend needs an NVIDIA GPU of compute "
+                               f"capability 8.0 or newer (Ampere, Ada, Hopper), got {major}.{minor} "
+                               f"({torch.cuda.get_device_name(dev)})")
+        return False, major
+
+    def _prepare(self, bound: BoundProgram, interpret: bool, major: int) -> _Launch:
+        program = bound.program
+        dtypes = ",".join(f"{n}:{_TRITON_DTYPE.get(t.dtype, str(t.dtype))}" for n, t in
+                          [("a", bound.a)] + sorted(bound.tensors.items()))
+        arch = "interpreter" if interpret else f"sm_{major}x"
+        kernel = load_kernel(program, dtypes=dtypes, arch=arch, interpret=interpret)
+        m, n, k = bound.m, bound.n, bound.k
+        tma_hw = interpret or major in (9, 10)
+        tma_mainloop = self.tma and tma_hw and k > 0 and _tma_ok(bound.a) and _tma_ok(bound.b)
+        tiles = [bound.tensors[name] for name, e in program.inputs.items() if isinstance(e, TileInput)]
+        tiles += [bound.tensors[o.name] for o in program.outputs if isinstance(o, Store) and o.accumulate]
+        tma_epilogue_ok = self.tma and tma_hw and all(_tma_ok(t) for t in tiles)
+        if tma_epilogue_ok:  # the outputs we allocate have the row lengths N*w in their store dtype
+            for o in program.outputs:
+                if isinstance(o, Store) and not o.accumulate:
+                    row_bytes = o.value.width.columns(n) * torch.empty((), dtype=bound.store_dtype(o)).element_size()
+                    tma_epilogue_ok &= row_bytes % 16 == 0 and row_bytes > 0
+        return _Launch(kernel=kernel, args=[], m=m, n=n, k=k, tma_mainloop=tma_mainloop,
+                       tma_epilogue_ok=tma_epilogue_ok,
+                       upcast=interpret and bound.dtype == torch.bfloat16,
+                       precision="ieee" if bound.dtype == torch.float32 or interpret else "tf32",
+                       interpret=interpret)
+
+    # -- launching ---------------------------------------------------------------------------------
+    def _launch(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
+        program = bound.program
+        args = [bound.a, bound.b]
+        args += [bound.tensors[name] for name in program.inputs]
+        args += [outs[o.name] for o in program.outputs]
+        args += [launch.m, launch.n, launch.k]
+        num_tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
+        if launch.interpret:
+            grid = (min(num_tiles, 3),)  # several tiles per program: the persistent loop is exercised
+        else:
+            grid = (min(num_tiles, _num_sms(bound.device)),)
+        meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                    EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
+                    TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok, UPCAST_OPERANDS=launch.upcast,
+                    DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
+        if launch.interpret:
+            with _interpreting():
+                launch.kernel[grid](*args, **meta)
+        else:
+            _set_allocator()
+            launch.kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.launches += 1
+
+    def run(self, bound: BoundProgram) -> dict[str, torch.Tensor]:
+        interpret, major = self._check(bound)
+        if bound.m == 0 or bound.n == 0:
+            cfg = self.config or (INTERPRETER_CONFIG if interpret else KernelConfig(128, 256, 64, 3, 8, 2))
+            return bound.allocate_outputs(cfg.block_m, cfg.block_n)
+        launch = self._prepare(bound, interpret, major)
+        cfg = self._choose(bound, launch, interpret)
+        outs = bound.allocate_outputs(cfg.block_m, cfg.block_n)
+        self._launch(bound, launch, cfg, outs)
+        self.last_config = cfg
+        return outs
+
+    def launcher(self, bound: BoundProgram):
+        """``(launch, outputs, config)``: a zero-argument function that re-runs the kernel into
+        ``outputs`` (allocated once, poisoned). For benchmarks, which time the kernel alone."""
+        interpret, major = self._check(bound)
+        if bound.m == 0 or bound.n == 0:
+            raise ProgramError(f"{bound.program.name}: nothing to launch for M = {bound.m}, N = {bound.n}")
+        launch = self._prepare(bound, interpret, major)
+        cfg = self._choose(bound, launch, interpret)
+        outs = bound.allocate_outputs(cfg.block_m, cfg.block_n)
+        return (lambda: self._launch(bound, launch, cfg, outs)), outs, cfg
+
+    # -- tuning ------------------------------------------------------------------------------------
+    def _choose(self, bound: BoundProgram, launch: _Launch, interpret: bool) -> KernelConfig:
+        if self.config is not None:
+            return self.config
+        if interpret:
+            return INTERPRETER_CONFIG
+        dev = bound.device
+        props = torch.cuda.get_device_properties(dev)
+        smem_limit = getattr(props, "shared_memory_per_block_optin", 232448)
+        pool = candidates(bound.program, major=torch.cuda.get_device_capability(dev)[0],
+                          operand_bytes=bound.a.element_size(), smem_limit=smem_limit, tma=launch.tma_mainloop)
+        autotune = self.autotune
+        if autotune is None:
+            autotune = os.environ.get("CODAGEN_TRITON_AUTOTUNE", "1").strip() not in ("0", "false", "no", "")
+        if len(pool) == 1 or not autotune:
+            return pool[0]
+        key = self._tuning_key(bound, launch)
+        cached = self.tuning.get(key)
+        if cached is not None:
+            return cached
+        return self._tune(bound, launch, pool, key)
+
+    def _tuning_key(self, bound: BoundProgram, launch: _Launch) -> str:
+        def bucket(x: int) -> int:
+            return 1 << max(0, (x - 1).bit_length())
+        tensors = ",".join(f"{n}:{_TRITON_DTYPE.get(t.dtype, t.dtype)}" for n, t in sorted(bound.tensors.items()))
+        program_hash = codegen.source_hash(codegen.program_key(bound.program))
+        return (f"{torch.cuda.get_device_name(bound.device)}|{_versions()}|{bound.program.name}:{program_hash}|"
+                f"a:{_TRITON_DTYPE[bound.dtype]},{tensors}|tma:{int(launch.tma_mainloop)}{int(launch.tma_epilogue_ok)}|"
+                f"M{bucket(bound.m)} N{bucket(bound.n)} K{bucket(bound.k)}")
+
+    def _tune(self, bound: BoundProgram, launch: _Launch, pool: list[KernelConfig], key: str) -> KernelConfig:
+        import triton.testing
+        from triton.runtime.errors import OutOfResources
+        verbose = self.verbose if self.verbose is not None else True
+        start = time.perf_counter()
+        announced = False
+        timings: dict[str, float] = {}
+        best, best_ms = None, float("inf")
+        for i, cfg in enumerate(pool):
+            # scratch outputs; accumulated outputs are cloned so tuning never changes the caller's tensors
+            scratch = {**bound.tensors, **{n: bound.tensors[n].clone() for n in bound.program.accumulated_outputs()}}
+            sb = BoundProgram(bound.program, bound.a, bound.b, bound.m, bound.n, bound.k, scratch)
+            outs = sb.allocate_outputs(cfg.block_m, cfg.block_n)
+            try:
+                self._launch(sb, launch, cfg, outs)
+                ms = triton.testing.do_bench(lambda: self._launch(sb, launch, cfg, outs), warmup=10, rep=40,
+                                             return_mode="median")
+            except OutOfResources as e:
+                timings[cfg.short()] = float("nan")
+                if verbose and announced:
+                    print(f"  {cfg.short()}: out of resources ({e})", file=sys.stderr)
+                continue
+            timings[cfg.short()] = ms
+            if ms < best_ms:
+                best, best_ms = cfg, ms
+            elapsed = time.perf_counter() - start
+            if verbose and (announced or elapsed > 2.0):
+                if not announced:
+                    print(f"codagen: tuning {bound.program.name} M={bound.m} N={bound.n} K={bound.k} "
+                          f"({len(pool)} configs)", file=sys.stderr)
+                    announced = True
+                print(f"  [{i + 1}/{len(pool)}] {cfg.short()}: {ms:.3f} ms", file=sys.stderr)
+        if best is None:
+            raise RuntimeError(f"{bound.program.name}: no kernel configuration fits this GPU; tried "
+                               f"{[c.short() for c in pool]}")
+        if verbose and announced:
+            print(f"  -> {best.short()} ({best_ms:.3f} ms)", file=sys.stderr)
+        self.tuning.put(key, best, timings)
+        return best
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms_index(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _num_sms_index(device.index if device.index is not None else torch.cuda.current_device())

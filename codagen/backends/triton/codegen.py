@@ -1,0 +1,492 @@
+"""Epilogue program -> Triton source: one persistent GEMM kernel with the program in its epilogue.
+
+The generated module holds three ``@triton.jit`` functions (module level, so that Triton can resolve
+them by name):
+
+``tile_coords``          grouped (L2-friendly) order of output tiles;
+``<name>_epilogue``      the program, evaluated on one ``[BLOCK_M, SUB_N]`` accumulator sub-tile in
+                         registers: vector and tile loads, elementwise and pair maps, stores, the
+                         ColPartial sums, and the sub-tile's RowPartial pieces (returned);
+``<name>_kernel``        the persistent GEMM: each program walks output tiles ``tile_id = pid,
+                         pid + num_programs, ...``; per tile, a K loop of ``acc += A_tile @ B_tile``
+                         (TMA tensor-descriptor loads, or masked pointer loads), then the epilogue on
+                         ``EPILOGUE_SPLIT`` column halves of ``acc``, then the RowPartial stores.
+
+The mainloop is one fixed template; only the epilogue differs between programs. Every expression of
+the program becomes one named variable, computed once (the IR's value equality already merges
+common subexpressions; pair splits and sigmoids of one operand are shared as well).
+
+Column bookkeeping. An accumulator sub-tile covers FULL-width columns ``[off_n, off_n + SUB_N)``. A
+value of width HALF covers ``[off_n / 2, off_n / 2 + SUB_N / 2)`` of its own N/2 columns, DOUBLE
+covers ``[2 off_n, 2 off_n + 2 SUB_N)`` of 2N: the same column pairs, so pair maps never straddle a
+sub-tile (``SUB_N`` is even). Rows past M and columns past N*w are masked on every load and store and
+excluded from every reduction (``-inf`` for logsumexp).
+"""
+from __future__ import annotations
+
+import hashlib
+import textwrap
+
+from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Program,
+                                 Rope, RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward,
+                                 TileInput, Unary, Width)
+
+__all__ = ["generate", "program_key", "GENERATOR_VERSION"]
+
+#: bump when the generated code changes meaning (it keys the on-disk source cache)
+GENERATOR_VERSION = "1"
+
+_WIDTH_SUFFIX = {Width.HALF: "_half", Width.FULL: "", Width.DOUBLE: "_double"}
+# Triton expressions for a width's number of columns: of the matrix (N*w) and of a sub-tile (SUB_N*w)
+_MATRIX_COLS = {Width.HALF: "(N // 2)", Width.FULL: "N", Width.DOUBLE: "(2 * N)"}
+_TILE_COLS = {Width.HALF: "(SUB_N // 2)", Width.FULL: "SUB_N", Width.DOUBLE: "(2 * SUB_N)"}
+_TILE_OFFSET = {Width.HALF: "off_n // 2", Width.FULL: "off_n", Width.DOUBLE: "2 * off_n"}
+
+_UNARY = {
+    "neg": "-{x}",
+    "exp": "tl.exp({x})",
+    "log": "tl.log({x})",
+    "sigmoid": "tl.sigmoid({x})",
+    "silu": "{x} * tl.sigmoid({x})",
+    "square": "{x} * {x}",
+}
+_BINARY = {
+    "add": "{a} + {b}",
+    "sub": "{a} - {b}",
+    "mul": "{a} * {b}",
+    "div": "{a} / {b}",
+    "max": "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",  # torch.maximum propagates NaN
+}
+
+
+def program_key(program: Program) -> str:
+    """A canonical text of everything that changes the generated code (the dataclass reprs)."""
+    return f"{program.name}|{program.gemm!r}|{program.gemm.a_layout}{program.gemm.b_layout}|{program.outputs!r}"
+
+
+def _comment(expr: Expr) -> str:
+    text = str(expr)
+    return text if len(text) <= 90 else text[:87] + "..."
+
+
+class _Epilogue:
+    """Emits the body of ``<name>_epilogue``: one line (or a few) per expression, in evaluation order."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.lines: list[str] = []
+        self.names: dict[Expr, str] = {}
+        self.memo: dict[tuple, str] = {}       # shared helper values (pair splits, sigmoids, angles)
+        self.widths_used: set[Width] = set()
+        self.counter = 0
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def emit(self, line: str = "") -> None:
+        self.lines.append(line)
+
+    def fresh(self, stem: str) -> str:
+        self.counter += 1
+        return f"{stem}_{self.counter}"
+
+    def cols(self, width: Width) -> str:
+        self.widths_used.add(width)
+        return "cols" + _WIDTH_SUFFIX[width]
+
+    def col_ok(self, width: Width) -> str:
+        self.widths_used.add(width)
+        return "col_ok" + _WIDTH_SUFFIX[width]
+
+    def tile_ok(self, width: Width) -> str:
+        self.widths_used.add(width)
+        return "tile_ok" + _WIDTH_SUFFIX[width]
+
+    def tile_offsets(self, width: Width) -> str:
+        """Element offsets of a [BLOCK_M, SUB_N*w] tile of a row-major [M, N*w] matrix (int64 rows)."""
+        return f"rows_64[:, None] * {_MATRIX_COLS[width]} + {self.cols(width)}[None, :]"
+
+    def pairs(self, var: str, width: Width) -> tuple[str, str]:
+        """(even, odd) columns of a tile value: ``x[:, 2j]`` and ``x[:, 2j + 1]``, split once."""
+        key = ("pairs", var)
+        if key not in self.memo:
+            even, odd = f"{var}_even", f"{var}_odd"
+            self.emit(f"{even}, {odd} = tl.split(tl.reshape({var}, (BLOCK_M, {_TILE_COLS[width]} // 2, 2)))")
+            self.memo[key] = (even, odd)
+        return self.memo[key]
+
+    def sigmoid(self, var: str) -> str:
+        key = ("sigmoid", var)
+        if key not in self.memo:
+            name = f"{var}_sigmoid"
+            self.emit(f"{name} = tl.sigmoid({var})")
+            self.memo[key] = name
+        return self.memo[key]
+
+    # -- expressions ---------------------------------------------------------------------------------
+    def expression(self, e: Expr) -> None:
+        if isinstance(e, Accumulator):
+            self.names[e] = "acc"
+            return
+        if isinstance(e, RowVector):
+            name = e.name
+            self.emit(f"# {e.name}[m]: per-row vector" + (" (integer index)" if e.index else ""))
+            if e.index:
+                self.emit(f"{name} = tl.load({e.name}_ptr + rows, mask=row_ok, other=-1)[:, None]")
+            else:
+                self.emit(f"{name} = tl.load({e.name}_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]")
+        elif isinstance(e, ColVector):
+            name = e.name
+            w = e.width
+            self.emit(f"# {e}: per-column vector")
+            self.emit(f"{name} = tl.load({e.name}_ptr + {self.cols(w)}, mask={self.col_ok(w)}, "
+                      f"other=0.0).to(tl.float32)[None, :]")
+        elif isinstance(e, ScalarInput):
+            name = e.name
+            self.emit(f"# {e.name}: device scalar (no host sync)")
+            self.emit(f"{name} = tl.load({e.name}_ptr).to(tl.float32)")
+        elif isinstance(e, TileInput):
+            name = e.name
+            w = e.width
+            self.emit(f"# {e}: tile operand")
+            self.emit("if TMA_EPILOGUE:")
+            self.emit(f"    {name} = {e.name}_desc.load([off_m, {_TILE_OFFSET[w]}]).to(tl.float32)")
+            self.emit("else:")
+            self.emit(f"    {name} = tl.load({e.name}_ptr + {self.tile_offsets(w)}, mask={self.tile_ok(w)}, "
+                      f"other=0.0).to(tl.float32)")
+        elif isinstance(e, Constant):
+            name = self.fresh("const")
+            self.emit(f"{name} = tl.full([], {e.value!r}, tl.float32)")
+        elif isinstance(e, Unary):
+            name = self.fresh("v")
+            x = self.names[e.x]
+            code = self.sigmoid(x) if e.op == "sigmoid" else (
+                f"{x} * {self.sigmoid(x)}" if e.op == "silu" else _UNARY[e.op].format(x=x))
+            self.emit(f"{name} = {code}  # {_comment(e)}")
+        elif isinstance(e, Binary):
+            name = self.fresh("v")
+            self.emit(f"{name} = {_BINARY[e.op].format(a=self.names[e.a], b=self.names[e.b])}  # {_comment(e)}")
+        elif isinstance(e, OneHot):
+            name = self.fresh("onehot")
+            self.emit(f"# {e}")
+            self.emit(f"{name} = tl.where({self.cols(Width.FULL)}[None, :] == {self.names[e.index]}, 1.0, 0.0)")
+        elif isinstance(e, SwiGLU):
+            name = self.fresh("swiglu")
+            x = self.names[e.x]
+            gate, up = self.pairs(x, e.x.width)
+            self.emit(f"# {_comment(e)}: silu(gate) * up on pairs (gate, up) = (x[2j], x[2j+1])")
+            self.emit(f"{name} = {gate} * {self.sigmoid(gate)} * {up}")
+        elif isinstance(e, SwiGLUBackward):
+            name = self.fresh("swiglu_grad")
+            p, dy = self.names[e.preact], self.names[e.grad]
+            gate, up = self.pairs(p, e.preact.width)
+            sig = self.sigmoid(gate)
+            self.emit(f"# {_comment(e)}")
+            self.emit(f"#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g); interleaved (dg, du)")
+            self.emit(f"{name}_gate = {dy} * {up} * {sig} * (1.0 + {gate} * (1.0 - {sig}))")
+            self.emit(f"{name}_up = {dy} * {gate} * {sig}")
+            self.emit(f"{name} = tl.reshape(tl.join({name}_gate, {name}_up), (BLOCK_M, {_TILE_COLS[e.width]}))")
+        elif isinstance(e, Rope):
+            name = self.fresh("rope")
+            x = self.names[e.x]
+            even, odd = self.pairs(x, e.x.width)
+            angle_key = ("angle", self.names[e.positions], self.names[e.frequencies])
+            if angle_key not in self.memo:
+                theta = self.fresh("theta")
+                self.emit(f"# rotation angle of each pair, in registers: theta = {e.positions} * {e.frequencies}")
+                self.emit(f"{theta} = {self.names[e.positions]} * {self.names[e.frequencies]}")
+                self.emit(f"{theta}_cos = tl.cos({theta})")
+                self.emit(f"{theta}_sin = tl.sin({theta})")
+                self.memo[angle_key] = theta
+            theta = self.memo[angle_key]
+            cos, sin = f"{theta}_cos", f"{theta}_sin"
+            self.emit(f"# {_comment(e)}")
+            if e.inverse:   # rotate by -theta: cos(-t) = cos t, sin(-t) = -sin t
+                first, second = f"{even} * {cos} + {odd} * {sin}", f"{odd} * {cos} - {even} * {sin}"
+            else:
+                first, second = f"{even} * {cos} - {odd} * {sin}", f"{even} * {sin} + {odd} * {cos}"
+            self.emit(f"{name} = tl.reshape(tl.join({first}, {second}), (BLOCK_M, {_TILE_COLS[e.width]}))")
+        else:  # pragma: no cover - the IR is a closed set
+            raise TypeError(f"triton backend cannot generate code for {type(e).__name__}")
+        self.names[e] = name
+
+    # -- outputs -------------------------------------------------------------------------------------
+    def output(self, out) -> list[str]:
+        """Emit one output; return the names of the RowPartial pieces this sub-tile contributes."""
+        v = self.names[out.value]
+        w = out.value.width
+        if isinstance(out, Store):
+            self.emit(f"# {out}")
+            if out.accumulate:
+                self.emit("if TMA_EPILOGUE:")
+                self.emit(f"    {out.name}_old = {out.name}_desc.load([off_m, {_TILE_OFFSET[w]}]).to(tl.float32)")
+                self.emit("else:")
+                self.emit(f"    {out.name}_old = tl.load({out.name}_ptr + {self.tile_offsets(w)}, "
+                          f"mask={self.tile_ok(w)}, other=0.0).to(tl.float32)")
+                v = f"({out.name}_old + {v})"
+            cast = f"cast_for_store({v}, {out.name}_ptr, INTERPRETER)"
+            self.emit("if TMA_EPILOGUE:")
+            self.emit(f"    {out.name}_desc.store([off_m, {_TILE_OFFSET[w]}], {cast})")
+            self.emit("else:")
+            self.emit(f"    tl.store({out.name}_ptr + {self.tile_offsets(w)}, {cast}, mask={self.tile_ok(w)})")
+            return []
+        if isinstance(out, ColPartial):
+            self.emit(f"# {out}: rows past M excluded")
+            self.emit(f"{out.name}_part = tl.sum(tl.where({self.tile_ok(w)}, {v}, 0.0), axis=0)")
+            self.emit(f"tl.store({out.name}_ptr + pid_m.to(tl.int64) * {_MATRIX_COLS[w]} + {self.cols(w)}, "
+                      f"{out.name}_part, mask={self.col_ok(w)})")
+            return []
+        assert isinstance(out, RowPartial)
+        self.emit(f"# {out}: columns past N excluded")
+        if out.reduction == "sum":
+            self.emit(f"{out.name}_part = tl.sum(tl.where({self.tile_ok(w)}, {v}, 0.0), axis=1)")
+            return [f"{out.name}_part"]
+        # online logsumexp piece: (max, sum exp(x - max)); a row with no finite value keeps max = -inf
+        self.emit(f"{out.name}_x = tl.where({self.tile_ok(w)}, {v}, float('-inf'))")
+        self.emit(f"{out.name}_max = tl.max({out.name}_x, axis=1)")
+        self.emit(f"{out.name}_shift = tl.where({out.name}_max == float('-inf'), 0.0, {out.name}_max)")
+        self.emit(f"{out.name}_sumexp = tl.sum(tl.exp({out.name}_x - {out.name}_shift[:, None]), axis=1)")
+        return [f"{out.name}_max", f"{out.name}_sumexp"]
+
+
+def _signature_names(program: Program) -> tuple[list[str], list[str], list[str]]:
+    """(input pointer names, output pointer names, descriptor names) in argument order."""
+    inputs = [f"{name}_ptr" for name in program.inputs]
+    outputs = [f"{o.name}_ptr" for o in program.outputs]
+    descs = [f"{name}_desc" for name, e in program.inputs.items() if isinstance(e, TileInput)]
+    descs += [f"{o.name}_desc" for o in program.outputs if isinstance(o, Store)]
+    return inputs, outputs, descs
+
+
+def _mainloop(program: Program) -> tuple[str, str]:
+    """(descriptor set-up, K-loop body) for the program's operand layouts."""
+    gemm = program.gemm
+    if gemm.a_layout == "mk":
+        a_desc = "a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])"
+        a_tma = "a = a_desc.load([off_m, off_k])"
+        a_ptr = "a = tl.load(a_ptr + rows_a[:, None] * K + offs_k[None, :], mask=row_ok_a[:, None] & k_ok[None, :], other=0.0)"
+    else:  # A stored [K, M]: load a [BLOCK_K, BLOCK_M] box and use it transposed
+        a_desc = "a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M])"
+        a_tma = "a = a_desc.load([off_k, off_m]).T"
+        a_ptr = "a = tl.load(a_ptr + offs_k[None, :].to(tl.int64) * M + rows_a[:, None], mask=row_ok_a[:, None] & k_ok[None, :], other=0.0)"
+    if gemm.b_layout == "nk":  # B stored [N, K] (nn.Linear weight): load [BLOCK_N, BLOCK_K], use transposed
+        b_desc = "b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])"
+        b_tma = "b = b_desc.load([off_n, off_k]).T"
+        b_ptr = "b = tl.load(b_ptr + cols_b[None, :] * K + offs_k[:, None], mask=k_ok[:, None] & col_ok_b[None, :], other=0.0)"
+    else:
+        b_desc = "b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N])"
+        b_tma = "b = b_desc.load([off_k, off_n])"
+        b_ptr = "b = tl.load(b_ptr + offs_k[:, None].to(tl.int64) * N + cols_b[None, :], mask=k_ok[:, None] & col_ok_b[None, :], other=0.0)"
+    setup = f"""\
+if TMA_MAINLOOP:
+    {a_desc}
+    {b_desc}"""
+    body = f"""\
+if TMA_MAINLOOP:  # TMA boxes; out-of-bounds rows/columns/k are zero-filled by the copy engine
+    {a_tma}
+    {b_tma}
+else:
+    offs_k = off_k + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    {a_ptr}
+    {b_ptr}
+if UPCAST_OPERANDS:  # the Triton 3.6 interpreter's bf16 dot is wrong: multiply in fp32 there
+    a = a.to(tl.float32)
+    b = b.to(tl.float32)
+acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)"""
+    return setup, body
+
+
+def generate(program: Program, header: str = "") -> str:
+    """The Triton source of ``program``'s fused kernel (a complete Python module)."""
+    name = program.name
+    ep = _Epilogue(program)
+    for e in program.expressions():
+        ep.expression(e)
+    row_pieces: list[tuple[RowPartial, list[str]]] = []
+    for out in program.outputs:
+        pieces = ep.output(out)
+        if pieces:
+            row_pieces.append((out, pieces))
+    returned = [p for _, ps in row_pieces for p in ps]
+
+    # index set-up of the sub-tile, only for the widths the program touches
+    prologue = [
+        "rows = off_m + tl.arange(0, BLOCK_M)",
+        "row_ok = rows < M",
+        "rows_64 = rows.to(tl.int64)  # row offsets can pass 2**31 elements",
+        "pid_m = off_m // BLOCK_M",
+    ]
+    for w in (Width.HALF, Width.FULL, Width.DOUBLE):
+        if w in ep.widths_used:
+            s = _WIDTH_SUFFIX[w]
+            prologue.append(f"cols{s} = {_TILE_OFFSET[w]} + tl.arange(0, {_TILE_COLS[w]})  # width {w!r}")
+            prologue.append(f"col_ok{s} = cols{s} < {_MATRIX_COLS[w]}")
+            prologue.append(f"tile_ok{s} = row_ok[:, None] & col_ok{s}[None, :]")
+    body = prologue + [""] + ep.lines
+    if returned:
+        body.append(f"return {', '.join(returned)}")
+
+    inputs, outputs, descs = _signature_names(program)
+    pointer_args = inputs + outputs
+    ep_args = ", ".join(pointer_args + descs)
+    ep_params = ["acc, off_m, off_n, M, N"] + [", ".join(group) for group in (pointer_args, descs) if group]
+    ep_params.append("BLOCK_M: tl.constexpr, SUB_N: tl.constexpr, TMA_EPILOGUE: tl.constexpr, INTERPRETER: tl.constexpr")
+    ep_sig = ",\n        ".join(ep_params)
+    ep_call_args = f"M, N, {ep_args}, BLOCK_M, SUB_N, TMA_EPILOGUE, INTERPRETER" if ep_args else "M, N, BLOCK_M, SUB_N, TMA_EPILOGUE, INTERPRETER"
+
+    # epilogue descriptors (tile operands and tile outputs), created once per program instance
+    desc_lines = []
+    for arg in descs:
+        tname = arg[:-len("_desc")]
+        e = program.inputs.get(tname)
+        w = e.width if isinstance(e, TileInput) else next(o for o in program.outputs if o.name == tname).value.width
+        desc_lines.append(f"{arg} = tl.make_tensor_descriptor({tname}_ptr, shape=[M, {_MATRIX_COLS[w]}], "
+                          f"strides=[{_MATRIX_COLS[w]}, 1], block_shape=[BLOCK_M, {_TILE_COLS[w]}])")
+    if desc_lines:
+        epi_desc = "if TMA_EPILOGUE:\n" + textwrap.indent("\n".join(desc_lines), "    ") + "\nelse:  # pointer path: placeholders, never used\n" + \
+            textwrap.indent("\n".join(f"{d} = {d[:-len('_desc')]}_ptr" for d in descs), "    ")
+    else:
+        epi_desc = "# (no tile operands or tile outputs: the epilogue uses pointer loads/stores only)"
+
+    # the epilogue call(s) on EPILOGUE_SPLIT column slices of acc, and the merge of their RowPartial pieces
+    def call(acc_var: str, offset: str, suffix: str) -> str:
+        lhs = ", ".join(f"{p}{suffix}" for p in returned) + " = " if returned else ""
+        return f"{lhs}{name}_epilogue({acc_var}, off_m, {offset}, {ep_call_args})"
+
+    def merge(into: str, left: str, right: str) -> list[str]:
+        lines = []
+        for out, pieces in row_pieces:
+            if out.reduction == "sum":
+                lines.append(f"{pieces[0]}{into} = {pieces[0]}{left} + {pieces[0]}{right}")
+            else:
+                mx, se = pieces
+                lines.append(f"{mx}{into}, {se}{into} = merge_logsumexp({mx}{left}, {se}{left}, {mx}{right}, {se}{right})")
+        return lines
+
+    split_lines = ["if EPILOGUE_SPLIT == 1:", f"    {call('acc', 'off_n', '')}",
+                   "elif EPILOGUE_SPLIT == 2:  # column halves, one after the other: fewer live registers",
+                   "    acc_0, acc_1 = column_halves(acc, BLOCK_M, SUB_N)",
+                   f"    {call('acc_0', 'off_n', '_0')}",
+                   f"    {call('acc_1', 'off_n + SUB_N', '_1')}"]
+    split_lines += [f"    {line}" for line in merge("", "_0", "_1")]
+    split_lines += ["else:  # four column quarters",
+                    "    acc_01, acc_23 = column_halves(acc, BLOCK_M, 2 * SUB_N)",
+                    "    acc_0, acc_1 = column_halves(acc_01, BLOCK_M, SUB_N)",
+                    f"    {call('acc_0', 'off_n', '_0')}",
+                    f"    {call('acc_1', 'off_n + SUB_N', '_1')}",
+                    "    acc_2, acc_3 = column_halves(acc_23, BLOCK_M, SUB_N)",
+                    f"    {call('acc_2', 'off_n + 2 * SUB_N', '_2')}",
+                    f"    {call('acc_3', 'off_n + 3 * SUB_N', '_3')}"]
+    split_lines += [f"    {line}" for line in merge("_01", "_0", "_1") + merge("_23", "_2", "_3") + merge("", "_01", "_23")]
+    row_stores = []
+    if row_pieces:
+        row_stores += ["rows = off_m + tl.arange(0, BLOCK_M)",
+                       "partial_offsets = rows.to(tl.int64) * num_pid_n + pid_n  # [M, cdiv(N, BLOCK_N)] partials"]
+        for out, pieces in row_pieces:
+            value = pieces[0] if out.reduction == "sum" else f"{pieces[0]} + tl.log({pieces[1]})"
+            row_stores.append(f"tl.store({out.name}_ptr + partial_offsets, {value}, mask=rows < M)  # {out.reduction}")
+    split_call = "\n".join(split_lines)
+
+    setup, kbody = _mainloop(program)
+    program_text = textwrap.indent(str(program), "#   ")
+    doc = (program.doc or "").strip().splitlines()[0] if program.doc else ""
+
+    kernel_args = ",\n        ".join(filter(None, [
+        "a_ptr, b_ptr", ", ".join(inputs), ", ".join(outputs), "M, N, K",
+        "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr",
+        "EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr",
+        "UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr",
+    ]))
+
+    def ind(text: str, n: int) -> str:
+        return textwrap.indent(text, " " * n)
+
+    src = f'''\
+# Generated by codagen.backends.triton (generator version {GENERATOR_VERSION}); do not edit.
+{header}#
+# {program.name}: {doc}
+{program_text}
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M consecutive M-tiles sweep the N-tiles together, so B tiles stay in L2."""
+    tiles_per_group = GROUP_M * num_pid_n
+    group = tile_id // tiles_per_group
+    first_m = group * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % group_m)
+    pid_n = (tile_id % tiles_per_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def column_halves(x, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
+    """[BLOCK_M, 2 * HALF] -> its left and right [BLOCK_M, HALF] halves (a register relabelling)."""
+    return tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+
+
+@triton.jit
+def cast_for_store(x, ptr, INTERPRETER: tl.constexpr):
+    """fp32 -> the output's dtype, rounding to nearest even.
+
+    The Triton 3.6 interpreter truncates fp32 -> bf16; there, round the fp32 bits to bf16 precision
+    first (add 0x7FFF plus the lowest kept bit, clear the low half), so the truncation is exact.
+    """
+    if INTERPRETER:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def merge_logsumexp(max_a, sumexp_a, max_b, sumexp_b):
+    """Merge two (max, sum exp(x - max)) pieces of an online logsumexp; -inf maxima stay harmless."""
+    new_max = tl.maximum(max_a, max_b)
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    return new_max, sumexp_a * tl.exp(max_a - shift) + sumexp_b * tl.exp(max_b - shift)
+
+
+@triton.jit
+def {name}_epilogue(
+        {ep_sig}):
+    """The program on one fp32 accumulator sub-tile: rows [off_m, off_m + BLOCK_M), columns [off_n, off_n + SUB_N)."""
+{ind(chr(10).join(body), 4)}
+
+
+@triton.jit
+def {name}_kernel(
+        {kernel_args}):
+    """Persistent GEMM acc = op(A) @ op(B) (fp32 accumulation) with the {name} epilogue; one launch."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+{ind(setup, 4)}
+{ind(epi_desc, 4)}
+
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        rows_a = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok_a = rows_a < M
+        cols_b = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+        col_ok_b = cols_b < N
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k_tile in range(k_tiles):
+            off_k = k_tile * BLOCK_K
+{ind(kbody, 12)}
+
+{ind(split_call, 8)}
+{ind(chr(10).join(row_stores), 8)}
+'''
+    return src
+
+
+def source_hash(*parts: str) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

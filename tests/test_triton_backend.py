@@ -1,0 +1,312 @@
+"""Triton backend against the reference backend.
+
+CPU tests run the generated kernels in the Triton interpreter (tiny shapes, 32x32x32 tiles). GPU tests
+(``-m gpu``) run compiled kernels at realistic sizes in bf16 and fp16.
+
+Numerics rule (METHOD.md, the paper's gate): for every output, after finishing partials,
+``max |triton - exact| <= 2 * max |pytorch_lowp - exact| + 1e-6`` where ``exact`` is the reference
+backend on float64 copies of the same inputs and ``pytorch_lowp`` is the same computation done the
+unfused PyTorch way at the input dtype (GEMM output rounded to that dtype, epilogue in fp32). With
+float32 operands both sides are fp32 rounding noise, so the rule is a relative one instead:
+``max |triton - exact| <= 1e-5 * max(1, max |exact|)``.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import tempfile
+
+import pytest
+import torch
+
+from codagen.backends import execute
+from codagen.backends.reference import ReferenceBackend
+from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend
+from codagen.bench.kernels import eager_epilogue, gemm, random_inputs
+from codagen.epilogue import library
+from codagen.epilogue.bind import bind
+from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Gemm, OneHot, Program,
+                                 ProgramError, Rope, RowPartial, RowVector, ScalarInput, Store, SwiGLU,
+                                 SwiGLUBackward, TileInput, Unary, Width)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_cache_dir():
+    """Generated sources and tuning results go to a fresh directory, not the user's cache."""
+    with tempfile.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CODAGEN_CACHE_DIR", d)
+        yield d
+
+
+# --------------------------------------------------------------------------------------------------
+# The check every test uses
+# --------------------------------------------------------------------------------------------------
+def finish(program: Program, outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Outputs with partials reduced over their tile axis (any tile count), as float64."""
+    done = {}
+    for o in program.outputs:
+        v = outs[o.name].double()
+        if isinstance(o, RowPartial):
+            v = v.sum(-1) if o.reduction == "sum" else torch.logsumexp(v, -1)
+        elif isinstance(o, ColPartial):
+            v = v.sum(0)
+        done[o.name] = v.reshape(-1) if not isinstance(o, Store) else v
+    return done
+
+
+def _clone(tensors):
+    return {k: v.clone() for k, v in tensors.items()}
+
+
+def check(program: Program, m: int, n: int, k: int, dtype: torch.dtype, device="cpu",
+          backend: TritonBackend | None = None) -> dict[str, torch.Tensor]:
+    """Run ``program`` on fresh random inputs with the Triton backend and apply the numerics rule."""
+    backend = backend or TritonBackend(autotune=False)
+    a, b, tensors = random_inputs(program, m, n, k, dtype, device)
+    outs = backend.run(bind(program, a, b, _clone(tensors)))
+
+    up = {name: (t.double() if t.dtype.is_floating_point else t) for name, t in tensors.items()}
+    # exact: float64 all the way, stores not rounded to their dtypes
+    unrounded = Program(program.name, program.gemm, tuple(
+        Store(o.name, o.value, "input", o.accumulate) if isinstance(o, Store) else o for o in program.outputs))
+    exact = finish(program, ReferenceBackend().run(bind(unrounded, a.double(), b.double(), up)))
+    lowp_tensors = _clone(tensors)
+    lowp = finish(program, eager_epilogue(program, gemm(program, a, b), lowp_tensors))
+    got = finish(program, outs)
+    for o in program.outputs:
+        g, e, lo = got[o.name], exact[o.name], lowp[o.name]
+        assert g.shape == e.shape, f"{o.name}: shape {tuple(g.shape)} != {tuple(e.shape)}"
+        assert not torch.isnan(g).any(), f"{o.name}: NaN left (an element was not written)"
+        err = (g - e).abs().max().item() if g.numel() else 0.0
+        if dtype == torch.float32:
+            bound = 1e-5 * max(1.0, e.abs().max().item() if e.numel() else 0.0)
+        else:
+            bound = 2 * ((lo.reshape(e.shape) - e).abs().max().item() if e.numel() else 0.0) + 1e-6
+        assert err <= bound, f"{program.name}.{o.name} ({dtype}, M={m} N={n} K={k}): error {err:.3g} > {bound:.3g}"
+    return outs
+
+
+# --------------------------------------------------------------------------------------------------
+# Every library program, small and odd shapes, both mainloops (TMA descriptors when aligned)
+# --------------------------------------------------------------------------------------------------
+def _needs_even_n(program: Program) -> bool:
+    return program.has_pairs() or any(e.width == Width.HALF for e in program.expressions() if e.kind in ("tile", "col"))
+
+
+SHAPES = [(1, 70, 48), (7, 69, 45), (129, 66, 40), (40, 128, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", sorted(library.PROGRAMS))
+def test_library_program(name, shape, dtype):
+    program = library.PROGRAMS[name]()
+    m, n, k = shape
+    if n % 2 and _needs_even_n(program):
+        n += 1
+    check(program, m, n, k, dtype)
+
+
+@pytest.mark.parametrize("name", ["rms_gate_up_swiglu", "swiglu_backward", "rms_lm_head_cross_entropy_backward"])
+def test_library_program_bf16_interpreter(name):
+    """bf16 runs in the interpreter with the dot upcast to fp32 (its bf16 dot is wrong)."""
+    check(library.PROGRAMS[name](), 33, 66, 48, torch.bfloat16)
+
+
+@pytest.mark.parametrize("split,block_n", [(2, 64), (4, 64), (2, 32)])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("name", ["swiglu_backward", "rms_lm_head_cross_entropy", "rms_norm_backward",
+                                  "rms_qkv_rope", "residual_rms_stats"])
+def test_epilogue_split(name, split, block_n, tma):
+    """The accumulator cut into 2 or 4 column slices (partials merged across slices), TMA or pointer epilogue."""
+    cfg = KernelConfig(32, block_n, 32, 1, 4, epilogue_split=split, tma_epilogue=tma, group_m=2)
+    outs = check(library.PROGRAMS[name](), 45, 2 * block_n + 10, 48, torch.float16, backend=TritonBackend(config=cfg, tma=tma))
+    program = library.PROGRAMS[name]()
+    for o in program.outputs:
+        if isinstance(o, RowPartial):
+            assert outs[o.name].shape == (45, -(-(2 * block_n + 10) // block_n))
+
+
+def test_pointer_mainloop_forced():
+    check(library.rms_norm_backward(), 20, 64, 64, torch.float16, backend=TritonBackend(autotune=False, tma=False))
+
+
+# --------------------------------------------------------------------------------------------------
+# Every primitive, alone
+# --------------------------------------------------------------------------------------------------
+acc = Accumulator()
+r = RowVector("r")
+c = ColVector("c")
+PRIMITIVES = {
+    **{f"unary_{op}": (Store("out", Unary(op, acc if op != "log" else Unary("exp", acc))),) for op in
+       ("neg", "exp", "log", "sigmoid", "silu", "square")},
+    **{f"binary_{op}": (Store("out", Binary(op, acc, TileInput("t") if op != "div" else Unary("exp", TileInput("t")))),)
+       for op in ("add", "sub", "mul", "div", "max")},
+    "constant": (Store("out", acc * 0.5 + Constant(2.0)),),
+    "row_col_scalar": (Store("out", acc * r + c * ScalarInput("s")),),
+    "row_times_col_only": (Store("out", r * c),),
+    "col_half_and_tile_double": (Store("out", SwiGLU(TileInput("t2", Width.DOUBLE)) * acc),
+                                 Store("half", SwiGLU(acc) * ColVector("ch", Width.HALF), dtype="float32")),
+    "onehot": (Store("out", OneHot(RowVector("idx", index=True)) + acc),),
+    "swiglu_double": (Store("out", SwiGLU(TileInput("t2", Width.DOUBLE))),),
+    "swiglu_backward": (Store("out", SwiGLUBackward(TileInput("t2", Width.DOUBLE), acc)),),
+    "rope": (Store("out", Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF))),),
+    "rope_inverse": (Store("out", Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF), inverse=True)),),
+    "row_partials": (RowPartial("lse_half", SwiGLU(acc), "logsumexp"), RowPartial("sum", acc * r)),
+    "col_partial_double": (ColPartial("colsum", SwiGLUBackward(TileInput("t2", Width.DOUBLE), acc)),),
+    "store_dtypes": (Store("o32", acc, dtype="float32"), Store("o16", acc, dtype="float16"),
+                     Store("obf", acc, dtype="bfloat16")),
+    "accumulate": (Store("acc_out", acc * 2.0, accumulate=True),),
+}
+
+
+@pytest.mark.parametrize("gemm", [Gemm.linear(), Gemm.input_grad(), Gemm.weight_grad()], ids=["mk_nk", "mk_kn", "km_kn"])
+@pytest.mark.parametrize("name", sorted(PRIMITIVES))
+def test_primitive(name, gemm):
+    program = Program(f"prim_{name}", gemm, PRIMITIVES[name])
+    check(program, 37, 70, 40, torch.float16)
+
+
+def test_accumulate_updates_callers_tensor_in_place():
+    program = library.weight_grad(accumulate=True, dtype="float32")
+    a, b, tensors = random_inputs(program, 33, 40, 24, torch.float16, "cpu")
+    before = tensors["grad_weight"].clone()
+    outs = TritonBackend().run(bind(program, a, b, tensors))
+    assert outs["grad_weight"] is tensors["grad_weight"]
+    expected = before + (a.float().t() @ b.float())
+    torch.testing.assert_close(tensors["grad_weight"], expected, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Edges, determinism, source, errors
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,n", [(0, 16), (16, 0)])
+def test_empty_outputs_without_launch(m, n):
+    program = library.residual_rms_stats()
+    a, b, tensors = random_inputs(program, m, n, 8, torch.float16, "cpu")
+    backend = TritonBackend()
+    outs = backend.run(bind(program, a, b, tensors))
+    assert backend.launches == 0
+    assert outs["residual_out"].shape == (m, n) and outs["partial_sumsq"].shape[0] == m
+
+
+def test_k_zero_gives_zero_accumulator():
+    program = library.residual_rms_stats()
+    a, b, tensors = random_inputs(program, 9, 20, 0, torch.float16, "cpu")
+    outs = TritonBackend().run(bind(program, a, b, tensors))
+    torch.testing.assert_close(outs["residual_out"], tensors["residual"])
+
+
+@pytest.mark.parametrize("name", ["swiglu_backward", "rms_lm_head_cross_entropy", "rms_norm_backward"])
+def test_deterministic(name):
+    program = library.PROGRAMS[name]()
+    a, b, tensors = random_inputs(program, 70, 66, 48, torch.float16, "cpu")
+    first = TritonBackend().run(bind(program, a, b, _clone(tensors)))
+    second = TritonBackend().run(bind(program, a, b, _clone(tensors)))
+    for key in first:
+        assert torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("name", sorted(library.PROGRAMS))
+def test_source_is_printable_python(name):
+    program = library.PROGRAMS[name]()
+    src = program.triton_source()
+    ast.parse(src)
+    assert f"def {name}_kernel(" in src and "tl.dot(" in src and "@triton.jit" in src
+    assert str(program).splitlines()[0] in src  # the program's math is in the header
+
+
+def test_source_cached_on_disk(kernel_cache_dir):
+    check(library.rms_linear(), 5, 16, 16, torch.float16)
+    files = os.listdir(os.path.join(kernel_cache_dir, "triton", "kernels"))
+    assert any(f.startswith("rms_linear_") and f.endswith(".py") for f in files)
+
+
+def test_execute_selects_triton_on_cpu():
+    program = library.rms_linear()
+    a, b, tensors = random_inputs(program, 5, 16, 16, torch.float16, "cpu")
+    out = execute(program, a, b, backend="triton", **tensors)["out"]
+    ref = execute(program, a, b, backend="reference", **tensors)["out"]
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+
+
+def test_float64_is_refused_clearly():
+    program = library.linear()
+    a, b = torch.randn(4, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    with pytest.raises(ProgramError, match="float16, bfloat16 or float32"):
+        TritonBackend().run(bind(program, a, b, {}))
+
+
+def test_interpreter_config_is_small():
+    assert INTERPRETER_CONFIG.block_m * INTERPRETER_CONFIG.block_n <= 32 * 32
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: compiled kernels at realistic sizes (run on the H200: bench/gpu_kernels.sh)
+# --------------------------------------------------------------------------------------------------
+def _gpu_configs():
+    from codagen.backends.triton.configs import _SM90
+    return list(_SM90)
+
+
+def _is_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(library.PROGRAMS))
+def test_gpu_program(name, dtype):
+    program = library.PROGRAMS[name]()
+    check(program, 1000, 1536, 1024, dtype, device="cuda")       # M past a tile edge
+    check(program, 515, 1000, 1000, dtype, device="cuda")        # N, K past tile edges
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _gpu_configs(), ids=lambda c: c.short().replace(" ", "_"))
+@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_gate_up_swiglu", "rms_qkv_rope", "rms_lm_head_cross_entropy",
+                                  "rms_lm_head_cross_entropy_backward", "rms_norm_backward", "swiglu_backward"])
+def test_gpu_every_config(name, cfg):
+    if not _is_hopper():
+        pytest.skip("Hopper configurations")
+    backend = TritonBackend(config=cfg)
+    try:
+        check(library.PROGRAMS[name](), 1000, 2000, 512, torch.bfloat16, device="cuda", backend=backend)
+    except Exception as e:  # a config that does not fit is pruned by the tuner, not a wrong answer
+        if "OutOfResources" in type(e).__name__ or "out of resource" in str(e):
+            pytest.skip(f"{cfg.short()}: {e}")
+        raise
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["linear", "rms_norm_backward", "swiglu_backward"])
+def test_gpu_pointer_path_for_unaligned_rows(name):
+    """K = 1001 (bf16 rows of 2002 bytes) cannot use TMA: the pointer mainloop runs instead."""
+    check(library.PROGRAMS[name](), 300, 512, 1001, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_gate_up_swiglu", "swiglu_backward", "rms_lm_head_cross_entropy"])
+def test_gpu_one_launch_and_bitwise_deterministic(name):
+    program = library.PROGRAMS[name]()
+    a, b, tensors = random_inputs(program, 2048, 4096, 1024, torch.bfloat16, "cuda")
+    backend = TritonBackend(autotune=False)
+    first = backend.run(bind(program, a, b, _clone(tensors)))  # compile outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        second = backend.run(bind(program, a, b, _clone(tensors)))
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ours = [k for k in kernels if f"{name}_kernel" in k]
+    others = [k for k in kernels if f"{name}_kernel" not in k and "fill" not in k.lower() and "copy" not in k.lower()]
+    assert len(ours) == 1, kernels
+    assert not others, f"unexpected kernels besides the fused one and output poisoning: {others}"
+    for key in first:
+        assert torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)), key
+
+
+@pytest.mark.gpu
+def test_gpu_float64_refused():
+    a = torch.randn(16, 16, dtype=torch.float64, device="cuda")
+    with pytest.raises(ProgramError, match="float16, bfloat16 or float32"):
+        TritonBackend().run(bind(library.linear(), a, a, {}))
