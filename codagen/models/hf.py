@@ -21,6 +21,7 @@ approximation):
 
 - With ``labels`` the loss is the fused LM-head cross-entropy and ``logits`` is ``None`` (never
   materialized); call without ``labels`` to get logits.
+- Under autocast everything runs in the autocast dtype (weights cast once per forward).
 - Handled exactly: Q/K/V biases (Qwen2; RoPE is linear, so the rotated bias is added after the fused
   kernel), O-proj bias (folded into the residual add), tied embeddings, ``position_ids``,
   ``inputs_embeds``, all-ones ``attention_mask``, sliding-window attention (an explicit SDPA mask when
@@ -103,17 +104,21 @@ def is_patched(model: nn.Module) -> bool:
     return isinstance(forward, types.MethodType) and forward.__func__ is _forward
 
 
-def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None) -> BlockWeights:
-    """One HF decoder layer's parameters in the fused layout (differentiable gathers, see module docstring)."""
+def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, dtype: torch.dtype) -> BlockWeights:
+    """One HF decoder layer's parameters in the fused layout and ``dtype`` (differentiable gathers and
+    casts, see the module docstring)."""
     attn, mlp = layer.self_attn, layer.mlp
-    qkv = fuse_qkv(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, head_dim)
+
+    def cast(t):
+        return None if t is None else t.to(dtype)
+    qkv = fuse_qkv(*(cast(getattr(attn, n).weight) for n in ("q_proj", "k_proj", "v_proj")), head_dim)
     qkv_bias = (None if attn.q_proj.bias is None
-                else fuse_qkv(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, head_dim))
+                else fuse_qkv(*(cast(getattr(attn, n).bias) for n in ("q_proj", "k_proj", "v_proj")), head_dim))
     return BlockWeights(
-        attn_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias,
-        o=attn.o_proj.weight, o_bias=attn.o_proj.bias, mlp_norm=layer.post_attention_layernorm.weight,
-        gate_up=ops.interleave_gate_up(mlp.gate_proj.weight, mlp.up_proj.weight), down=mlp.down_proj.weight,
-        sliding_window=sliding_window)
+        attn_norm=cast(layer.input_layernorm.weight), qkv=qkv, qkv_bias=qkv_bias,
+        o=cast(attn.o_proj.weight), o_bias=cast(attn.o_proj.bias), mlp_norm=cast(layer.post_attention_layernorm.weight),
+        gate_up=ops.interleave_gate_up(cast(mlp.gate_proj.weight), cast(mlp.up_proj.weight)),
+        down=cast(mlp.down_proj.weight), sliding_window=sliding_window)
 
 
 def _sliding_window(model: nn.Module, layer: nn.Module) -> int | None:
@@ -127,8 +132,6 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
              labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
              return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     if kwargs:
         raise _refuse(f"forward arguments {sorted(kwargs)}")
     if past_key_values is not None or use_cache:
@@ -146,6 +149,21 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     batch, seq, hidden = x.shape
     if attention_mask is not None and not bool(attention_mask.all()):
         raise _refuse("padding in attention_mask (zeros)")
+    # Under autocast (e.g. fp32 master weights, bf16 compute) everything runs in the autocast dtype,
+    # cast once here; autocast itself is then switched off so SDPA keeps the dtype the fused ops expect.
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    with torch.autocast(device_type, enabled=False):
+        return _decoder_forward(self, x.to(dtype), dtype, position_ids, labels, shift_labels, logits_to_keep, num_items_in_batch,
+                    return_dict)
+
+
+def _decoder_forward(self, x, dtype, position_ids, labels, shift_labels, logits_to_keep, num_items_in_batch,
+                     return_dict):
+    """The checked forward: embeddings ``x`` [B, S, d] in ``dtype`` through the fused decoder and head."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    batch, seq, hidden = x.shape
     config = self.config
     if position_ids is None:
         position_ids = torch.arange(seq, device=x.device)
@@ -159,10 +177,11 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0)
     layers = self.model.layers[: config.num_hidden_layers]
-    blocks = [_block_weights(layer, head_dim, _sliding_window(self, layer)) for layer in layers]
-    final_norm = self.model.norm
-    h, normed, rstd = decoder_stack(x.reshape(batch * seq, hidden).contiguous(), blocks, final_norm.weight,
-                                    final_norm.variance_epsilon, spec, positions, frequencies)
+    blocks = [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
+    norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
+    head_weight = self.lm_head.weight.to(dtype)
+    h, normed, rstd = decoder_stack(x.reshape(batch * seq, hidden).contiguous(), blocks, norm_weight, eps, spec,
+                                    positions, frequencies)
 
     loss = logits = None
     if labels is not None or shift_labels is not None:
@@ -172,9 +191,9 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
             shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         targets = shift_labels.reshape(-1).to(x.device).contiguous()
         if targets.shape[0] != batch * seq:
-            raise ValueError(f"codagen.patch: labels must be [batch, seq] = {(batch, seq)}, got {tuple(labels.shape)}")
+            raise ValueError(f"codagen.patch: labels must be [batch, seq] = {(batch, seq)}, got {tuple(shift_labels.shape)} shifted")
         reduction = "mean" if num_items_in_batch is None else "sum"
-        loss = lm_head(h, normed, rstd, final_norm.weight, self.lm_head.weight, targets, reduction=reduction)
+        loss = lm_head(h, normed, rstd, norm_weight, head_weight, targets, reduction=reduction)
         if num_items_in_batch is not None:
             loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                            else num_items_in_batch)
@@ -186,7 +205,6 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
         if keep.numel() != seq:  # the head's rows, gathered per sequence
             rows = (torch.arange(batch, device=x.device)[:, None] * seq + keep[None, :]).reshape(-1)
             h, normed, rstd = h[rows].contiguous(), normed[rows].contiguous(), rstd[rows].contiguous()
-        logits = lm_head(h, normed, rstd, final_norm.weight, self.lm_head.weight, None).view(batch, -1,
-                                                                                            config.vocab_size)
+        logits = lm_head(h, normed, rstd, norm_weight, head_weight, None).view(batch, -1, config.vocab_size)
     output = CausalLMOutputWithPast(loss=loss, logits=logits)
     return output if return_dict is None or return_dict else output.to_tuple()
