@@ -4,6 +4,12 @@ import os
 import pytest
 import torch
 
+# Every output a backend allocates starts as NaN, so an element a kernel forgets to write fails a test.
+os.environ["CODAGEN_POISON_OUTPUTS"] = "1"
+from codagen.epilogue.bind import set_poison_outputs  # noqa: E402
+
+set_poison_outputs(True)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -8,14 +8,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import torch
 
 from .ir import ColPartial, ColVector, Program, ProgramError, RowPartial, RowVector, ScalarInput, Store, TileInput, Width
 
-__all__ = ["BoundProgram", "bind", "OPERAND_DTYPES", "cdiv"]
+__all__ = ["BoundProgram", "bind", "OPERAND_DTYPES", "cdiv", "set_poison_outputs"]
 
 OPERAND_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+#: Fill new outputs with NaN so that an element a kernel forgets to write shows up. A debugging aid:
+#: it costs a full write pass per output, so it is off unless CODAGEN_POISON_OUTPUTS=1 (the tests set it).
+_poison_outputs = os.environ.get("CODAGEN_POISON_OUTPUTS", "0") == "1"
+
+
+def set_poison_outputs(enabled: bool) -> None:
+    """Turn NaN-poisoning of newly allocated outputs on or off (see ``CODAGEN_POISON_OUTPUTS``)."""
+    global _poison_outputs
+    _poison_outputs = bool(enabled)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -62,7 +75,7 @@ class BoundProgram:
         raise TypeError(out)
 
     def allocate_outputs(self, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
-        """New output tensors, poisoned with NaN so that an element a kernel forgets to write shows.
+        """New output tensors (NaN-poisoned when poisoning is on: see :func:`set_poison_outputs`).
 
         Accumulated outputs are the caller's tensors, returned as given.
         """
@@ -72,8 +85,9 @@ class BoundProgram:
                 outs[out.name] = self.tensors[out.name]
                 continue
             dtype = self.store_dtype(out) if isinstance(out, Store) else self.compute_dtype
-            outs[out.name] = torch.full(self.output_shape(out, block_m, block_n), float("nan"), dtype=dtype,
-                                        device=self.device)
+            shape = self.output_shape(out, block_m, block_n)
+            outs[out.name] = (torch.full(shape, float("nan"), dtype=dtype, device=self.device) if _poison_outputs
+                              else torch.empty(shape, dtype=dtype, device=self.device))
         return outs
 
 
