@@ -75,8 +75,8 @@ class ReferenceLlama(nn.Module):
 
     # --- the memory-bound ops (overridable) ---------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x * rsqrt(mean(x^2) + eps) * weight``, statistics in fp32 (as HF)."""
-        xf = x.float()
+        """``x * rsqrt(mean(x^2) + eps) * weight``, statistics in fp32 (as HF; fp64 for fp64 ``x``)."""
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * normed.to(x.dtype)
 
@@ -95,10 +95,11 @@ class ReferenceLlama(nn.Module):
 
     # ------------------------------------------------------------------------------------------
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos/sin ``[B, 1, S, hd]`` of angle ``position * inv_freq`` (fp32, then cast, as HF)."""
-        c = self.config
-        inv_freq = c.inverse_frequencies(device=positions.device)
-        angles = positions.float()[..., None] * inv_freq
+        """cos/sin ``[B, 1, S, hd]`` of angle ``position * inv_freq``: fp32 math then cast, as HF (fp64
+        for fp64 activations, the oracle precision)."""
+        math_dtype = torch.promote_types(dtype, torch.float32)
+        inv_freq = self.config.inverse_frequencies(device=positions.device).to(math_dtype)
+        angles = positions.to(math_dtype)[..., None] * inv_freq
         angles = torch.cat((angles, angles), dim=-1)[:, None]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
