@@ -3,5 +3,7 @@ __version__ = "0.1.0"
 
 from .backends import execute, set_backend, use_backend
 from .epilogue import Program, ProgramError, library
+from .models import is_patched, patch, unpatch
 
-__all__ = ["__version__", "execute", "set_backend", "use_backend", "Program", "ProgramError", "library"]
+__all__ = ["__version__", "execute", "set_backend", "use_backend", "Program", "ProgramError", "library",
+           "patch", "unpatch", "is_patched"]
