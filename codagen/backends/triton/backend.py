@@ -110,15 +110,19 @@ def _interpreting():
             JITFunction.__call__ = original
 
 
-@functools.lru_cache(maxsize=None)
+def _scratch_alloc(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _set_allocator() -> None:
-    """Device-side tensor descriptors need a little global scratch memory per launch."""
+    """Device-side tensor descriptors need a little global scratch memory per launch.
+
+    Triton keeps the allocator in a ContextVar, which a new thread does not inherit: autograd runs
+    backward on its own device threads, so this is set before every launch (a cheap ContextVar set),
+    not once per process.
+    """
     import triton
-
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-
-    triton.set_allocator(alloc)
+    triton.set_allocator(_scratch_alloc)
 
 
 # --------------------------------------------------------------------------------------------------
