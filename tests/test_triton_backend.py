@@ -59,10 +59,14 @@ def _clone(tensors):
 
 
 def check(program: Program, m: int, n: int, k: int, dtype: torch.dtype, device="cpu",
-          backend: TritonBackend | None = None) -> dict[str, torch.Tensor]:
-    """Run ``program`` on fresh random inputs with the Triton backend and apply the numerics rule."""
+          backend: TritonBackend | None = None, inputs: dict | None = None) -> dict[str, torch.Tensor]:
+    """Run ``program`` on fresh random inputs with the Triton backend and apply the numerics rule.
+
+    ``inputs`` maps input names to functions ``(m, device) -> tensor`` that replace the random ones."""
     backend = backend or TritonBackend(autotune=False)
     a, b, tensors = random_inputs(program, m, n, k, dtype, device)
+    for name, make in (inputs or {}).items():
+        tensors[name] = make(m, device)
     outs = backend.run(bind(program, a, b, _clone(tensors)))
 
     up = {name: (t.double() if t.dtype.is_floating_point else t) for name, t in tensors.items()}
@@ -125,6 +129,37 @@ def test_epilogue_split(name, split, block_n, tma):
     for o in program.outputs:
         if isinstance(o, RowPartial):
             assert outs[o.name].shape == (45, -(-(2 * block_n + 10) // block_n))
+
+
+def _llama3_rope_inputs(n: int, positions_max: int = 16384):
+    """Positions spread over [0, positions_max) and LLaMA-3 frequencies (base 500000, head dim 128):
+    angles up to ~16384 rad, far outside the [-pi, pi] of the hardware sin/cos approximations."""
+    def positions(m, device):
+        return torch.linspace(0, positions_max - 1, m, device=device).round()
+
+    def frequencies(m, device):
+        return 500000.0 ** (-(torch.arange(n // 2, device=device) % 64).float() / 64)
+    return {"positions": positions, "frequencies": frequencies}
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["rope", "inverse"])
+def test_rope_long_positions(inverse):
+    """RoPE's reduced sin/cos at LLaMA-3 positions up to 16384 (interpreter: the reduction is shared)."""
+    program = Program("rope_long", Gemm.linear(), (
+        Store("out", Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF), inverse=inverse)),))
+    check(program, 64, 64, 32, torch.float16, inputs=_llama3_rope_inputs(64))
+
+
+def test_pair_form_consumers():
+    """A pair map's result kept as (even, odd) halves: elementwise maps with column, row and scalar
+    operands, a logsumexp and a sum RowPartial on the halves, a ColPartial and a store of the join."""
+    rope = Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF))
+    y = Unary("exp", rope * ColVector("c") + RowVector("r")) - ScalarInput("s")
+    program = Program("pair_form", Gemm.linear(), (
+        Store("out", y), RowPartial("lse", rope, "logsumexp"), RowPartial("total", y * rope),
+        ColPartial("cols", y)))
+    for cfg in (INTERPRETER_CONFIG, KernelConfig(32, 64, 32, 1, 4, epilogue_split=2, group_m=2)):
+        check(program, 45, 138, 48, torch.float16, backend=TritonBackend(config=cfg))
 
 
 def test_pointer_mainloop_forced():
@@ -276,6 +311,17 @@ def test_gpu_every_config(name, cfg):
         if "OutOfResources" in type(e).__name__ or "out of resource" in str(e):
             pytest.skip(f"{cfg.short()}: {e}")
         raise
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [None] + _gpu_configs(), ids=lambda c: c.short().replace(" ", "_") if c else "tuned")
+def test_gpu_rope_long_positions(cfg):
+    """The hardware sin/cos after the 2 pi reduction: LLaMA-3 frequencies, positions up to 16384."""
+    if cfg is not None and not _is_hopper():
+        pytest.skip("Hopper configurations")
+    backend = TritonBackend(config=cfg) if cfg else TritonBackend()
+    check(library.rms_qkv_rope(), 16384, 1024, 256, torch.bfloat16, device="cuda", backend=backend,
+          inputs=_llama3_rope_inputs(1024))
 
 
 @pytest.mark.gpu

@@ -34,13 +34,15 @@ from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Con
 __all__ = ["generate", "program_key", "GENERATOR_VERSION"]
 
 #: bump when the generated code changes meaning (it keys the on-disk source cache)
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"
 
 _WIDTH_SUFFIX = {Width.HALF: "_half", Width.FULL: "", Width.DOUBLE: "_double"}
 # Triton expressions for a width's number of columns: of the matrix (N*w) and of a sub-tile (SUB_N*w)
 _MATRIX_COLS = {Width.HALF: "(N // 2)", Width.FULL: "N", Width.DOUBLE: "(2 * N)"}
 _TILE_COLS = {Width.HALF: "(SUB_N // 2)", Width.FULL: "SUB_N", Width.DOUBLE: "(2 * SUB_N)"}
 _TILE_OFFSET = {Width.HALF: "off_n // 2", Width.FULL: "off_n", Width.DOUBLE: "2 * off_n"}
+# the width whose columns index the pairs of a width's columns
+_HALF_OF = {Width.FULL: Width.HALF, Width.DOUBLE: Width.FULL}
 
 _UNARY = {
     "neg": "-{x}",
@@ -79,6 +81,11 @@ class _Epilogue:
         self.memo: dict[tuple, str] = {}       # shared helper values (pair splits, sigmoids, angles)
         self.widths_used: set[Width] = set()
         self.counter = 0
+        # values kept as their (even, odd) column halves: pair maps produce them, elementwise maps of
+        # them stay in that form, and the interleaving tl.join + reshape is emitted only for a consumer
+        # that needs the [BLOCK_M, W] tile itself (a store or a column reduction)
+        self.pair_form: dict[Expr, tuple[str, str]] = {}
+        self.joined: set[Expr] = set()
 
     # -- helpers -------------------------------------------------------------------------------------
     def emit(self, line: str = "") -> None:
@@ -104,14 +111,42 @@ class _Epilogue:
         """Element offsets of a [BLOCK_M, SUB_N*w] tile of a row-major [M, N*w] matrix (int64 rows)."""
         return f"rows_64[:, None] * {_MATRIX_COLS[width]} + {self.cols(width)}[None, :]"
 
-    def pairs(self, var: str, width: Width) -> tuple[str, str]:
+    def pairs(self, var: str, width: Width, rows: str = "BLOCK_M") -> tuple[str, str]:
         """(even, odd) columns of a tile value: ``x[:, 2j]`` and ``x[:, 2j + 1]``, split once."""
         key = ("pairs", var)
         if key not in self.memo:
             even, odd = f"{var}_even", f"{var}_odd"
-            self.emit(f"{even}, {odd} = tl.split(tl.reshape({var}, (BLOCK_M, {_TILE_COLS[width]} // 2, 2)))")
+            self.emit(f"{even}, {odd} = tl.split(tl.reshape({var}, ({rows}, {_TILE_COLS[width]} // 2, 2)))")
             self.memo[key] = (even, odd)
         return self.memo[key]
+
+    def pairs_of(self, e: Expr) -> tuple[str, str]:
+        """(even, odd) halves of a tile or column value: its pair form, or a split of its tile."""
+        if e in self.pair_form:
+            return self.pair_form[e]
+        return self.pairs(self.names[e], e.width, "1" if e.kind == "col" else "BLOCK_M")
+
+    def full(self, e: Expr) -> str:
+        """The [BLOCK_M, W] tile of ``e``; a value in pair form is interleaved here, once."""
+        name = self.names[e]
+        if e in self.pair_form and e not in self.joined:
+            even, odd = self.pair_form[e]
+            self.emit(f"{name} = tl.reshape(tl.join({even}, {odd}), (BLOCK_M, {_TILE_COLS[e.width]}))  # interleave (even, odd)")
+            self.joined.add(e)
+        return name
+
+    def operand(self, e: Expr, as_pairs: bool) -> tuple[str, str] | str:
+        """An operand of an elementwise map: its halves when the map runs on pairs (row vectors,
+        scalars and constants broadcast to both halves), else its full value."""
+        if not as_pairs:
+            return self.full(e)
+        if e.kind in ("tile", "col"):
+            return self.pairs_of(e)
+        return self.names[e], self.names[e]
+
+    def in_pairs(self, *operands: Expr) -> bool:
+        """An elementwise map runs on pairs when a tile operand is in pair form (no join needed)."""
+        return any(o in self.pair_form for o in operands)
 
     def sigmoid(self, var: str) -> str:
         key = ("sigmoid", var)
@@ -157,44 +192,56 @@ class _Epilogue:
             self.emit(f"{name} = tl.full([], {e.value!r}, tl.float32)")
         elif isinstance(e, Unary):
             name = self.fresh("v")
-            x = self.names[e.x]
-            code = self.sigmoid(x) if e.op == "sigmoid" else (
-                f"{x} * {self.sigmoid(x)}" if e.op == "silu" else _UNARY[e.op].format(x=x))
-            self.emit(f"{name} = {code}  # {_comment(e)}")
+
+            def unary(x: str) -> str:
+                return self.sigmoid(x) if e.op == "sigmoid" else (
+                    f"{x} * {self.sigmoid(x)}" if e.op == "silu" else _UNARY[e.op].format(x=x))
+            if self.in_pairs(e.x):
+                halves = self.operand(e.x, True)
+                self.emit(f"# {_comment(e)}: on (even, odd) halves")
+                for half, x in zip(("even", "odd"), halves):
+                    self.emit(f"{name}_{half} = {unary(x)}")
+                self.pair_form[e] = (f"{name}_even", f"{name}_odd")
+            else:
+                self.emit(f"{name} = {unary(self.full(e.x))}  # {_comment(e)}")
         elif isinstance(e, Binary):
             name = self.fresh("v")
-            self.emit(f"{name} = {_BINARY[e.op].format(a=self.names[e.a], b=self.names[e.b])}  # {_comment(e)}")
+            if self.in_pairs(e.a, e.b):
+                a2, b2 = self.operand(e.a, True), self.operand(e.b, True)
+                self.emit(f"# {_comment(e)}: on (even, odd) halves")
+                for i, half in enumerate(("even", "odd")):
+                    self.emit(f"{name}_{half} = {_BINARY[e.op].format(a=a2[i], b=b2[i])}")
+                self.pair_form[e] = (f"{name}_even", f"{name}_odd")
+            else:
+                self.emit(f"{name} = {_BINARY[e.op].format(a=self.full(e.a), b=self.full(e.b))}  # {_comment(e)}")
         elif isinstance(e, OneHot):
             name = self.fresh("onehot")
             self.emit(f"# {e}")
             self.emit(f"{name} = tl.where({self.cols(Width.FULL)}[None, :] == {self.names[e.index]}, 1.0, 0.0)")
         elif isinstance(e, SwiGLU):
             name = self.fresh("swiglu")
-            x = self.names[e.x]
-            gate, up = self.pairs(x, e.x.width)
+            gate, up = self.pairs_of(e.x)
             self.emit(f"# {_comment(e)}: silu(gate) * up on pairs (gate, up) = (x[2j], x[2j+1])")
             self.emit(f"{name} = {gate} * {self.sigmoid(gate)} * {up}")
         elif isinstance(e, SwiGLUBackward):
             name = self.fresh("swiglu_grad")
-            p, dy = self.names[e.preact], self.names[e.grad]
-            gate, up = self.pairs(p, e.preact.width)
+            dy = self.full(e.grad)
+            gate, up = self.pairs_of(e.preact)
             sig = self.sigmoid(gate)
             self.emit(f"# {_comment(e)}")
             self.emit(f"#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g); interleaved (dg, du)")
             self.emit(f"{name}_gate = {dy} * {up} * {sig} * (1.0 + {gate} * (1.0 - {sig}))")
             self.emit(f"{name}_up = {dy} * {gate} * {sig}")
-            self.emit(f"{name} = tl.reshape(tl.join({name}_gate, {name}_up), (BLOCK_M, {_TILE_COLS[e.width]}))")
+            self.pair_form[e] = (f"{name}_gate", f"{name}_up")
         elif isinstance(e, Rope):
             name = self.fresh("rope")
-            x = self.names[e.x]
-            even, odd = self.pairs(x, e.x.width)
+            even, odd = self.pairs_of(e.x)
             angle_key = ("angle", self.names[e.positions], self.names[e.frequencies])
             if angle_key not in self.memo:
                 theta = self.fresh("theta")
                 self.emit(f"# rotation angle of each pair, in registers: theta = {e.positions} * {e.frequencies}")
                 self.emit(f"{theta} = {self.names[e.positions]} * {self.names[e.frequencies]}")
-                self.emit(f"{theta}_cos = tl.cos({theta})")
-                self.emit(f"{theta}_sin = tl.sin({theta})")
+                self.emit(f"{theta}_cos, {theta}_sin = cos_sin({theta}, INTERPRETER)")
                 self.memo[angle_key] = theta
             theta = self.memo[angle_key]
             cos, sin = f"{theta}_cos", f"{theta}_sin"
@@ -203,7 +250,9 @@ class _Epilogue:
                 first, second = f"{even} * {cos} + {odd} * {sin}", f"{odd} * {cos} - {even} * {sin}"
             else:
                 first, second = f"{even} * {cos} - {odd} * {sin}", f"{even} * {sin} + {odd} * {cos}"
-            self.emit(f"{name} = tl.reshape(tl.join({first}, {second}), (BLOCK_M, {_TILE_COLS[e.width]}))")
+            self.emit(f"{name}_even = {first}")
+            self.emit(f"{name}_odd = {second}")
+            self.pair_form[e] = (f"{name}_even", f"{name}_odd")
         else:  # pragma: no cover - the IR is a closed set
             raise TypeError(f"triton backend cannot generate code for {type(e).__name__}")
         self.names[e] = name
@@ -211,8 +260,25 @@ class _Epilogue:
     # -- outputs -------------------------------------------------------------------------------------
     def output(self, out) -> list[str]:
         """Emit one output; return the names of the RowPartial pieces this sub-tile contributes."""
-        v = self.names[out.value]
         w = out.value.width
+        if isinstance(out, RowPartial) and out.value in self.pair_form:
+            # a pair-form value is reduced half by half: pair j covers the columns [2j, 2j+1], which
+            # lie inside the matrix exactly when pair j does inside the half-width one
+            even, odd = self.pair_form[out.value]
+            mask = self.tile_ok(_HALF_OF[w])
+            self.emit(f"# {out}: columns past N excluded, on (even, odd) halves")
+            if out.reduction == "sum":
+                self.emit(f"{out.name}_part = tl.sum(tl.where({mask}, {even}, 0.0), axis=1) + "
+                          f"tl.sum(tl.where({mask}, {odd}, 0.0), axis=1)")
+                return [f"{out.name}_part"]
+            self.emit(f"{out.name}_x_even = tl.where({mask}, {even}, float('-inf'))")
+            self.emit(f"{out.name}_x_odd = tl.where({mask}, {odd}, float('-inf'))")
+            self.emit(f"{out.name}_max = tl.maximum(tl.max({out.name}_x_even, axis=1), tl.max({out.name}_x_odd, axis=1))")
+            self.emit(f"{out.name}_shift = tl.where({out.name}_max == float('-inf'), 0.0, {out.name}_max)")
+            self.emit(f"{out.name}_sumexp = tl.sum(tl.exp({out.name}_x_even - {out.name}_shift[:, None]), axis=1) + "
+                      f"tl.sum(tl.exp({out.name}_x_odd - {out.name}_shift[:, None]), axis=1)")
+            return [f"{out.name}_max", f"{out.name}_sumexp"]
+        v = self.full(out.value)
         if isinstance(out, Store):
             self.emit(f"# {out}")
             if out.accumulate:
@@ -440,6 +506,24 @@ def cast_for_store(x, ptr, INTERPRETER: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
     return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def cos_sin(theta, INTERPRETER: tl.constexpr):
+    """(cos, sin) of fp32 angles: reduced to [-pi, pi] by 2*pi in three parts (Cody-Waite, exact
+    products in fma), then the hardware approximations (MUFU, abs error < 2**-20 on [-pi, pi]).
+    libdevice's precise sinf/cosf cost a Payne-Hanek path in local memory per element."""
+    k = tl.floor(theta * 0.15915494309189535 + 0.5)
+    r = tl.fma(k, -6.28125, theta)                  # 6.28125 has 8 significant bits: k * it is exact
+    r = tl.fma(k, -0.0019353071693331003, r)        # fp32(2 pi - 6.28125), exact in fp32
+    r = tl.fma(k, -1.0253376606378076e-11, r)       # 2 pi - 6.28125 - the above
+    if INTERPRETER:
+        c = tl.cos(r)
+        s = tl.sin(r)
+    else:
+        c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
+        s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
+    return c, s
 
 
 @triton.jit

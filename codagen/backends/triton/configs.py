@@ -74,6 +74,8 @@ _SM90 = (
     KernelConfig(128, 256, 64, 3, 8, epilogue_split=2, tma_epilogue=False),
     KernelConfig(128, 256, 64, 3, 8, epilogue_split=2, tma_epilogue=True),
     KernelConfig(128, 256, 64, 3, 8, epilogue_split=4, tma_epilogue=False),
+    # DOUBLE-width tile operands (SwiGLU backward) fit 128x256 only in quarters staged by TMA
+    KernelConfig(128, 256, 64, 3, 8, epilogue_split=4, tma_epilogue=True),
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=1, tma_epilogue=True),
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=False),
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=True),
