@@ -441,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                 block_records[providers.index("codagen")]["check_error"] = f"{type(error).__name__}: {error}"[:300]
         records += block_records
         del factories, check
+        write_results("block", records, args.out)  # after every shape: a run cut short keeps what it measured
     if layers > 0:
         s = model_shape
         name = f"{args.model_shape if not args.smoke else 'smoke'}-x{layers}"

@@ -273,12 +273,12 @@ class TritonBackend:
         autotune = self.autotune
         if autotune is None:
             autotune = os.environ.get("CODAGEN_TRITON_AUTOTUNE", "1").strip() not in ("0", "false", "no", "")
-        if len(pool) == 1 or not autotune:
-            return pool[0]
         key = self._tuning_key(bound, launch)
         cached = self.tuning.get(key)
-        if cached is not None:
+        if cached is not None:  # a choice measured earlier (or shipped) stands, tuning on or off
             return cached
+        if len(pool) == 1 or not autotune:
+            return pool[0]
         return self._tune(bound, launch, pool, key)
 
     def _tuning_key(self, bound: BoundProgram, launch: _Launch) -> str:
