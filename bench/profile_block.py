@@ -1,0 +1,53 @@
+"""Where a block's fwd+bwd time goes, per provider: wall time, CPU enqueue time, summed kernel time.
+
+If CPU enqueue time >= wall time the provider is launch-bound; if the kernel sum ~ wall time, the
+kernels themselves are slow and the top-kernel table says which. Usage (GPU):
+    python bench/profile_block.py [--shape llama3-1b] [--providers eager codagen]
+"""
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from codagen.bench.block import SHAPES, block_providers
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama3-1b", choices=sorted(SHAPES))
+    parser.add_argument("--providers", nargs="+", default=["eager", "codagen"])
+    parser.add_argument("--top", type=int, default=18)
+    args = parser.parse_args()
+    factories, _ = block_providers(SHAPES[args.shape], 2, 8192, torch.device("cuda"), torch.bfloat16)
+    for name in args.providers:
+        step = factories[name]()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cpu = []
+        start.record()
+        for _ in range(10):
+            t0 = time.perf_counter()
+            step()
+            cpu.append(time.perf_counter() - t0)
+        end.record()
+        torch.cuda.synchronize()
+        wall = start.elapsed_time(end) / 10
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        kernel_ms = sum(e.device_time_total for e in events) / 3 / 1e3
+        launches = sum(e.count for e in events) / 3
+        print(f"\n== {name} {args.shape}: wall {wall:.3f} ms/step, CPU enqueue {1e3 * sorted(cpu)[5]:.3f} ms/step, "
+              f"kernels {kernel_ms:.3f} ms/step in {launches:.0f} launches")
+        for e in sorted(events, key=lambda e: -e.device_time_total)[:args.top]:
+            print(f"  {e.device_time_total / 3 / 1e3:8.3f} ms  x{e.count // 3:<3d} {e.key[:110]}")
+        del step
+
+
+if __name__ == "__main__":
+    main()
