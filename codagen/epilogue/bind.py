@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .ir import ColPartial, ColVector, Program, ProgramError, RowPartial, RowVector, ScalarInput, Store, TileInput, Width
+from .ir import ColPartial, ColVector, Program, ProgramError, RowPartial, RowVector, ScalarInput, Store, TileInput
 
 __all__ = ["BoundProgram", "bind", "OPERAND_DTYPES", "cdiv", "set_poison_outputs"]
 
@@ -141,9 +141,7 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, 
     if missing:
         raise ProgramError(f"{program.name}: missing tensor(s) {missing}")
 
-    uses_halves = program.has_pairs() or any(
-        e.width == Width.HALF for e in program.expressions() if e.kind in ("tile", "col"))
-    if uses_halves and n % 2:
+    if program.needs_even_n() and n % 2:
         raise ProgramError(f"{program.name}: pairs of columns (2j, 2j+1) need an even N, got N = {n}")
 
     for name, t in tensors.items():

@@ -32,9 +32,11 @@ O(#tiles)-per-row pass, so no GEMM needs cross-tile communication and results ar
 from __future__ import annotations
 
 import enum
+import functools
 import math
+import types
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import Mapping, Union
 
 __all__ = [
     "Width", "Gemm", "Expr", "Accumulator", "RowVector", "ColVector", "ScalarInput", "TileInput",
@@ -175,12 +177,33 @@ class Expr:
         return Unary("neg", self)
 
 
+def _node(cls):
+    """A frozen dataclass whose hash is computed once.
+
+    Expressions nest, and the generated ``__hash__`` hashes the whole subtree; programs look
+    expressions up in dicts while walking them, which without the memo is quadratic in their size.
+    """
+    cls = dataclass(frozen=True, eq=True)(cls)
+    subtree_hash = cls.__hash__
+
+    def __hash__(self):
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = subtree_hash(self)
+            object.__setattr__(self, "_hash", value)
+            return value
+
+    cls.__hash__ = __hash__
+    return cls
+
+
 def _check_name(name: str, what: str) -> None:
     if not isinstance(name, str) or not name.isidentifier():
         raise ProgramError(f"{what} name must be a Python identifier, got {name!r}")
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class Accumulator(Expr):
     """The fp32 GEMM tile ``acc``."""
 
@@ -196,7 +219,7 @@ class Accumulator(Expr):
         return "acc"
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class RowVector(Expr):
     """A per-row vector [M] broadcast along the tile's columns.
 
@@ -216,7 +239,7 @@ class RowVector(Expr):
         return f"{self.name}[m]"
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class ColVector(Expr):
     """A per-column vector [N*w] broadcast along the tile's rows (norm weight, RoPE frequencies)."""
     name: str
@@ -237,7 +260,7 @@ class ColVector(Expr):
         return f"{self.name}[n]" if self.col_width == Width.FULL else f"{self.name}[n:{self.col_width!r}]"
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class ScalarInput(Expr):
     """A scalar read from a one-element device tensor (no host synchronisation)."""
     name: str
@@ -253,7 +276,7 @@ class ScalarInput(Expr):
         return self.name
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class TileInput(Expr):
     """A second operand [M, N*w] loaded tile by tile (residual stream, saved pre-activation)."""
     name: str
@@ -274,7 +297,7 @@ class TileInput(Expr):
         return f"{self.name}[m, n]" if self.tile_width == Width.FULL else f"{self.name}[m, n:{self.tile_width!r}]"
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class Constant(Expr):
     value: float
 
@@ -307,7 +330,7 @@ def _broadcast(*operands: Expr) -> tuple[str, Width | None]:
     return "scalar", None
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class Unary(Expr):
     op: str
     x: Expr
@@ -332,7 +355,7 @@ class Unary(Expr):
         return _render(self, str)
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class Binary(Expr):
     op: str
     a: Expr
@@ -343,11 +366,11 @@ class Binary(Expr):
             raise ProgramError(f"unknown binary op {self.op!r}; expected one of {BINARY_OPS}")
         _broadcast(self.a, self.b)
 
-    @property
+    @functools.cached_property
     def kind(self) -> str:
         return _broadcast(self.a, self.b)[0]
 
-    @property
+    @functools.cached_property
     def width(self) -> Width | None:
         return _broadcast(self.a, self.b)[1]
 
@@ -358,7 +381,7 @@ class Binary(Expr):
         return _render(self, str)
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class OneHot(Expr):
     """1.0 where the tile's global column index equals ``index[row]``, else 0.0 (FULL width).
 
@@ -391,7 +414,7 @@ def _need_pairs(x: Expr, what: str) -> None:
         raise ProgramError(f"{what} needs a tile value, got {x} ({x.kind})")
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class SwiGLU(Expr):
     """Adjacent-pair map 2 -> 1: ``out[j] = silu(x[2j]) * x[2j+1]`` (interleaved gate/up columns)."""
     x: Expr
@@ -416,7 +439,7 @@ class SwiGLU(Expr):
         return _render(self, str)
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class SwiGLUBackward(Expr):
     """Adjacent-pair map (pair + gradient) -> pair: the gradient of ``silu(g) * u``.
 
@@ -451,7 +474,7 @@ class SwiGLUBackward(Expr):
         return _render(self, str)
 
 
-@dataclass(frozen=True, eq=True)
+@_node
 class Rope(Expr):
     """Adjacent-pair map 2 -> 2: rotate each pair (x[2j], x[2j+1]) by ``theta = position[m] * frequency[j]``::
 
@@ -637,16 +660,20 @@ class Program:
         if {"a", "b"} & (set(inputs) | set(names)):
             raise ProgramError(f"program {self.name!r}: 'a' and 'b' are reserved for the GEMM operands")
 
-    # -- structure ---------------------------------------------------------------------------------
-    def expressions(self) -> list[Expr]:
+    # -- structure (computed once: a program is immutable, and kernels launch it many times) ---------
+    def expressions(self) -> tuple[Expr, ...]:
         """Every expression in evaluation order (operands before their users)."""
+        return self._expressions
+
+    @functools.cached_property
+    def _expressions(self) -> tuple[Expr, ...]:
         seen: dict[Expr, None] = {}
         for out in self.outputs:
             _walk(out.value, seen)
-        return list(seen)
+        return tuple(seen)
 
-    @property
-    def inputs(self) -> dict[str, Expr]:
+    @functools.cached_property
+    def inputs(self) -> Mapping[str, Expr]:
         """Named inputs (RowVector, ColVector, ScalarInput, TileInput) in first-use order."""
         found: dict[str, Expr] = {}
         for e in self.expressions():
@@ -655,13 +682,29 @@ class Program:
                     raise ProgramError(
                         f"program {self.name!r}: input {e.name!r} is declared twice differently: {found[e.name]!r} and {e!r}")
                 found[e.name] = e
-        return found
+        return types.MappingProxyType(found)
+
+    @functools.cached_property
+    def _accumulated_outputs(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.outputs if isinstance(o, Store) and o.accumulate)
 
     def accumulated_outputs(self) -> list[str]:
-        return [o.name for o in self.outputs if isinstance(o, Store) and o.accumulate]
+        return list(self._accumulated_outputs)
+
+    @functools.cached_property
+    def _has_pairs(self) -> bool:
+        return any(isinstance(e, (SwiGLU, SwiGLUBackward, Rope)) for e in self.expressions())
 
     def has_pairs(self) -> bool:
-        return any(isinstance(e, (SwiGLU, SwiGLUBackward, Rope)) for e in self.expressions())
+        return self._has_pairs
+
+    @functools.cached_property
+    def _needs_even_n(self) -> bool:
+        return self._has_pairs or any(e.width == Width.HALF for e in self.expressions() if e.kind in ("tile", "col"))
+
+    def needs_even_n(self) -> bool:
+        """Whether column pairs (2j, 2j+1) or half-width values appear, so N must be even."""
+        return self._needs_even_n
 
     def shared_expressions(self) -> list[Expr]:
         """Compound expressions used more than once (named once in the printout, computed once by kernels)."""

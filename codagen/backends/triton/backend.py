@@ -168,6 +168,7 @@ class TritonBackend:
         self.verbose = verbose
         self.tuning = TuningCache()
         self.launches = 0           # kernel launches made by this backend object (tests count them)
+        self._plans: dict[tuple, tuple[Program, _Launch, KernelConfig]] = {}
         self.last_config: KernelConfig | None = None
 
     # -- checks ------------------------------------------------------------------------------------
@@ -241,12 +242,28 @@ class TritonBackend:
         if bound.m == 0 or bound.n == 0:
             cfg = self.config or (INTERPRETER_CONFIG if interpret else KernelConfig(128, 256, 64, 3, 8, 2))
             return bound.allocate_outputs(cfg.block_m, cfg.block_n)
-        launch = self._prepare(bound, interpret, major)
-        cfg = self._choose(bound, launch, interpret)
+        launch, cfg = self._plan(bound, interpret, major)
         outs = bound.allocate_outputs(cfg.block_m, cfg.block_n)
         self._launch(bound, launch, cfg, outs)
         self.last_config = cfg
         return outs
+
+    def _plan(self, bound: BoundProgram, interpret: bool, major: int) -> tuple[_Launch, KernelConfig]:
+        """The kernel and config for this call, remembered per call signature.
+
+        Loading the kernel and choosing its config cost a millisecond or more of Python (candidate
+        pruning, cache keys); a training step repeats the same few signatures, so after the first
+        call a step pays one dictionary lookup per launch instead.
+        """
+        signature = (id(bound.program), bound.device, bound.dtype, tuple(bound.a.shape), tuple(bound.b.shape),
+                     bound.a.data_ptr() % 16, bound.b.data_ptr() % 16,
+                     tuple((name, t.dtype, tuple(t.shape), t.data_ptr() % 16) for name, t in bound.tensors.items()))
+        plan = self._plans.get(signature)
+        if plan is None or plan[0] is not bound.program:  # the id of a collected program can be reused
+            launch = self._prepare(bound, interpret, major)
+            plan = (bound.program, launch, self._choose(bound, launch, interpret))
+            self._plans[signature] = plan
+        return plan[1], plan[2]
 
     def launcher(self, bound: BoundProgram):
         """``(launch, outputs, config)``: a zero-argument function that re-runs the kernel into
@@ -254,8 +271,7 @@ class TritonBackend:
         interpret, major = self._check(bound)
         if bound.m == 0 or bound.n == 0:
             raise ProgramError(f"{bound.program.name}: nothing to launch for M = {bound.m}, N = {bound.n}")
-        launch = self._prepare(bound, interpret, major)
-        cfg = self._choose(bound, launch, interpret)
+        launch, cfg = self._plan(bound, interpret, major)
         outs = bound.allocate_outputs(cfg.block_m, cfg.block_n)
         return (lambda: self._launch(bound, launch, cfg, outs)), outs, cfg
 
