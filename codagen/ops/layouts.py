@@ -40,10 +40,12 @@ def _head_permutation(weight: torch.Tensor, head_dim: int, name: str = "weight")
         raise ValueError(f"{name}: expected a row count that is a multiple of head_dim = {head_dim}, "
                          f"got shape {tuple(weight.shape)}")
     half = head_dim // 2
-    # new row 2i <- old row i, new row 2i+1 <- old row i + hd/2
-    inside = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).flatten()
-    heads = torch.arange(weight.shape[0] // head_dim)[:, None] * head_dim
-    return (heads + inside[None, :]).flatten().to(weight.device)
+    # new row 2i <- old row i, new row 2i+1 <- old row i + hd/2. Built on the weight's device: no host
+    # copy, so fusing weights per forward (codagen.patch) also works inside CUDA-graph capture.
+    inside = torch.arange(half, device=weight.device)
+    inside = torch.stack((inside, inside + half), dim=1).flatten()
+    heads = torch.arange(weight.shape[0] // head_dim, device=weight.device)[:, None] * head_dim
+    return (heads + inside[None, :]).flatten()
 
 
 def rope_pairs_from_half_split(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
