@@ -2,7 +2,7 @@
 import pytest
 
 from codagen.epilogue import (Accumulator, Binary, ColPartial, ColVector, Constant, Gemm, OneHot, Program,
-                              ProgramError, Rope, RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward,
+                              ProgramError, Rope, RowPartial, RowVector, Store, SwiGLU, SwiGLUBackward,
                               TileInput, Unary, Width)
 from codagen.epilogue import library
 

@@ -7,13 +7,15 @@ layout matches a kernel's and the library's finishing reductions serve both.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
 from codagen.epilogue.bind import BoundProgram, cdiv
-from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Rope,
+from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Program, Rope,
                                  RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward, TileInput, Unary)
 
-__all__ = ["ReferenceBackend", "swiglu_ref", "swiglu_backward_ref", "rope_ref"]
+__all__ = ["ReferenceBackend", "evaluate_epilogue", "swiglu_ref", "swiglu_backward_ref", "rope_ref"]
 
 
 def swiglu_ref(x: torch.Tensor) -> torch.Tensor:
@@ -43,6 +45,46 @@ _UNARY = {
     "silu": torch.nn.functional.silu, "square": torch.square,
 }
 _BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "max": torch.maximum}
+
+
+def evaluate_epilogue(program: Program, acc: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> dict[Expr, torch.Tensor]:
+    """Every expression of ``program`` on a whole GEMM output ``acc`` [M, N], in ``acc``'s dtype.
+
+    Row vectors come out as [M, 1], column vectors as [1, N*w], tiles as [M, N*w]. Plain PyTorch ops,
+    so it also serves as the unfused (eager / torch.compile) epilogue in the kernel benchmark.
+    """
+    cd, device, n = acc.dtype, acc.device, acc.shape[1]
+    values: dict[Expr, torch.Tensor] = {}
+    for e in program.expressions():
+        if isinstance(e, Accumulator):
+            v = acc
+        elif isinstance(e, RowVector):
+            v = tensors[e.name][:, None] if e.index else tensors[e.name].to(cd)[:, None]
+        elif isinstance(e, ColVector):
+            v = tensors[e.name].to(cd)[None, :]
+        elif isinstance(e, ScalarInput):
+            v = tensors[e.name].to(cd).reshape(())
+        elif isinstance(e, TileInput):
+            v = tensors[e.name].to(cd)
+        elif isinstance(e, Constant):
+            v = torch.tensor(e.value, dtype=cd, device=device)
+        elif isinstance(e, Unary):
+            v = _UNARY[e.op](values[e.x])
+        elif isinstance(e, Binary):
+            v = _BINARY[e.op](values[e.a], values[e.b])
+        elif isinstance(e, OneHot):
+            v = (torch.arange(n, device=device)[None, :] == values[e.index]).to(cd)
+        elif isinstance(e, SwiGLU):
+            v = swiglu_ref(values[e.x])
+        elif isinstance(e, SwiGLUBackward):
+            v = swiglu_backward_ref(values[e.preact], values[e.grad])
+        elif isinstance(e, Rope):
+            theta = values[e.positions] * values[e.frequencies]
+            v = rope_ref(values[e.x], -theta if e.inverse else theta)
+        else:  # pragma: no cover - the IR is a closed set
+            raise TypeError(f"reference backend cannot evaluate {type(e).__name__}")
+        values[e] = v
+    return values
 
 
 class ReferenceBackend:
@@ -75,41 +117,9 @@ class ReferenceBackend:
     # -- evaluation ----------------------------------------------------------------------------------
     def _evaluate(self, bound: BoundProgram) -> dict[Expr, torch.Tensor]:
         cd = bound.compute_dtype
-        t = bound.tensors
-        values: dict[Expr, torch.Tensor] = {}
-        for e in bound.program.expressions():
-            if isinstance(e, Accumulator):
-                a = bound.a if bound.program.gemm.a_layout == "mk" else bound.a.t()
-                b = bound.b.t() if bound.program.gemm.b_layout == "nk" else bound.b
-                v = a.to(cd) @ b.to(cd)
-            elif isinstance(e, RowVector):
-                v = t[e.name][:, None] if e.index else t[e.name].to(cd)[:, None]
-            elif isinstance(e, ColVector):
-                v = t[e.name].to(cd)[None, :]
-            elif isinstance(e, ScalarInput):
-                v = t[e.name].to(cd).reshape(())
-            elif isinstance(e, TileInput):
-                v = t[e.name].to(cd)
-            elif isinstance(e, Constant):
-                v = torch.tensor(e.value, dtype=cd, device=bound.device)
-            elif isinstance(e, Unary):
-                v = _UNARY[e.op](values[e.x])
-            elif isinstance(e, Binary):
-                v = _BINARY[e.op](values[e.a], values[e.b])
-            elif isinstance(e, OneHot):
-                cols = torch.arange(bound.n, device=bound.device)
-                v = (cols[None, :] == values[e.index]).to(cd)
-            elif isinstance(e, SwiGLU):
-                v = swiglu_ref(values[e.x])
-            elif isinstance(e, SwiGLUBackward):
-                v = swiglu_backward_ref(values[e.preact], values[e.grad])
-            elif isinstance(e, Rope):
-                theta = values[e.positions] * values[e.frequencies]
-                v = rope_ref(values[e.x], -theta if e.inverse else theta)
-            else:  # pragma: no cover - the IR is a closed set
-                raise TypeError(f"reference backend cannot evaluate {type(e).__name__}")
-            values[e] = v
-        return values
+        a = bound.a if bound.program.gemm.a_layout == "mk" else bound.a.t()
+        b = bound.b.t() if bound.program.gemm.b_layout == "nk" else bound.b
+        return evaluate_epilogue(bound.program, a.to(cd) @ b.to(cd), bound.tensors)
 
     @staticmethod
     def _row_partial(value: torch.Tensor, reduction: str, tile_cols: int) -> torch.Tensor:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -29,10 +28,11 @@ from pathlib import Path
 
 import torch
 
+from codagen.backends.reference import evaluate_epilogue
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
-from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, OneHot, Program, Rope,
-                                 RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward, TileInput, Unary)
+from codagen.epilogue.ir import (Accumulator, ColPartial, ColVector, Program, RowPartial, RowVector, ScalarInput, Store,
+                                 TileInput)
 
 __all__ = ["main", "eager_epilogue", "random_inputs", "MODELS", "kernel_cases"]
 
@@ -141,64 +141,13 @@ def gemm(program: Program, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b)
 
 
-def _swiglu(x):
-    return torch.nn.functional.silu(x[..., 0::2]) * x[..., 1::2]
-
-
-def _swiglu_backward(p, dy):
-    g, u = p[..., 0::2], p[..., 1::2]
-    s = torch.sigmoid(g)
-    return torch.stack((dy * u * s * (1 + g * (1 - s)), dy * g * s), dim=-1).flatten(-2)
-
-
-def _rope(x, theta):
-    e, o = x[..., 0::2], x[..., 1::2]
-    c, s = torch.cos(theta), torch.sin(theta)
-    return torch.stack((e * c - o * s, e * s + o * c), dim=-1).flatten(-2)
-
-
-_UNARY = {"neg": torch.neg, "exp": torch.exp, "log": torch.log, "sigmoid": torch.sigmoid,
-          "silu": torch.nn.functional.silu, "square": torch.square}
-_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "max": torch.maximum}
-
-
 def eager_epilogue(program: Program, acc: torch.Tensor, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The program's epilogue as plain PyTorch ops on a GEMM output ``acc`` (fp32 math).
 
     Reductions are whole-row / whole-column (``RowPartial`` -> [M, 1], ``ColPartial`` -> [1, N*w]):
     what an unfused implementation computes. Accumulated stores add into ``tensors[name]`` in place.
     """
-    n = acc.shape[1]
-    values = {}
-    for e in program.expressions():
-        if isinstance(e, Accumulator):
-            v = acc.float()
-        elif isinstance(e, RowVector):
-            v = tensors[e.name][:, None] if e.index else tensors[e.name].float()[:, None]
-        elif isinstance(e, ColVector):
-            v = tensors[e.name].float()[None, :]
-        elif isinstance(e, ScalarInput):
-            v = tensors[e.name].float().reshape(())
-        elif isinstance(e, TileInput):
-            v = tensors[e.name].float()
-        elif isinstance(e, Constant):
-            v = torch.tensor(e.value, dtype=torch.float32, device=acc.device)
-        elif isinstance(e, Unary):
-            v = _UNARY[e.op](values[e.x])
-        elif isinstance(e, Binary):
-            v = _BINARY[e.op](values[e.a], values[e.b])
-        elif isinstance(e, OneHot):
-            v = (torch.arange(n, device=acc.device)[None, :] == values[e.index]).float()
-        elif isinstance(e, SwiGLU):
-            v = _swiglu(values[e.x])
-        elif isinstance(e, SwiGLUBackward):
-            v = _swiglu_backward(values[e.preact], values[e.grad])
-        elif isinstance(e, Rope):
-            theta = values[e.positions] * values[e.frequencies]
-            v = _rope(values[e.x], -theta if e.inverse else theta)
-        else:  # pragma: no cover
-            raise TypeError(type(e).__name__)
-        values[e] = v
+    values = evaluate_epilogue(program, acc.float(), tensors)
     outs = {}
     for o in program.outputs:
         v = values[o.value]

@@ -229,7 +229,7 @@ class _Epilogue:
             gate, up = self.pairs_of(e.preact)
             sig = self.sigmoid(gate)
             self.emit(f"# {_comment(e)}")
-            self.emit(f"#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g); interleaved (dg, du)")
+            self.emit("#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g); interleaved (dg, du)")
             self.emit(f"{name}_gate = {dy} * {up} * {sig} * (1.0 + {gate} * (1.0 - {sig}))")
             self.emit(f"{name}_up = {dy} * {gate} * {sig}")
             self.pair_form[e] = (f"{name}_gate", f"{name}_up")
