@@ -215,12 +215,29 @@ def bf16_problem(cfg: Config, device="cpu"):
 
 
 def max_errors(run, reference) -> dict[str, float]:
+    """Max abs error of each tensor output (hidden state, every gradient) vs the reference run."""
     errors = {"hidden": (run[0].float() - reference[0]).abs().max().item()}
-    if reference[1] is not None:
-        errors["loss"] = (run[1].float() - reference[1]).abs().max().item()
     for key, value in reference[2].items():
         errors[f"grad {key}"] = (run[2][key].float() - value).abs().max().item()
     return errors
+
+
+def assert_two_x_rule(cfg: Config, device: str = "cpu") -> None:
+    """The 2x rule on a bf16 problem: each tensor's max error vs float32 math on the same bf16-rounded
+    values is at most 2x that of the eager bf16 model (+1e-6). The loss is one number whose eager bf16
+    error can be luckily tiny (a single draw), so it is held to bf16 rounding instead: 2^-8 relative."""
+    bf16_run, fp32_run = bf16_problem(cfg, device)
+    reference = forward_backward(eager_model, *fp32_run, cfg)
+    fused_run = forward_backward(fused_model, *bf16_run, cfg)
+    eager = max_errors(forward_backward(eager_model, *bf16_run, cfg), reference)
+    fused = max_errors(fused_run, reference)
+    failures = [f"{k}: fused {fused[k]:.3e} > 2 x eager {eager[k]:.3e} + 1e-6" for k in eager
+                if not fused[k] <= 2 * eager[k] + 1e-6]
+    if reference[1] is not None:
+        loss_error = (fused_run[1].double() - reference[1].double()).abs().item() / reference[1].abs().item()
+        if not loss_error <= 2 ** -8:
+            failures.append(f"loss: relative error {loss_error:.3e} > 2^-8")
+    assert not failures, "\n".join(failures)
 
 
 @contextlib.contextmanager
@@ -345,11 +362,4 @@ def test_cross_entropy_chunk_rows_bounds_memory():
 def test_bf16_block_two_x_rule_on_reference_backend():
     """The ops' own dtype choices (what is rounded to bf16 where) keep the 2x rule; the GPU test
     (test_ops_gpu.py) checks the same on the Triton kernels."""
-    cfg = Config(batch=2, seq=24, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=300)
-    bf16_run, fp32_run = bf16_problem(cfg)
-    reference = forward_backward(eager_model, *fp32_run, cfg)
-    eager = max_errors(forward_backward(eager_model, *bf16_run, cfg), reference)
-    fused = max_errors(forward_backward(fused_model, *bf16_run, cfg), reference)
-    failures = [f"{k}: fused {fused[k]:.3e} > 2 x eager {eager[k]:.3e} + 1e-6" for k in eager
-                if not fused[k] <= 2 * eager[k] + 1e-6]
-    assert not failures, "\n".join(failures)
+    assert_two_x_rule(Config(batch=2, seq=24, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=300))

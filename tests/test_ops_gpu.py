@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .test_ops_block import Config, bf16_problem, eager_model, forward_backward, fuse_params, fused_model, max_errors
+from .test_ops_block import Config, assert_two_x_rule, bf16_problem, eager_model, forward_backward, fuse_params, fused_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -19,13 +19,7 @@ CFG = Config(batch=2, seq=300, hidden=512, heads=8, kv_heads=2, head_dim=64, ffn
 
 
 def test_bf16_block_two_x_rule():
-    bf16, fp32 = bf16_problem(CFG, "cuda")
-    reference = forward_backward(eager_model, *fp32, CFG)
-    eager = max_errors(forward_backward(eager_model, *bf16, CFG), reference)
-    fused = max_errors(forward_backward(fused_model, *bf16, CFG), reference)
-    failures = [f"{k}: fused {fused[k]:.3e} > 2 x eager {eager[k]:.3e} + 1e-6" for k in eager
-                if not fused[k] <= 2 * eager[k] + 1e-6]
-    assert not failures, "\n".join(failures)
+    assert_two_x_rule(CFG, "cuda")
 
 
 def _peak_bytes(model, params, x, positions, probe) -> int:
