@@ -93,10 +93,6 @@ def check(program: Program, m: int, n: int, k: int, dtype: torch.dtype, device="
 # --------------------------------------------------------------------------------------------------
 # Every library program, small and odd shapes, both mainloops (TMA descriptors when aligned)
 # --------------------------------------------------------------------------------------------------
-def _needs_even_n(program: Program) -> bool:
-    return program.has_pairs() or any(e.width == Width.HALF for e in program.expressions() if e.kind in ("tile", "col"))
-
-
 SHAPES = [(1, 70, 48), (7, 69, 45), (129, 66, 40), (40, 128, 64)]
 
 
@@ -106,7 +102,7 @@ SHAPES = [(1, 70, 48), (7, 69, 45), (129, 66, 40), (40, 128, 64)]
 def test_library_program(name, shape, dtype):
     program = library.PROGRAMS[name]()
     m, n, k = shape
-    if n % 2 and _needs_even_n(program):
+    if n % 2 and program.needs_even_n():
         n += 1
     check(program, m, n, k, dtype)
 
