@@ -287,8 +287,12 @@ def test_block_matches_eager_float64(name):
     assert_close("hidden", got_hidden, want_hidden)
     assert_close("loss", got_loss, want_loss)
     assert sorted(got_grads) == sorted(want_grads)
+    # With one token per sequence every attention weight is exactly 1, so the output does not depend on
+    # q or k: their weights' gradients are zero by construction (eager shows rounding noise or 0).
+    zero_by_construction = {f"{layer}.{w}" for layer in range(cfg.layers) for w in "qk"} if cfg.seq == 1 else set()
     for key, want in want_grads.items():
-        assert want.abs().max() > 0, f"{key}: the eager gradient is zero, the test would be vacuous"
+        if key not in zero_by_construction:
+            assert want.abs().max() > 0, f"{key}: the eager gradient is zero, the test would be vacuous"
         assert_close(f"grad {key}", got_grads[key], want)
 
 
