@@ -1,8 +1,9 @@
 """Where a block's fwd+bwd time goes, per provider: wall time, CPU enqueue time, summed kernel time.
 
 If CPU enqueue time >= wall time the provider is launch-bound; if the kernel sum ~ wall time, the
-kernels themselves are slow and the top-kernel table says which. Usage (GPU):
-    python bench/profile_block.py [--shape llama3-1b] [--providers eager codagen]
+kernels themselves are slow and the top-kernel table says which. Usage (GPU; from the repository root,
+where codagen is not pip-installed the root must be on the path):
+    PYTHONPATH=. python bench/profile_block.py [--shape llama3-1b] [--providers eager codagen]
 """
 import argparse
 import time
