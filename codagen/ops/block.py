@@ -49,8 +49,8 @@ def consumer_rms_norm_backward(grad_z: Tensor, weight: Tensor, x: Tensor, rstd: 
         program = library.rms_norm_backward("add")
         tensors["grad_residual"] = grad_residual
     out = execute(program, grad_z, weight, **tensors)
-    grad_weight = execute(library.weight_grad(), grad_z, out["normed"])["grad_weight"]
-    grad_norm_weight = finish.sum_col_partials(out["partial_grad_norm_weight"]).to(norm_weight.dtype)
+    grad_norm_weight = finish.sum_col_partials(out.pop("partial_grad_norm_weight")).to(norm_weight.dtype)
+    grad_weight = execute(library.weight_grad(), grad_z, out.pop("normed"))["grad_weight"]  # n is freed here
     return out["grad_x"], grad_norm_weight, grad_weight
 
 
@@ -312,11 +312,14 @@ def _swiglu_mlp_residual_rms_backward_op(grad_x_out: Tensor, preact: Tensor, x: 
                                          down_weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # B4: grad_act = grad_x_out @ W_down with the SwiGLU backward in its epilogue (recomputes act for B5)
     b4 = execute(library.swiglu_backward(), grad_x_out, down_weight, preact=preact)
-    mean_z_dz = finish.sum_row_partials(b4["partial_z_dz"]) / x.shape[1]
-    grad_down_weight = execute(library.weight_grad(), grad_x_out, b4["act"])["grad_weight"]  # B5
+    grad_preact, act = b4["grad_preact"], b4["act"]
+    mean_z_dz = finish.sum_row_partials(b4.pop("partial_z_dz")) / x.shape[1]
+    del b4
+    grad_down_weight = execute(library.weight_grad(), grad_x_out, act)["grad_weight"]  # B5
+    del act  # [M, ffn]: freed before B6 allocates its outputs (it sets the backward's peak memory)
     # B6 + B7: the residual path's gradient (grad_x_out) joins the norm's input gradient in one store
     grad_x, grad_norm_weight, grad_gate_up_weight = consumer_rms_norm_backward(
-        b4["grad_preact"], gate_up_weight, x, rstd, norm_weight, mean_z_dz, grad_residual=grad_x_out)
+        grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz, grad_residual=grad_x_out)
     return grad_x, grad_norm_weight, grad_gate_up_weight, grad_down_weight
 
 

@@ -228,7 +228,10 @@ class TritonBackend:
         meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
                     TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok, UPCAST_OPERANDS=launch.upcast,
-                    DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
+                    DOT_PRECISION=launch.precision, INTERPRETER=launch.interpret,
+                    # warp specialization partitions the unflattened tile loop
+                    FLATTEN=not launch.interpret and not cfg.warp_specialize,
+                    WARP_SPECIALIZE=cfg.warp_specialize and not launch.interpret)
         if launch.interpret:
             with _interpreting():
                 launch.kernel[grid](*args, **meta)

@@ -460,7 +460,8 @@ def generate(program: Program, header: str = "") -> str:
         "a_ptr, b_ptr", ", ".join(inputs), ", ".join(outputs), "M, N, K",
         "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr",
         "EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr",
-        "UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr",
+        "UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr",
+        "INTERPRETER: tl.constexpr",
     ]))
 
     def ind(text: str, n: int) -> str:
@@ -552,7 +553,8 @@ def {name}_kernel(
 {ind(setup, 4)}
 {ind(epi_desc, 4)}
 
-    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN,
+                            warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N

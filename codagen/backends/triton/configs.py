@@ -15,6 +15,11 @@ Candidates are pruned *before* compiling by two estimates:
 * registers: the fp32 accumulator needs ``BM * BN / (32 * warps)`` registers per thread; more than
   128 leaves the epilogue too little of the 255 a thread can have and it spills.
 
+Warp specialization (``warp_specialize``, Hopper): Triton 3.6's automatic partitioning splits the
+persistent tile loop into a TMA producer warp and two consumer warpgroups that split the tile's rows.
+It rejects epilogues that reshape the tile (column pairs) or reduce over its rows (column partials),
+so such programs never get those candidates.
+
 A compile that still runs out of resources (``OutOfResources``) drops the candidate at tuning time.
 """
 from __future__ import annotations
@@ -27,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from codagen.epilogue.ir import Program, Store, TileInput
+from codagen.epilogue.ir import ColPartial, Program, Store, TileInput
 
 __all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG"]
 
@@ -42,12 +47,21 @@ class KernelConfig:
     epilogue_split: int = 1
     tma_epilogue: bool = False
     group_m: int = 8
+    warp_specialize: bool = False
 
     def __post_init__(self):
         if self.epilogue_split not in (1, 2, 4):
             raise ValueError(f"epilogue_split must be 1, 2 or 4, got {self.epilogue_split}")
         if (self.block_n // self.epilogue_split) % 2:
             raise ValueError("a sub-tile's width must be even (column pairs never straddle sub-tiles)")
+        if self.warp_specialize and (self.num_warps != 4 or self.epilogue_split != 1):
+            raise ValueError("warp_specialize: Triton's Hopper warp specialization takes num_warps=4 (one warpgroup, "
+                             "which it doubles into two consumer warpgroups) and epilogue_split=1")
+
+    @property
+    def consumer_warps(self) -> int:
+        """Warps that hold the accumulator: with warp specialization, two consumer warpgroups."""
+        return 2 * self.num_warps if self.warp_specialize else self.num_warps
 
     @property
     def sub_n(self) -> int:
@@ -56,7 +70,7 @@ class KernelConfig:
     def short(self) -> str:
         epi = "tma" if self.tma_epilogue else "ptr"
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps} "
-                f"split{self.epilogue_split} {epi}")
+                f"split{self.epilogue_split} {epi}" + (" ws" if self.warp_specialize else ""))
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -79,6 +93,11 @@ _SM90 = (
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=1, tma_epilogue=True),
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=False),
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=True),
+    # warp-specialized (a producer warp for the TMA loads, two consumer warpgroups of 64 rows each):
+    # the producer runs ahead into the next tile while the consumers do this tile's epilogue
+    KernelConfig(128, 256, 64, 3, 4, epilogue_split=1, warp_specialize=True),
+    KernelConfig(128, 128, 64, 4, 4, epilogue_split=1, warp_specialize=True),
+    KernelConfig(128, 128, 64, 4, 4, epilogue_split=1, tma_epilogue=True, warp_specialize=True),
 )
 # Ampere/Ada (pointer loads, cp.async pipelining)
 _SM80 = (
@@ -99,6 +118,12 @@ def _tile_io(program: Program):
     for o in program.outputs:
         if isinstance(o, Store):
             yield o.value.width, True
+
+
+def _warp_specializable(program: Program) -> bool:
+    """Triton's Hopper warp specialization splits the tile's rows between two consumer warpgroups: it
+    fails on pair maps (a reshape of the tile) and on reductions over rows (ColPartial)."""
+    return not program.needs_even_n() and not any(isinstance(o, ColPartial) for o in program.outputs)
 
 
 def smem_estimate(program: Program, cfg: KernelConfig, operand_bytes: int, io_bytes: int = 2) -> int:
@@ -128,9 +153,11 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
             continue
         if cfg.tma_epilogue and not any(True for _ in _tile_io(program)):
             continue  # nothing to stage: same kernel as the pointer variant
+        if cfg.warp_specialize and not (tma and major == 9 and _warp_specializable(program)):
+            continue
         if smem_estimate(program, cfg, operand_bytes) > smem_limit:
             continue
-        if cfg.block_m * cfg.block_n / (32 * cfg.num_warps) > _MAX_ACC_REGS:
+        if cfg.block_m * cfg.block_n / (32 * cfg.consumer_warps) > _MAX_ACC_REGS:
             continue
         keep.append(cfg)
     if not keep:  # the smallest one always fits
