@@ -26,7 +26,7 @@ from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
 from . import codegen
-from .configs import INTERPRETER_CONFIG, KernelConfig, TuningCache, cache_dir, candidates
+from .configs import INTERPRETER_CONFIG, KernelConfig, TuningCache, cache_dir, candidates, warp_specializable
 
 __all__ = ["TritonBackend", "program_source", "load_kernel", "SUPPORTED_DTYPES"]
 
@@ -281,6 +281,9 @@ class TritonBackend:
     # -- tuning ------------------------------------------------------------------------------------
     def _choose(self, bound: BoundProgram, launch: _Launch, interpret: bool) -> KernelConfig:
         if self.config is not None:
+            if self.config.warp_specialize and not warp_specializable(bound.program):
+                raise ProgramError(f"{bound.program.name}: config {self.config.short()} asks for warp specialization, "
+                                   f"which Triton cannot apply to an epilogue with column pairs or column partials")
             return self.config
         if interpret:
             return INTERPRETER_CONFIG
@@ -330,6 +333,12 @@ class TritonBackend:
                 timings[cfg.short()] = float("nan")
                 if verbose and announced:
                     print(f"  {cfg.short()}: out of resources ({e})", file=sys.stderr)
+                continue
+            except RuntimeError as e:  # Triton's warp-specialization pass rejects some loops it cannot split
+                if not cfg.warp_specialize:
+                    raise
+                timings[cfg.short()] = float("nan")
+                print(f"  {cfg.short()}: warp specialization failed to compile ({str(e)[:200]})", file=sys.stderr)
                 continue
             timings[cfg.short()] = ms
             if ms < best_ms:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from codagen.epilogue.ir import ColPartial, Program, Store, TileInput
 
-__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG"]
+__all__ = ["KernelConfig", "candidates", "warp_specializable", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def _tile_io(program: Program):
             yield o.value.width, True
 
 
-def _warp_specializable(program: Program) -> bool:
+def warp_specializable(program: Program) -> bool:
     """Triton's Hopper warp specialization splits the tile's rows between two consumer warpgroups: it
     fails on pair maps (a reshape of the tile) and on reductions over rows (ColPartial)."""
     return not program.needs_even_n() and not any(isinstance(o, ColPartial) for o in program.outputs)
@@ -153,7 +153,7 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
             continue
         if cfg.tma_epilogue and not any(True for _ in _tile_io(program)):
             continue  # nothing to stage: same kernel as the pointer variant
-        if cfg.warp_specialize and not (tma and major == 9 and _warp_specializable(program)):
+        if cfg.warp_specialize and not (tma and major == 9 and warp_specializable(program)):
             continue
         if smem_estimate(program, cfg, operand_bytes) > smem_limit:
             continue

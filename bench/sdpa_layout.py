@@ -1,0 +1,94 @@
+"""Does the layout of q/k/v change SDPA's speed? (GPU, bf16; a diagnostic for the block benchmark.)
+
+    PYTHONPATH=. python bench/sdpa_layout.py [--out DIR]
+
+The codagen block hands SDPA strided views of the fused QKV output ``[B*S, (h + 2 kv) hd]``; eager
+hands it contiguous ``[B, h, S, hd]`` tensors. For each shape and each SDPA backend this times
+forward + backward of causal (GQA) attention three ways:
+
+``contiguous``   q, k, v contiguous ``[B, heads, S, hd]`` leaves (eager's layout);
+``fused_views``  q, k, v views of one ``[B*S, (h + 2 kv) hd]`` leaf (codagen's layout): the gradient
+                 of that leaf needs dq, dk, dv copied into one buffer;
+``views_only``   the same views, but gradients taken for q, k, v themselves (no copy): the layout's
+                 cost alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from codagen.bench.common import environment, median_ms
+
+SHAPES = {  # batch, seq, heads, kv heads, head_dim
+    "llama3-8b": (2, 8192, 32, 8, 128),
+    "llama3-1b": (2, 8192, 32, 8, 64),
+    "d2048-mha": (2, 8192, 16, 16, 128),
+}
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def cases(b, s, h, kv, hd):
+    dev, dt = "cuda", torch.bfloat16
+    grad = torch.randn(b, h, s, hd, device=dev, dtype=dt)
+
+    def contiguous():
+        q = torch.randn(b, h, s, hd, device=dev, dtype=dt, requires_grad=True)
+        k = torch.randn(b, kv, s, hd, device=dev, dtype=dt, requires_grad=True)
+        v = torch.randn(b, kv, s, hd, device=dev, dtype=dt, requires_grad=True)
+        return (q, k, v), (q, k, v)
+
+    def fused(views_only):
+        qkv = torch.randn(b * s, (h + 2 * kv) * hd, device=dev, dtype=dt, requires_grad=not views_only)
+        q, k, v = qkv.view(b, s, h + 2 * kv, hd).transpose(1, 2).split((h, kv, kv), dim=1)
+        if views_only:
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            return (q, k, v), (q, k, v)
+        return (q, k, v), (qkv,)
+
+    for name, make in (("contiguous", contiguous), ("fused_views", lambda: fused(False)),
+                       ("views_only", lambda: fused(True))):
+        (q, k, v), leaves = make()
+
+        def step(q=q, k=k, v=v, leaves=leaves):
+            for t in leaves:
+                t.grad = None
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != h)
+            out.backward(grad)
+        yield name, step
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    args = p.parse_args(argv)
+    records = []
+    for shape in args.shapes:
+        for backend_name, backend in BACKENDS.items():
+            for layout, step in cases(*SHAPES[shape]):
+                try:
+                    with sdpa_kernel(backend):
+                        step()
+                        ms = median_ms(step, 25, 150)
+                except Exception as e:  # noqa: BLE001 - a backend that refuses the shape is a result too
+                    ms, err = None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                else:
+                    err = None
+                records.append({"suite": "sdpa_layout", "name": layout, "pass": "fwd+bwd", "shape": shape,
+                                "provider": backend_name, "median_ms": ms, "error": err})
+                print(f"{shape:10s} {backend_name:9s} {layout:12s} " + (f"{ms:7.3f} ms" if ms else f"- {err}"),
+                      flush=True)
+    if args.out:
+        with open(f"{args.out}/sdpa_layout.json", "w") as f:
+            json.dump({"env": environment(), "records": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
