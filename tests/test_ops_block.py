@@ -145,7 +145,7 @@ def fused_weights(params, cfg: Config):
 def fused_model(params, x, positions, target, cfg: Config, reduction="mean"):
     """The same stack from codagen.ops. Returns (hidden, loss)."""
     fused = fused_weights(params, cfg)
-    frequencies = ops.rope_frequencies(cfg.heads, cfg.kv_heads, cfg.head_dim).to(x.device)
+    frequencies = ops.rope_frequencies(cfg.heads, cfg.kv_heads, cfg.head_dim, device=x.device)
     if x.dtype == torch.float64:
         frequencies = frequencies.double()
     q_cols, kv_cols = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim

@@ -62,12 +62,14 @@ def rope_half_split_from_pairs(weight: torch.Tensor, head_dim: int) -> torch.Ten
 
 
 def rope_frequencies(num_heads: int, num_kv_heads: int, head_dim: int, base: float = 10000.0,
-                     inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+                     inv_freq: torch.Tensor | None = None, device: torch.device | str | None = None) -> torch.Tensor:
     """Per-pair inverse frequencies of a fused QKV output, float32 ``[(h + 2 kv) * hd / 2]``.
 
     Columns are ``[Q heads | K heads | V heads]``; pair ``i`` of every Q and K head rotates with
     ``inv_freq[i] = base ** (-2i / hd)`` (Hugging Face's formula), V pairs get 0 (no rotation).
     ``inv_freq`` [hd/2] overrides the default (Hugging Face RoPE scaling variants compute their own).
+    Built on ``device`` (default: ``inv_freq``'s, else the CPU), so no host-to-device copy is needed,
+    e.g. inside CUDA-graph capture.
     """
     for name, v in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if not isinstance(v, int) or v <= 0:
@@ -77,9 +79,10 @@ def rope_frequencies(num_heads: int, num_kv_heads: int, head_dim: int, base: flo
     if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: expected a positive even int, got {head_dim!r}")
     if inv_freq is None:
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        inv_freq = 1.0 / (base ** exponents)
     elif tuple(inv_freq.shape) != (head_dim // 2,):
         raise ValueError(f"inv_freq: expected shape [head_dim / 2] = ({head_dim // 2},), got {tuple(inv_freq.shape)}")
-    inv_freq = inv_freq.to(torch.float32)
+    inv_freq = inv_freq.to(device=device if device is not None else inv_freq.device, dtype=torch.float32)
     v_pairs = inv_freq.new_zeros(num_kv_heads * head_dim // 2)
     return torch.cat((inv_freq.repeat(num_heads), inv_freq.repeat(num_kv_heads), v_pairs)).contiguous()

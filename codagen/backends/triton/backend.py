@@ -155,7 +155,8 @@ class TritonBackend:
 
     ``config``: force one :class:`KernelConfig` (tests, benchmarks); otherwise the tuned one.
     ``autotune``: time the candidates on first use of a (program, dtypes, shape bucket) on this GPU;
-    default from ``CODAGEN_TRITON_AUTOTUNE`` (``1``), else the first viable candidate.
+    default from ``CODAGEN_TRITON_AUTOTUNE`` (``1``), else the first viable candidate. A choice cached
+    on disk (or shipped) is reused unless ``CODAGEN_TRITON_RETUNE=1`` (after the candidates changed).
     ``tma``: ``False`` forces the pointer-load mainloop and epilogue even where TMA is possible.
     """
     name = "triton"
@@ -296,7 +297,8 @@ class TritonBackend:
         if autotune is None:
             autotune = os.environ.get("CODAGEN_TRITON_AUTOTUNE", "1").strip() not in ("0", "false", "no", "")
         key = self._tuning_key(bound, launch)
-        cached = self.tuning.get(key)
+        retune = autotune and os.environ.get("CODAGEN_TRITON_RETUNE", "0").strip() in ("1", "true", "yes")
+        cached = None if retune else self.tuning.get(key)
         if cached is not None:  # a choice measured earlier (or shipped) stands, tuning on or off
             return cached
         if len(pool) == 1 or not autotune:
