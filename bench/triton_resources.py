@@ -42,7 +42,7 @@ def signature(program, dtype: str) -> dict[str, str]:
         sig[f"{o.name}_ptr"] = (f"*{dtype}" if o.dtype == "input" else "*fp32") if isinstance(o, Store) else "*fp32"
     sig.update(M="i32", N="i32", K="i32")
     for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EPILOGUE_SPLIT", "SUB_N", "TMA_MAINLOOP", "TMA_EPILOGUE",
-              "UPCAST_OPERANDS", "DOT_PRECISION", "FLATTEN", "WARP_SPECIALIZE", "INTERPRETER"):
+              "UPCAST_OPERANDS", "DOT_PRECISION", "FLATTEN", "INTERPRETER"):
         sig[c] = "constexpr"
     return sig
 
@@ -67,8 +67,7 @@ def compile_one(program, cfg, dtype: str, arch: int):
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr + 3)}  # aligned pointers, M, N, K % 16 == 0
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=True,
-                      TMA_EPILOGUE=cfg.tma_epilogue, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
-                      FLATTEN=not cfg.warp_specialize, WARP_SPECIALIZE=cfg.warp_specialize, INTERPRETER=False)
+                      TMA_EPILOGUE=cfg.tma_epilogue, UPCAST_OPERANDS=False, DOT_PRECISION="tf32", FLATTEN=True, INTERPRETER=False)
     src = ASTSource(kernel, sig, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})

@@ -2,7 +2,7 @@
 import pytest
 
 from codagen.epilogue import (Accumulator, Binary, ColPartial, ColVector, Constant, Gemm, OneHot, Program,
-                              ProgramError, Rope, RowPartial, RowVector, Store, SwiGLU, SwiGLUBackward,
+                              ProgramError, Rope, RowPartial, RowVector, SegmentSum, Store, SwiGLU, SwiGLUBackward,
                               TileInput, Unary, Width)
 from codagen.epilogue import library
 
@@ -32,6 +32,8 @@ def test_kinds_and_widths_broadcast():
     assert SwiGLU(TileInput("z", Width.DOUBLE)).width == Width.FULL
     assert SwiGLUBackward(TileInput("z", Width.DOUBLE), acc).width == Width.DOUBLE
     assert Rope(acc, RowVector("p"), ColVector("f", Width.HALF)).width == Width.FULL
+    assert SegmentSum(acc, 16).width == Width.FULL and SegmentSum(SwiGLU(acc), 4).width == Width.HALF
+    assert Unary("rsqrt", SegmentSum(acc, 16)).kind == "tile"
 
 
 @pytest.mark.parametrize("build, match", [
@@ -46,6 +48,12 @@ def test_kinds_and_widths_broadcast():
     (lambda: SwiGLUBackward(acc, acc), "preact twice as wide as grad"),
     (lambda: Rope(acc, RowVector("p"), ColVector("f")), "width N/2"),
     (lambda: Rope(acc, RowVector("p", index=True), ColVector("f", Width.HALF)), "float RowVector"),
+    (lambda: SegmentSum(ColVector("c"), 16), "SegmentSum needs a tile value"),
+    (lambda: SegmentSum(acc, 7), "even int >= 2"),
+    (lambda: SegmentSum(acc, 0), "even int >= 2"),
+    (lambda: SegmentSum(acc, 16.0), "even int >= 2"),
+    (lambda: library.rms_qkv_rope(15), "qk_norm_head_dim must be an even int"),
+    (lambda: library.rms_qkv_rope(16, 0.0), "qk_norm_eps must be a positive float"),
     (lambda: Constant(float("inf")), "finite"),
     (lambda: RowVector("not a name"), "identifier"),
     (lambda: Store("out", RowVector("r")), "needs a tile value"),
@@ -84,6 +92,19 @@ def test_printout_reads_like_the_math():
     assert "grad_preact[m, n:2N] <- t0" in str(library.swiglu_backward())
     assert "a[K, M]^T @ b[K, N]" in str(library.weight_grad())
     assert repr(library.rms_qkv_rope()) == "<Program rms_qkv_rope: 1 outputs, inputs ['rstd', 'positions', 'frequencies']>"
+
+
+def test_segment_sum_printout_and_qk_norm_program():
+    assert str(SegmentSum(acc * acc, 64)) == "segment_sum((acc * acc), size=64)"
+    p = library.rms_qkv_rope(64, 1e-6)
+    assert p is library.rms_qkv_rope(64, 1e-6) and p.name == "rms_qkv_rope_qk_norm"
+    assert p.segment_sums() == (SegmentSum(Unary("square", acc * RowVector("rstd")), 64),)
+    assert library.rms_qkv_rope().segment_sums() == ()
+    assert list(p.inputs) == ["rstd", "qk_norm_weight", "qk_passthrough", "positions", "frequencies"]
+    text = str(p)
+    assert "t0 = (acc * rstd[m])" in text and "segment_sum(square(t0), size=64)" in text and "rsqrt(" in text
+    assert "preact[m, n] <- t0  (input)" in text
+    assert "qk_norm_weight[n]" in text and "qk_passthrough[n]" in text
 
 
 def test_every_library_program_has_a_formula_docstring():

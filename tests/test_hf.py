@@ -21,9 +21,11 @@ COMMON = dict(vocab_size=67, hidden_size=32, intermediate_size=40, num_hidden_la
 def build(family: str, **overrides) -> torch.nn.Module:
     """A randomly initialized tiny ``<family>ForCausalLM`` in fp32, norm weights perturbed away from 1."""
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "mistral": transformers.MistralConfig}[family]
+                  "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[family]
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "mistral": transformers.MistralForCausalLM}[family]
+                 "qwen3": transformers.Qwen3ForCausalLM, "mistral": transformers.MistralForCausalLM}[family]
+    if family == "qwen3":  # Qwen3Config's head_dim defaults to 128; 16 keeps heads whole in the interpreter's tiles
+        overrides = {"head_dim": 16, **overrides}
     model = model_cls(config_cls(**{**COMMON, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -88,6 +90,23 @@ def test_qwen2_qkv_bias():
     assert_same_training(model, lm_inputs())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qwen3_qk_norm(backend):
+    """QK-norm (per-head RMSNorm of q and k before RoPE) runs in the QKV GEMM's epilogue; q_norm and k_norm
+    get their gradients through the pair-order permutation."""
+    model = build("qwen3")
+    attn = model.model.layers[0].self_attn
+    assert attn.q_norm.weight.shape == (16,) and attn.q_proj.bias is None
+    assert_same_training(model, lm_inputs(), backend=backend)
+
+
+def test_qwen3_sliding_window_and_gqa():
+    model = build("qwen3", num_key_value_heads=1, use_sliding_window=True, sliding_window=5,
+                  layer_types=["sliding_attention", "full_attention"])
+    assert model.model.layers[0].self_attn.sliding_window == 5
+    assert_same_training(model, lm_inputs(seq=14))
+
+
 def test_mistral_sliding_window():
     """A window shorter than the sequence needs an explicit mask; checked against transformers' own."""
     model = build("mistral", sliding_window=5, num_key_value_heads=1)
@@ -136,6 +155,12 @@ def test_refused_at_patch():
                                               "original_max_position_embeddings": 16}))
     with pytest.raises(TypeError, match="model must be one of"):
         patch(torch.nn.Linear(2, 2))
+    with pytest.raises(NotImplementedError, match="Q/K/V biases together with QK-norm"):
+        patch(build("qwen3", attention_bias=True))
+    odd_eps = build("qwen3")
+    odd_eps.model.layers[1].self_attn.k_norm.variance_epsilon = 1e-3
+    with pytest.raises(NotImplementedError, match=r"a QK-norm eps different from the RMSNorm eps \(layer 1\)"):
+        patch(odd_eps)
 
 
 def test_refused_at_forward():
@@ -203,11 +228,13 @@ def test_autocast_bf16_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_bf16_gpu_two_x_rule(family):
     """bf16 parameters on the GPU (Triton kernels)."""
     fields = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=1000, num_hidden_layers=2)
+    if family == "qwen3":
+        fields["head_dim"] = 64
     model = build(family, **fields).cuda()
     inputs = {k: v.cuda() for k, v in lm_inputs(batch=2, seq=128, vocab=1000).items()}
     two_x_rule(model, inputs, lambda m: m.bfloat16()(**inputs).loss)

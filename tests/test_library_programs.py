@@ -109,6 +109,43 @@ def test_qkv_rope_matches_half_split_rope_on_permuted_weights(heads, kv_heads, m
                                q_ref.view(m, heads, hd)[:, 0] @ k_ref.view(m, kv_heads, hd)[:, 0].T)
 
 
+@pytest.mark.parametrize("heads, kv_heads, hd", [(4, 2, 8), (2, 1, 16)])
+@pytest.mark.parametrize("m", [1, 7, 129])
+def test_qkv_rope_qk_norm_matches_hugging_face_order(heads, kv_heads, hd, m):
+    """QK-norm (Qwen3): per-head RMSNorm of q and k before half-split RoPE, in HF order; the program runs on
+    pair-permuted weights and q/k norm weights, with V columns passed through."""
+    d, eps = 24, 1e-6
+    x, gamma = torch.randn(m, d, dtype=F64), torch.randn(d, dtype=F64)
+    w_q, w_k, w_v = (torch.randn(h * hd, d, dtype=F64) for h in (heads, kv_heads, kv_heads))
+    q_norm, k_norm = 1 + 0.3 * torch.randn(hd, dtype=F64), 1 + 0.3 * torch.randn(hd, dtype=F64)
+    positions = torch.randperm(4 * m)[:m].float()
+    h = rms_norm(x, gamma)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, hd, 2, dtype=F64) / hd)
+    angle = positions.double()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat((angle.cos(), angle.cos()), -1), torch.cat((angle.sin(), angle.sin()), -1)
+
+    def hf_norm_rope(t, n_heads, weight):
+        t = t.view(m, n_heads, hd)
+        t = t * torch.rsqrt(t.square().mean(-1, keepdim=True) + eps) * weight
+        return (t * cos[:, None] + rotate_half(t) * sin[:, None]).reshape(m, -1)
+
+    q_ref, k_ref, v_ref = hf_norm_rope(h @ w_q.T, heads, q_norm), hf_norm_rope(h @ w_k.T, kv_heads, k_norm), h @ w_v.T
+    qkv_weight = torch.cat((pairs_from_half_split(w_q, hd), pairs_from_half_split(w_k, hd), w_v))
+    q_pairs, k_pairs = (pairs_from_half_split(w[:, None], hd)[:, 0] for w in (q_norm, k_norm))
+    zeros = torch.zeros(kv_heads * hd, dtype=F64)
+    qk_norm_weight = torch.cat((q_pairs.repeat(heads), k_pairs.repeat(kv_heads), zeros))
+    qk_passthrough = torch.cat((torch.zeros((heads + kv_heads) * hd, dtype=F64), zeros + 1))
+    out = run(library.rms_qkv_rope(hd, eps), x * gamma, qkv_weight, rstd=rstd_of(x), positions=positions,
+              frequencies=rope_frequencies(heads, kv_heads, hd), qk_norm_weight=qk_norm_weight,
+              qk_passthrough=qk_passthrough)
+    q, k, v = out["qkv"].split((heads * hd, kv_heads * hd, kv_heads * hd), -1)
+    unpair = lambda t, n: t.view(m, n, hd // 2, 2).transpose(2, 3).reshape(m, -1)  # noqa: E731
+    torch.testing.assert_close(unpair(q, heads), q_ref)
+    torch.testing.assert_close(unpair(k, kv_heads), k_ref)
+    torch.testing.assert_close(v, v_ref)
+    torch.testing.assert_close(out["preact"], h @ qkv_weight.T)  # z before QK-norm and RoPE, saved for backward
+
+
 def cross_entropy_targets(m, vocab):
     target = torch.randint(0, vocab, (m,))
     target[torch.rand(m) < 0.3] = -100

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import codagen
+from codagen import ops
 from codagen.models import Llama, LlamaConfig, ReferenceLlama
 
 
@@ -71,9 +72,10 @@ def batch(config, b=2, s=12):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("variant", ["gqa", "mha_tied"])
+@pytest.mark.parametrize("variant", ["gqa", "mha_tied", "qk_norm"])
 def test_llama_matches_reference(backend, variant):
-    config = tiny_config() if variant == "gqa" else tiny_config(num_kv_heads=4, tie_word_embeddings=True)
+    config = {"gqa": tiny_config(), "mha_tied": tiny_config(num_kv_heads=4, tie_word_embeddings=True),
+              "qk_norm": tiny_config(qk_norm=True, head_dim=16)}[variant]  # whole heads in the interpreter's tiles
     fused, reference = pair(config)
     ids, targets = batch(config)
     with codagen.use_backend(backend):
@@ -116,6 +118,22 @@ def test_state_dict_round_trip():
     # the fused layout really is a permutation: gate rows sit at even rows of gate_up
     assert torch.equal(model.layers[0].gate_up[0::2], hf["model.layers.0.mlp.gate_proj.weight"])
     assert not torch.equal(model.layers[0].qkv[:32], hf["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_state_dict_round_trip_qk_norm():
+    """QK-norm weights: Qwen3's names, HF channel order outside, pair order inside (like the Q/K rows)."""
+    config = tiny_config(qk_norm=True)
+    model = perturbed(Llama(config))
+    hf = model.to_hf_state_dict()
+    q_norm = hf["model.layers.1.self_attn.q_norm.weight"]
+    assert q_norm.shape == (8,) and "model.layers.0.self_attn.k_norm.weight" in hf
+    assert torch.equal(model.layers[1].q_norm, ops.rope_pairs_from_half_split(q_norm, 8))
+    back = Llama.from_hf_state_dict(config, hf)
+    for (name, p), q in zip(model.named_parameters(), back.parameters()):
+        assert torch.equal(p, q), name
+    assert config.num_parameters() == sum(p.numel() for p in model.parameters())
+    with pytest.raises(KeyError, match="q_norm"):
+        Llama.from_hf_state_dict(tiny_config(), hf)
 
 
 def test_from_hf_state_dict_errors():

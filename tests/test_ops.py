@@ -74,6 +74,38 @@ def test_gradcheck_rms_qkv_rope():
     assert gradcheck(f, (x, gamma, weight))
 
 
+def test_gradcheck_rms_qkv_rope_qk_norm():
+    """Every input: x, the input norm weight, the qkv weight, q_norm and k_norm (eps large enough that
+    finite differences see it)."""
+    x, gamma, weight = rand(M, D), norm_weight(), rand(QKV, D)
+    q_norm, k_norm = (1 + 0.3 * rand(HEAD_DIM, requires_grad=False)).requires_grad_(), \
+        (1 + 0.3 * rand(HEAD_DIM, requires_grad=False)).requires_grad_()
+    positions = torch.randint(0, 50, (M,))
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM, base=7.0).double()
+
+    def f(x, gamma, weight, q_norm, k_norm):
+        return ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies, q_norm, k_norm, num_heads=HEADS,
+                                qk_norm_eps=0.01)
+
+    assert gradcheck(f, (x, gamma, weight, q_norm, k_norm))
+
+
+def test_rms_qkv_rope_qk_norm_forward_values():
+    """Pair-order layouts throughout: QK-norm per head of the projection, V untouched, then RoPE."""
+    x, gamma, weight = rand(M, D, requires_grad=False), norm_weight().detach(), rand(QKV, D, requires_grad=False)
+    q_norm, k_norm = rand(HEAD_DIM, requires_grad=False), rand(HEAD_DIM, requires_grad=False)
+    positions = torch.randint(0, 50, (M,))
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM).double()
+    got = ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies, q_norm, k_norm, num_heads=HEADS,
+                           qk_norm_eps=EPS)
+    z = (rms_norm(x, gamma, EPS) @ weight.t()).view(M, HEADS + 2 * KV_HEADS, HEAD_DIM)
+    head_gamma = torch.stack([q_norm] * HEADS + [k_norm] * KV_HEADS + [torch.ones(HEAD_DIM)] * KV_HEADS)
+    normed_heads = torch.rsqrt(z.square().mean(-1, keepdim=True) + EPS) * z * head_gamma
+    y = torch.cat((normed_heads[:, :HEADS + KV_HEADS], z[:, HEADS + KV_HEADS:]), 1).reshape(M, QKV)
+    from codagen.models.llama import rotate_pairs
+    torch.testing.assert_close(got, rotate_pairs(y, positions.double()[:, None] * frequencies[None, :]))
+
+
 def test_rms_qkv_rope_matches_half_split_rope():
     """Permuted weights + adjacent-pair RoPE = Hugging Face half-split RoPE, up to the same permutation."""
     x, gamma = rand(M, D, requires_grad=False), norm_weight().detach()
@@ -172,6 +204,9 @@ def test_programs_per_op(monkeypatch):
     frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM).double()
     assert programs(ops.rms_qkv_rope, *stats(x, gamma), rand(QKV, D), torch.arange(M), frequencies) == (
         ["rms_qkv_rope"], ["rms_norm_backward", "weight_grad"])  # + the B1 row kernel
+    q_norm, k_norm = norm_weight()[:HEAD_DIM], norm_weight()[:HEAD_DIM]
+    assert programs(ops.rms_qkv_rope, *stats(x, gamma), rand(QKV, D), torch.arange(M), frequencies, q_norm, k_norm,
+                    HEADS) == (["rms_qkv_rope_qk_norm"], ["rms_norm_backward", "weight_grad"])  # + the B1 row kernel
     assert programs(ops.out_proj_residual_rms, rand(M, 4), rand(D, 4), x, gamma, EPS) == (
         ["residual_rms_stats"], ["input_grad", "weight_grad"])
     assert programs(ops.swiglu_mlp_residual_rms, *stats(x, gamma), rand(2 * FFN, D), rand(D, FFN), gamma, EPS) == (
@@ -196,6 +231,29 @@ def test_rope_backward_ref_is_the_adjoint_of_rope():
     grad_z, mean_z_dz = kernels.rope_backward_ref(grad_qkv, qkv.detach(), positions, frequencies, width=D)
     torch.testing.assert_close(grad_z, want_grad_z)
     torch.testing.assert_close(mean_z_dz, (z * want_grad_z).sum(-1).detach() / D)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(HEADS, KV_HEADS, HEAD_DIM), (4, 2, 6)])
+def test_rope_qk_norm_backward_ref_matches_autograd(heads, kv_heads, head_dim):
+    n = (heads + 2 * kv_heads) * head_dim
+    z, grad_qkv = rand(M, n), rand(M, n, requires_grad=False)
+    q_norm, k_norm = rand(head_dim), rand(head_dim)
+    positions = torch.randint(0, 100, (M,)).double()
+    frequencies = ops.rope_frequencies(heads, kv_heads, head_dim).double()
+    qk = (heads + kv_heads) * head_dim
+    heads_z = z[:, :qk].view(M, -1, head_dim)
+    head_gamma = torch.cat((q_norm.expand(heads, head_dim), k_norm.expand(kv_heads, head_dim)))
+    y = torch.cat(((heads_z * torch.rsqrt(heads_z.square().mean(-1, keepdim=True) + EPS) * head_gamma).flatten(1),
+                   z[:, qk:]), 1)
+    from codagen.backends.reference import rope_ref
+    qkv = rope_ref(y, positions[:, None] * frequencies[None, :])
+    want = torch.autograd.grad(qkv, (z, q_norm, k_norm), grad_qkv)
+    got = kernels.rope_qk_norm_backward_ref(grad_qkv, z.detach(), positions, frequencies, q_norm.detach(),
+                                            k_norm.detach(), heads, EPS, width=D)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], (z * want[0]).sum(-1).detach() / D)  # pre-QK-norm z times its gradient
+    torch.testing.assert_close(got[2], want[1])
+    torch.testing.assert_close(got[3], want[2])
 
 
 def test_swiglu_backward_ref_matches_autograd():
@@ -227,6 +285,10 @@ def test_rope_permutation_round_trip_and_pairs():
             assert torch.equal(p[head * HEAD_DIM + 2 * i], w[head * HEAD_DIM + i])
             assert torch.equal(p[head * HEAD_DIM + 2 * i + 1], w[head * HEAD_DIM + i + half])
     assert torch.equal(ops.rope_half_split_from_pairs(p, HEAD_DIM), w)
+    # a QK-norm weight [head_dim] is permuted like one head's rows
+    q_norm = rand(HEAD_DIM, requires_grad=False)
+    assert torch.equal(ops.rope_pairs_from_half_split(q_norm, HEAD_DIM), ops.rope_pairs_from_half_split(
+        q_norm[:, None], HEAD_DIM)[:, 0])
 
 
 def test_rope_frequencies_layout():
@@ -242,6 +304,30 @@ def test_rope_frequencies_layout():
 # ==================================================================================================
 # Errors name the argument and what was expected
 # ==================================================================================================
+def qk_norm_cases(x, normed, rstd, gamma):
+    weight, positions = rand(QKV, D, requires_grad=False), torch.zeros(M)
+    frequencies, head = torch.zeros(QKV // 2), rand(HEAD_DIM, requires_grad=False)
+
+    def call(q_norm=head, k_norm=head, num_heads=HEADS, eps=EPS, qkv_weight=weight, freqs=frequencies):
+        return lambda: ops.rms_qkv_rope(x, normed, rstd, gamma, qkv_weight, positions, freqs, q_norm, k_norm,
+                                        num_heads=num_heads, qk_norm_eps=eps)
+    return [
+        (call(k_norm=None), "k_norm_weight: QK-norm needs both q_norm_weight and k_norm_weight"),
+        (call(q_norm=None, num_heads=None), "q_norm_weight: QK-norm needs both"),
+        (lambda: ops.rms_qkv_rope(x, normed, rstd, gamma, weight, positions, frequencies, num_heads=2),
+         "num_heads: only used with QK-norm"),
+        (call(q_norm=rand(2, HEAD_DIM, requires_grad=False)), "q_norm_weight: expected a vector"),
+        (call(q_norm=rand(3, requires_grad=False)), "with an even head_dim, got shape (3,)"),
+        (call(k_norm=rand(HEAD_DIM + 2, requires_grad=False)), "k_norm_weight: expected shape"),
+        (call(num_heads=None), "num_heads: QK-norm needs the number of Q heads"),
+        (call(num_heads=0), "num_heads: expected a positive int"),
+        (call(num_heads=3), "num_heads: qkv_weight holds 4 heads of head_dim 4"),
+        (call(eps=0.0), "qk_norm_eps: expected a positive float"),
+        (call(q_norm=rand(6, requires_grad=False), k_norm=rand(6, requires_grad=False)),
+         "rows with head_dim = 6 (q_norm_weight's length)"),
+    ]
+
+
 def test_errors_name_the_argument():
     x, gamma = rand(M, D, requires_grad=False), norm_weight().detach()
     normed, rstd = ops.rms_norm_stats(x, gamma, EPS)
@@ -265,6 +351,7 @@ def test_errors_name_the_argument():
          "positions: expected shape"),
         (lambda: ops.rms_qkv_rope(x, normed, rstd, gamma, rand(QKV, D), torch.zeros(M), torch.zeros(QKV)),
          "frequencies: expected shape"),
+        *qk_norm_cases(x, normed, rstd, gamma),
         (lambda: ops.out_proj_residual_rms(rand(M + 1, 4), rand(D, 4), x, gamma, EPS), "inp: expected 5 rows"),
         (lambda: ops.out_proj_residual_rms(rand(M, 4), rand(D, 3), x, gamma, EPS), "weight: expected shape"),
         (lambda: ops.rms_lm_head_cross_entropy(x, normed, rstd, gamma, rand(VOCAB, D), torch.zeros(M)),

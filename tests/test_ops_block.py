@@ -32,6 +32,7 @@ class Config:
     vocab: int = 50
     layers: int = 2
     eps: float = 1e-6
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE (weights in HF channel order)
 
     @property
     def tokens(self) -> int:
@@ -61,6 +62,9 @@ def make_params(cfg: Config, dtype=torch.float64, device="cpu") -> dict[str, tor
         params[p + "gate"] = w(cfg.ffn, d)
         params[p + "up"] = w(cfg.ffn, d)
         params[p + "down"] = w(d, cfg.ffn)
+        if cfg.qk_norm:
+            params[p + "q_norm"] = 1 + 0.2 * w(hd, scale=1)
+            params[p + "k_norm"] = 1 + 0.2 * w(hd, scale=1)
     params["final_norm"] = 1 + 0.2 * w(d, scale=1)
     params["lm_head"] = w(cfg.vocab, d)
     return {k: v.to(device=device, dtype=dtype).requires_grad_() for k, v in params.items()}
@@ -113,8 +117,12 @@ def eager_model(params, x, positions, target, cfg: Config):
         p = {name: params[f"{layer}.{name}"] for name in LAYER_WEIGHTS}
         h = rms_norm(x, p["attn_norm"], cfg.eps)
         q, k, v = h @ p["q"].t(), h @ p["k"].t(), h @ p["v"].t()
-        q = rope_half_split(q.reshape(b, s, cfg.heads, -1).transpose(1, 2), pos, freq)
-        k = rope_half_split(k.reshape(b, s, cfg.kv_heads, -1).transpose(1, 2), pos, freq)
+        q, k = q.reshape(b, s, cfg.heads, -1), k.reshape(b, s, cfg.kv_heads, -1)
+        if cfg.qk_norm:  # per head, over head_dim
+            q = rms_norm(q, params[f"{layer}.q_norm"], cfg.eps)
+            k = rms_norm(k, params[f"{layer}.k_norm"], cfg.eps)
+        q = rope_half_split(q.transpose(1, 2), pos, freq)
+        k = rope_half_split(k.transpose(1, 2), pos, freq)
         q, k = (t.transpose(1, 2).reshape(b * s, -1) for t in (q, k))
         x = x + attention(q, k, v, cfg) @ p["o"].t()
         h = rms_norm(x, p["mlp_norm"], cfg.eps)
@@ -153,7 +161,12 @@ def fused_model(params, x, positions, target, cfg: Config, reduction="mean"):
     for layer in range(cfg.layers):
         p = f"{layer}."
         next_norm = params[f"{layer + 1}.attn_norm"] if layer + 1 < cfg.layers else params["final_norm"]
-        qkv = ops.rms_qkv_rope(x, normed, rstd, params[p + "attn_norm"], fused[p + "qkv"], positions, frequencies)
+        if cfg.qk_norm:  # norm weights to the pair order of the Q/K rows
+            q_norm, k_norm = (ops.rope_pairs_from_half_split(params[p + n], cfg.head_dim) for n in ("q_norm", "k_norm"))
+            qkv = ops.rms_qkv_rope(x, normed, rstd, params[p + "attn_norm"], fused[p + "qkv"], positions, frequencies,
+                                   q_norm, k_norm, num_heads=cfg.heads, qk_norm_eps=cfg.eps)
+        else:
+            qkv = ops.rms_qkv_rope(x, normed, rstd, params[p + "attn_norm"], fused[p + "qkv"], positions, frequencies)
         q, k, v = qkv.split((q_cols, kv_cols, kv_cols), dim=1)
         x, normed, rstd = ops.out_proj_residual_rms(attention(q, k, v, cfg), params[p + "o"], x,
                                                     params[p + "mlp_norm"], cfg.eps)
@@ -274,6 +287,10 @@ CONFIGS = {
     "m1": Config(batch=1, seq=1, layers=1),
     "m7": Config(batch=1, seq=7, heads=2, kv_heads=1, ffn=24, vocab=37),
     "m129": Config(batch=1, seq=129, hidden=16, heads=2, kv_heads=1, ffn=16, vocab=33, layers=1),
+    "qk_norm": Config(qk_norm=True),
+    "qk_norm_m1": Config(batch=1, seq=1, layers=1, qk_norm=True),
+    "qk_norm_m129": Config(batch=1, seq=129, hidden=16, heads=2, kv_heads=1, head_dim=16, ffn=16, vocab=33, layers=1,
+                           qk_norm=True),
 }
 
 
@@ -289,16 +306,18 @@ def test_block_matches_eager_float64(name):
     assert sorted(got_grads) == sorted(want_grads)
     # With one token per sequence every attention weight is exactly 1, so the output does not depend on
     # q or k: their weights' gradients are zero by construction (eager shows rounding noise or 0).
-    zero_by_construction = {f"{layer}.{w}" for layer in range(cfg.layers) for w in "qk"} if cfg.seq == 1 else set()
+    zero_by_construction = ({f"{layer}.{w}" for layer in range(cfg.layers) for w in ("q", "k", "q_norm", "k_norm")}
+                            if cfg.seq == 1 else set())
     for key, want in want_grads.items():
         if key not in zero_by_construction:
             assert want.abs().max() > 0, f"{key}: the eager gradient is zero, the test would be vacuous"
         assert_close(f"grad {key}", got_grads[key], want)
 
 
-def test_block_with_fused_leaf_parameters():
+@pytest.mark.parametrize("name", ["gqa", "qk_norm"])
+def test_block_with_fused_leaf_parameters(name):
     """A model that stores qkv and gate_up in the fused layouts gets the same gradients, mapped back."""
-    cfg = CONFIGS["gqa"]
+    cfg = CONFIGS[name]
     params = make_params(cfg)
     x, positions, target, probe = make_inputs(cfg)
     want = forward_backward(eager_model, params, x, positions, None, probe, cfg)
@@ -310,8 +329,9 @@ def test_block_with_fused_leaf_parameters():
         assert_close(f"grad {key}", grads[key], value)
 
 
-def test_block_is_bitwise_deterministic():
-    cfg = CONFIGS["gqa"]
+@pytest.mark.parametrize("name", ["gqa", "qk_norm"])
+def test_block_is_bitwise_deterministic(name):
+    cfg = CONFIGS[name]
     params = make_params(cfg)
     x, positions, target, probe = make_inputs(cfg)
     first = forward_backward(fused_model, params, x, positions, target, probe, cfg)
@@ -363,7 +383,9 @@ def test_cross_entropy_chunk_rows_bounds_memory():
     assert chunk_rows(100, 10**9, 4, budget=1) == 1
 
 
-def test_bf16_block_two_x_rule_on_reference_backend():
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_bf16_block_two_x_rule_on_reference_backend(qk_norm):
     """The ops' own dtype choices (what is rounded to bf16 where) keep the 2x rule; the GPU test
     (test_ops_gpu.py) checks the same on the Triton kernels."""
-    assert_two_x_rule(Config(batch=2, seq=24, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=300))
+    assert_two_x_rule(Config(batch=2, seq=24, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=300,
+                             qk_norm=qk_norm))

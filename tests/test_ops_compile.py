@@ -1,8 +1,10 @@
-"""A model built from codagen.ops compiles with torch.compile(fullgraph=True): no graph breaks."""
+"""Models built from codagen.ops compile with torch.compile(fullgraph=True): no graph breaks."""
 from __future__ import annotations
 
 import pytest
 import torch
+
+from codagen import ops
 
 from .test_ops_block import Config, forward_backward, fused_model, make_inputs, make_params, reference_tiles
 
@@ -21,3 +23,30 @@ def test_compiled_block_fullgraph_matches_eager_ops():
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
     for key in want[2]:
         torch.testing.assert_close(got[2][key], want[2][key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+def test_compiled_qk_norm_qkv_rope_fullgraph_matches_eager():
+    """The QK-norm variant of F4 (its own custom ops and autograd node) compiles without graph breaks.
+    Only the op, not a whole block: the block's other ops are covered above, and compiling is slow."""
+    m, d, heads, kv_heads, head_dim = 6, 16, 2, 1, 8
+    x = torch.randn(m, d, requires_grad=True)
+    norm_weight, qkv_weight = torch.randn(d, requires_grad=True), torch.randn((heads + 2 * kv_heads) * head_dim, d,
+                                                                              requires_grad=True)
+    q_norm, k_norm = torch.randn(head_dim, requires_grad=True), torch.randn(head_dim, requires_grad=True)
+    positions, frequencies = torch.arange(m), ops.rope_frequencies(heads, kv_heads, head_dim)
+    probe = torch.randn(m, (heads + 2 * kv_heads) * head_dim)
+    leaves = (x, norm_weight, qkv_weight, q_norm, k_norm)
+
+    def step(x, norm_weight, qkv_weight, q_norm, k_norm):
+        normed, rstd = ops.rms_norm_stats(x, norm_weight, 1e-6)
+        qkv = ops.rms_qkv_rope(x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm, k_norm,
+                               num_heads=heads, qk_norm_eps=1e-6)
+        return (qkv * probe).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)  # raises on any graph break
+    with reference_tiles():
+        want = torch.autograd.grad(step(*leaves), leaves)
+        got = torch.autograd.grad(compiled(*leaves), leaves)
+    for name, g, w in zip(("x", "norm_weight", "qkv_weight", "q_norm", "k_norm"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda msg: f"{name}: {msg}")

@@ -68,3 +68,26 @@ def test_block_captures_in_a_cuda_graph():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for key in want[2]:
         assert torch.equal(got[2][key], want[2][key]), key
+
+
+# QK-norm (Qwen3) at a realistic size: M = 2048 tokens, d = 1024, 16 Q heads / 4 KV heads
+def _qk_norm_config(head_dim: int) -> Config:
+    return Config(batch=2, seq=1024, hidden=1024, heads=16, kv_heads=4, head_dim=head_dim, ffn=2816, vocab=5000,
+                  layers=2, qk_norm=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_qk_norm_block_two_x_rule(head_dim):
+    """Hidden state, loss and every gradient (x, norm weights, qkv, q_norm, k_norm, ...) under the 2x rule."""
+    assert_two_x_rule(_qk_norm_config(head_dim), "cuda")
+
+
+@sdpa_kernel(SDPBackend.MATH)  # flash attention's backward may accumulate with atomics; ours must not
+def test_bf16_qk_norm_block_bitwise_deterministic():
+    cfg = _qk_norm_config(128)
+    bf16, _ = bf16_problem(cfg, "cuda")
+    first = forward_backward(fused_model, *bf16, cfg)
+    second = forward_backward(fused_model, *bf16, cfg)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for key in first[2]:
+        assert torch.equal(first[2][key], second[2][key]), key

@@ -40,6 +40,18 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=tol, atol=tol)
             torch.testing.assert_close(k.mean_row_dot_triton(x, y, 9), k.mean_row_dot_ref(x, y, 9), rtol=tol, atol=tol)
+        # QK-norm backward: 17 rows (two row blocks, the last ragged); head_dim 6 (3 pairs in a 4-wide block) and 16
+        for heads, kv_heads, head_dim in ((2, 1, 6), (4, 2, 16)):
+            m, n = 17, (heads + 2 * kv_heads) * head_dim
+            grad, preact = torch.randn(m, n).to(dtype), torch.randn(m, n).to(dtype)
+            positions = torch.randint(0, 4096, (m,)).float()
+            frequencies = ops.rope_frequencies(heads, kv_heads, head_dim)
+            q_norm, k_norm = torch.randn(head_dim).to(dtype), torch.randn(head_dim).to(dtype)
+            args = (grad, preact, positions, frequencies, q_norm, k_norm, heads, 1e-6, 11)
+            got, want = k.rope_qk_norm_backward_triton(*args), k.rope_qk_norm_backward_ref(*args)
+            for name, a, b in zip(("grad_z", "mean_z_dz", "grad_q_norm", "grad_k_norm"), got, want):
+                scale = max(1.0, b.float().abs().max().item())
+                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10 * scale, msg=name)
     print("kernels ok")
 """)
 
@@ -52,14 +64,17 @@ def test_row_kernels_under_interpreter(fresh_seed):
     assert result.returncode == 0 and "kernels ok" in result.stdout, result.stdout + result.stderr
 
 
-def test_block_on_triton_backend_matches_reference():
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_block_on_triton_backend_matches_reference(qk_norm):
     try:
         import codagen.backends.triton  # noqa: F401
     except Exception as error:  # the backend is built concurrently
         pytest.skip(f"codagen.backends.triton does not import yet: {error!r}")
     from codagen.backends import use_backend
 
-    cfg = Config(batch=1, seq=7, hidden=16, heads=2, kv_heads=1, head_dim=8, ffn=16, vocab=24, layers=1)
+    # QK-norm needs heads that fit the interpreter's 32-wide tiles whole: head_dim 16
+    cfg = Config(batch=1, seq=7, hidden=16, heads=2, kv_heads=1, head_dim=16 if qk_norm else 8, ffn=16, vocab=24,
+                 layers=1, qk_norm=qk_norm)
     params = make_params(cfg, dtype=torch.float32)
     x, positions, target, probe = make_inputs(cfg, dtype=torch.float32)
     with reference_tiles():

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from codagen.backends.reference import ReferenceBackend
-from codagen.epilogue import (Accumulator, ColPartial, ColVector, Gemm, OneHot, Program, Rope, RowPartial, RowVector,
-                              ScalarInput, Store, SwiGLU, SwiGLUBackward, TileInput, Unary, Width, bind)
+from codagen.epilogue import (Accumulator, ColPartial, ColVector, Gemm, OneHot, Program, ProgramError, Rope, RowPartial,
+                              RowVector, ScalarInput, SegmentSum, Store, SwiGLU, SwiGLUBackward, TileInput, Unary,
+                              Width, bind)
 
 acc = Accumulator()
 F64 = torch.float64
@@ -47,11 +48,13 @@ def test_vector_tile_and_scalar_loads_broadcast():
 @pytest.mark.parametrize("op, fn", [
     ("neg", torch.neg), ("exp", torch.exp), ("sigmoid", torch.sigmoid), ("square", torch.square),
     ("silu", lambda x: x / (1 + torch.exp(-x))), ("log", lambda x: torch.log(x.abs() + 1)),
+    ("rsqrt", lambda x: 1 / torch.sqrt(x)),
 ])
 def test_unary_ops(op, fn):
     a, b = operands(5, 4, 3)
-    x = Unary("square", acc) + 1 if op == "log" else acc     # log needs a positive argument
-    inner = (a @ b.T).square() + 1 if op == "log" else a @ b.T
+    positive = op in ("log", "rsqrt")
+    x = Unary("square", acc) + 1 if positive else acc     # log and rsqrt need a positive argument
+    inner = (a @ b.T).square() + 1 if positive else a @ b.T
     out = run(Program("p", Gemm.linear(), (Store("out", Unary(op, x)),)), a, b)["out"]
     expected = torch.log(inner) if op == "log" else fn(inner)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
@@ -199,3 +202,38 @@ def test_outputs_are_allocated_poisoned():
 def test_odd_block_n_is_refused():
     with pytest.raises(ValueError, match="block_n must be even"):
         ReferenceBackend(16, 7)
+
+
+@pytest.mark.parametrize("m", [1, 7, 129])
+@pytest.mark.parametrize("size", [2, 6, 16])
+def test_segment_sum(m, size):
+    """Each column gets its aligned group's sum, written out with explicit loops over the groups; also on a
+    pair map's output and at half width."""
+    n = 4 * size if size != 2 else 10
+    a, b = operands(m, n, 5)
+    positions, frequencies = torch.arange(m, dtype=F64), torch.rand(n // 2, dtype=F64)
+    rope = Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF))
+    program = Program("p", Gemm.linear(), (Store("full", SegmentSum(acc, size)),
+                                           Store("rotated", SegmentSum(rope * rope, size))))
+    out = run(program, a, b, positions=positions, frequencies=frequencies)
+    z = a @ b.T
+    theta = positions[:, None] * frequencies[None, :]
+    rotated = torch.stack((z[:, 0::2] * theta.cos() - z[:, 1::2] * theta.sin(),
+                           z[:, 0::2] * theta.sin() + z[:, 1::2] * theta.cos()), -1).flatten(1)
+    for name, x in (("full", z), ("rotated", rotated.square())):
+        expected = torch.empty_like(x)
+        for group in range(n // size):
+            cols = slice(group * size, (group + 1) * size)
+            expected[:, cols] = x[:, cols].sum(1, keepdim=True)
+        torch.testing.assert_close(out[name], expected, rtol=1e-12, atol=1e-12, msg=lambda msg: f"{name}: {msg}")
+    if n % (2 * size) == 0:
+        half = run(Program("p", Gemm.linear(), (Store("half", SegmentSum(SwiGLU(acc), size)),)), a, b)["half"]
+        act = torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]
+        torch.testing.assert_close(half, act.view(m, -1, size).sum(-1).repeat_interleave(size, 1))
+
+
+def test_segment_sum_needs_whole_groups():
+    a, b = operands(3, 24, 5)
+    program = Program("p", Gemm.linear(), (Store("out", SegmentSum(acc, 16)),))
+    with pytest.raises(ProgramError, match=r"segment_sum\(size=16\) needs whole groups of 16 columns, got 24 columns"):
+        run(program, a, b)

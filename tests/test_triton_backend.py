@@ -22,12 +22,12 @@ import torch
 from codagen.backends import execute
 from codagen.backends.reference import ReferenceBackend
 from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend
-from codagen.backends.triton.configs import warp_specializable
+from codagen.backends.triton.configs import candidates
 from codagen.bench.kernels import eager_epilogue, gemm, random_inputs
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
 from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Gemm, OneHot, Program,
-                                 ProgramError, Rope, RowPartial, RowVector, ScalarInput, Store, SwiGLU,
+                                 ProgramError, Rope, RowPartial, RowVector, ScalarInput, SegmentSum, Store, SwiGLU,
                                  SwiGLUBackward, TileInput, Unary, Width)
 
 
@@ -159,6 +159,48 @@ def test_pair_form_consumers():
         check(program, 45, 138, 48, torch.float16, backend=TritonBackend(config=cfg))
 
 
+def test_segment_sum():
+    """SegmentSum on a full tile, on a pair map's (even, odd) halves (and consumed in that form), at half and
+    double width and feeding a row partial; whole-tile and split sub-tiles, TMA and pointer epilogues."""
+    rope = Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF))
+    head_rstd = Unary("rsqrt", SegmentSum(rope * rope, 16) * (1 / 16) + 1e-6)
+    program = Program("segments", Gemm.linear(), (
+        Store("full", SegmentSum(acc * c, 32)),
+        Store("pairs", rope * head_rstd),
+        Store("half", SegmentSum(SwiGLU(acc), 16)),
+        Store("double", SegmentSum(SwiGLUBackward(TileInput("t2", Width.DOUBLE), acc), 32)),
+        RowPartial("total", SegmentSum(acc, 16) * head_rstd)))
+    for cfg in (INTERPRETER_CONFIG, KernelConfig(32, 64, 32, 1, 4, epilogue_split=2, tma_epilogue=True, group_m=2),
+                KernelConfig(32, 128, 32, 1, 4, epilogue_split=4, group_m=2)):
+        check(program, 45, 192, 40, torch.float16, backend=TritonBackend(config=cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("head_dim, shape", [(16, (7, 96, 40)), (32, (129, 128, 48)), (16, (1, 64, 24))])
+def test_qk_norm_program(head_dim, shape, dtype):
+    """F4 with QK-norm: per-head rsqrt of a segmented sum of squares inside the RoPE epilogue."""
+    check(library.rms_qkv_rope(head_dim, 1e-6), *shape, dtype)
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_qk_norm_program_split_epilogue(tma):
+    cfg = KernelConfig(32, 128, 32, 1, 4, epilogue_split=2, tma_epilogue=tma, group_m=2)  # sub-tiles of 64: 2 heads
+    check(library.rms_qkv_rope(32, 1e-6), 45, 320, 48, torch.float16, backend=TritonBackend(config=cfg, tma=tma))
+
+
+def test_segment_wider_than_the_tile_is_refused():
+    """Heads wider than any sub-tile: the candidate filter names head_dim and the sub-tile widths; a forced
+    (or interpreter) config fails the kernel's static check."""
+    program = library.rms_qkv_rope(128, 1e-6)
+    with pytest.raises(ProgramError, match=r"groups of \[128\] columns \(the QK-norm head_dim\).*widths \[64\]"):
+        candidates(program, major=9, operand_bytes=4, smem_limit=232448, tma=True)  # the fp32 pool: 64x64 tiles
+    kept = candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True)
+    assert kept and all(cfg.sub_n % 128 == 0 for cfg in kept)
+    a, b, tensors = random_inputs(library.rms_qkv_rope(64, 1e-6), 8, 128, 16, torch.float16, "cpu")
+    with pytest.raises(Exception, match=r"segment_sum\(size=64\): the epilogue sub-tile"):
+        TritonBackend().run(bind(library.rms_qkv_rope(64, 1e-6), a, b, tensors))  # interpreter tiles are 32 wide
+
+
 def test_pointer_mainloop_forced():
     check(library.rms_norm_backward(), 20, 64, 64, torch.float16, backend=TritonBackend(autotune=False, tma=False))
 
@@ -170,8 +212,8 @@ acc = Accumulator()
 r = RowVector("r")
 c = ColVector("c")
 PRIMITIVES = {
-    **{f"unary_{op}": (Store("out", Unary(op, acc if op != "log" else Unary("exp", acc))),) for op in
-       ("neg", "exp", "log", "sigmoid", "silu", "square")},
+    **{f"unary_{op}": (Store("out", Unary(op, acc if op not in ("log", "rsqrt") else Unary("exp", acc))),) for op in
+       ("neg", "exp", "log", "sigmoid", "silu", "square", "rsqrt")},
     **{f"binary_{op}": (Store("out", Binary(op, acc, TileInput("t") if op != "div" else Unary("exp", TileInput("t")))),)
        for op in ("add", "sub", "mul", "div", "max")},
     "constant": (Store("out", acc * 0.5 + Constant(2.0)),),
@@ -189,6 +231,7 @@ PRIMITIVES = {
     "store_dtypes": (Store("o32", acc, dtype="float32"), Store("o16", acc, dtype="float16"),
                      Store("obf", acc, dtype="bfloat16")),
     "accumulate": (Store("acc_out", acc * 2.0, accumulate=True),),
+    "segment_sum_pairs": (Store("out", SegmentSum(acc * r, 2)),),  # N = 70: only 2-column groups divide it
 }
 
 
@@ -303,8 +346,6 @@ def test_gpu_every_config(name, cfg):
     if not _is_hopper():
         pytest.skip("Hopper configurations")
     program = library.PROGRAMS[name]()
-    if cfg.warp_specialize and not warp_specializable(program):
-        pytest.skip("Triton cannot warp-specialize this epilogue (the tuner never offers it)")
     backend = TritonBackend(config=cfg)
     try:
         check(program, 1000, 2000, 512, torch.bfloat16, device="cuda", backend=backend)
@@ -320,8 +361,6 @@ def test_gpu_rope_long_positions(cfg):
     """The hardware sin/cos after the 2 pi reduction: LLaMA-3 frequencies, positions up to 16384."""
     if cfg is not None and not _is_hopper():
         pytest.skip("Hopper configurations")
-    if cfg is not None and cfg.warp_specialize:
-        pytest.skip("pair maps are never warp-specialized")
     backend = TritonBackend(config=cfg) if cfg else TritonBackend()
     check(library.rms_qkv_rope(), 16384, 1024, 256, torch.bfloat16, device="cuda", backend=backend,
           inputs=_llama3_rope_inputs(1024))
@@ -353,6 +392,20 @@ def test_gpu_one_launch_and_bitwise_deterministic(name):
     assert not others, f"unexpected kernels besides the fused one and output poisoning: {others}"
     for key in first:
         assert torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)), key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("cfg", [None] + _gpu_configs(), ids=lambda c: c.short().replace(" ", "_") if c else "tuned")
+def test_gpu_qk_norm_program(cfg, head_dim):
+    """F4 with QK-norm at a realistic size (16 Q heads, 4 KV heads) on every Hopper config with whole-head sub-tiles."""
+    if cfg is not None and not _is_hopper():
+        pytest.skip("Hopper configurations")
+    if cfg is not None and cfg.sub_n % head_dim:
+        pytest.skip("the tuner never offers it: heads would straddle epilogue sub-tiles")
+    backend = TritonBackend(config=cfg) if cfg else TritonBackend()
+    check(library.rms_qkv_rope(head_dim, 1e-6), 2048, (16 + 2 * 4) * head_dim, 1024, torch.bfloat16, device="cuda",
+          backend=backend)
 
 
 @pytest.mark.gpu

@@ -13,9 +13,10 @@ import torch
 
 from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Program, Rope,
-                                 RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward, TileInput, Unary)
+                                 RowPartial, RowVector, ScalarInput, SegmentSum, Store, SwiGLU, SwiGLUBackward,
+                                 TileInput, Unary)
 
-__all__ = ["ReferenceBackend", "evaluate_epilogue", "swiglu_ref", "swiglu_backward_ref", "rope_ref"]
+__all__ = ["ReferenceBackend", "evaluate_epilogue", "swiglu_ref", "swiglu_backward_ref", "rope_ref", "segment_sum_ref"]
 
 
 def swiglu_ref(x: torch.Tensor) -> torch.Tensor:
@@ -40,9 +41,15 @@ def rope_ref(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
+def segment_sum_ref(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Each column gets the sum of its aligned group of ``size`` adjacent columns (``x.shape[-1] % size == 0``)."""
+    groups = x.unflatten(-1, (-1, size))
+    return groups.sum(-1, keepdim=True).expand(groups.shape).flatten(-2)
+
+
 _UNARY = {
     "neg": torch.neg, "exp": torch.exp, "log": torch.log, "sigmoid": torch.sigmoid,
-    "silu": torch.nn.functional.silu, "square": torch.square,
+    "silu": torch.nn.functional.silu, "square": torch.square, "rsqrt": torch.rsqrt,
 }
 _BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "max": torch.maximum}
 
@@ -81,6 +88,8 @@ def evaluate_epilogue(program: Program, acc: torch.Tensor, tensors: Mapping[str,
         elif isinstance(e, Rope):
             theta = values[e.positions] * values[e.frequencies]
             v = rope_ref(values[e.x], -theta if e.inverse else theta)
+        elif isinstance(e, SegmentSum):
+            v = segment_sum_ref(values[e.x].expand(acc.shape[0], e.width.columns(n)), e.size)
         else:  # pragma: no cover - the IR is a closed set
             raise TypeError(f"reference backend cannot evaluate {type(e).__name__}")
         values[e] = v

@@ -2,7 +2,8 @@
 
 Backends call :func:`bind` first and may then assume: A and B are 2-D, contiguous, of one float
 dtype and on one device; every named input exists with the right shape, dtype class and device;
-accumulated outputs are given; N is even when the program uses column pairs.
+accumulated outputs are given; N is even when the program uses column pairs; the columns of every
+``SegmentSum`` value split into whole groups (``N * w`` a multiple of its ``size``).
 """
 from __future__ import annotations
 
@@ -143,6 +144,11 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, 
 
     if program.needs_even_n() and n % 2:
         raise ProgramError(f"{program.name}: pairs of columns (2j, 2j+1) need an even N, got N = {n}")
+    for segment in program.segment_sums():
+        columns = segment.width.columns(n)
+        if columns % segment.size:
+            raise ProgramError(f"{program.name}: segment_sum(size={segment.size}) needs whole groups of {segment.size} "
+                               f"columns, got {columns} columns (N = {n}, width {segment.width!r})")
 
     for name, t in tensors.items():
         _tensor(name, t, "program input")

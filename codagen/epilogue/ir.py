@@ -17,9 +17,13 @@ The closed set of primitives:
 vector loads          ``RowVector`` [M] (rstd, targets, positions), ``ColVector`` [N*w] (norm weight,
                       frequencies), ``ScalarInput`` (a device tensor with one element, no host sync)
 tile loads            ``TileInput`` [M, N*w] (residual, saved pre-activation)
-elementwise maps      ``Unary`` (neg, exp, log, sigmoid, silu, square), ``Binary`` (add, sub, mul,
+elementwise maps      ``Unary`` (neg, exp, log, sigmoid, silu, square, rsqrt), ``Binary`` (add, sub, mul,
                       div, max), ``Constant``, ``OneHot`` (column == index[row])
 adjacent-pair maps    ``SwiGLU`` (2 -> 1), ``SwiGLUBackward`` (pair + grad -> pair), ``Rope`` (2 -> 2)
+segmented reductions  ``SegmentSum``: per row, the sum over each aligned group of ``size`` adjacent
+                      columns, broadcast back onto the group (per-head statistics: QK-norm); a
+                      group never straddles a tile, so backends need tile widths that are multiples
+                      of ``size``
 partial reductions    ``RowPartial`` along N: one fp32 per (row, N-tile), sum or logsumexp;
                       ``ColPartial`` along M: one fp32 per (M-tile, column), sum
 stores                ``Store`` main/extra outputs, each with its dtype; ``accumulate=True`` adds
@@ -41,7 +45,7 @@ from typing import Mapping, Union
 __all__ = [
     "Width", "Gemm", "Expr", "Accumulator", "RowVector", "ColVector", "ScalarInput", "TileInput",
     "Constant", "Unary", "Binary", "OneHot", "SwiGLU", "SwiGLUBackward", "Rope",
-    "Store", "RowPartial", "ColPartial", "Output", "Program", "ProgramError",
+    "SegmentSum", "Store", "RowPartial", "ColPartial", "Output", "Program", "ProgramError",
     "UNARY_OPS", "BINARY_OPS", "STORE_DTYPES",
 ]
 
@@ -117,7 +121,7 @@ class Gemm:
 # --------------------------------------------------------------------------------------------------
 # Expressions
 # --------------------------------------------------------------------------------------------------
-UNARY_OPS = ("neg", "exp", "log", "sigmoid", "silu", "square")
+UNARY_OPS = ("neg", "exp", "log", "sigmoid", "silu", "square", "rsqrt")
 BINARY_OPS = ("add", "sub", "mul", "div", "max")
 _BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 
@@ -516,6 +520,43 @@ class Rope(Expr):
         return _render(self, str)
 
 
+@_node
+class SegmentSum(Expr):
+    """Tile-local segmented row sum: columns form aligned groups of ``size`` adjacent columns
+    ``[g * size, (g + 1) * size)``, and every column gets its group's sum::
+
+        out[m, n] = sum over n' with n' // size == n // size of x[m, n']
+
+    The width is kept. With ``size = head_dim`` on a QKV tile it is a per-(row, head) statistic
+    broadcast back onto the head's columns (QK-norm's sum of squares). A group must lie inside one
+    tile: backends use tiles whose width (of ``x``'s columns) is a multiple of ``size``, and binding
+    needs ``N * w`` to be a multiple of ``size`` (no group straddles the matrix edge). ``size`` is
+    even, so a group is ``size / 2`` whole column pairs.
+    """
+    x: Expr
+    size: int
+
+    def __post_init__(self):
+        if self.x.kind != "tile":
+            raise ProgramError(f"SegmentSum needs a tile value, got {self.x} ({self.x.kind})")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 2 or self.size % 2:
+            raise ProgramError(f"SegmentSum.size must be an even int >= 2 (whole column pairs), got {self.size!r}")
+
+    @property
+    def kind(self) -> str:
+        return "tile"
+
+    @property
+    def width(self) -> Width:
+        return self.x.width
+
+    def children(self):
+        return (self.x,)
+
+    def __str__(self) -> str:
+        return _render(self, str)
+
+
 # --------------------------------------------------------------------------------------------------
 # Outputs
 # --------------------------------------------------------------------------------------------------
@@ -616,6 +657,8 @@ def _render(e: Expr, show) -> str:
         return f"swiglu_backward({show(e.preact)}, {show(e.grad)})"
     if isinstance(e, Rope):
         return f"rope({show(e.x)}, {'-' if e.inverse else ''}{e.positions} * {e.frequencies})"
+    if isinstance(e, SegmentSum):
+        return f"segment_sum({show(e.x)}, size={e.size})"
     return str(e)
 
 
@@ -697,6 +740,14 @@ class Program:
 
     def has_pairs(self) -> bool:
         return self._has_pairs
+
+    @functools.cached_property
+    def _segment_sums(self) -> tuple["SegmentSum", ...]:
+        return tuple(e for e in self.expressions() if isinstance(e, SegmentSum))
+
+    def segment_sums(self) -> tuple["SegmentSum", ...]:
+        """The program's ``SegmentSum`` expressions: each needs tile widths that are multiples of its size."""
+        return self._segment_sums
 
     @functools.cached_property
     def _needs_even_n(self) -> bool:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import functools
 
-from .ir import (Accumulator, ColPartial, ColVector, Gemm, OneHot, Program, Rope, RowPartial, RowVector, ScalarInput,
-                 Store, SwiGLU, SwiGLUBackward, TileInput, Unary, Width)
+from .ir import (Accumulator, ColPartial, ColVector, Gemm, OneHot, Program, ProgramError, Rope, RowPartial, RowVector,
+                 ScalarInput, SegmentSum, Store, SwiGLU, SwiGLUBackward, TileInput, Unary, Width)
 
 __all__ = ["linear", "input_grad", "weight_grad", "rms_linear", "residual_rms_stats", "rms_gate_up_swiglu",
            "rms_qkv_rope", "rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward",
@@ -87,15 +87,41 @@ def rms_gate_up_swiglu() -> Program:
 
 
 @functools.cache
-def rms_qkv_rope() -> Program:
-    """F4: rstd-scaled QKV projection + RoPE on interleaved pairs.
+def rms_qkv_rope(qk_norm_head_dim: int | None = None, qk_norm_eps: float = 1e-6) -> Program:
+    """F4: rstd-scaled QKV projection + RoPE on interleaved pairs, optionally with QK-norm before RoPE.
 
-    ``z = rstd[m] * (a @ b^T)``; ``qkv[m, 2j:2j+2] = rotate(z[m, 2j:2j+2], positions[m] * frequencies[j])``.
+    ``z = rstd[m] * (a @ b^T)``; ``qkv[m, 2j:2j+2] = rotate(y[m, 2j:2j+2], positions[m] * frequencies[j])``.
     ``frequencies`` [N/2] holds each pair's inverse frequency; V's pairs hold 0 (no rotation).
+    Without QK-norm ``y = z``.
+
+    With ``qk_norm_head_dim = hd`` (program ``rms_qkv_rope_qk_norm``): per-head RMSNorm of the Q and K
+    heads (Qwen3, OLMo-2), each head being an aligned group of ``hd`` columns::
+
+        qk_rstd[m, n] = rsqrt(segment_sum(z^2, hd)[m, n] / hd + qk_norm_eps)     (one value per (row, head))
+        y = z * (qk_norm_weight[n] * qk_rstd + qk_passthrough[n])
+
+    ``qk_norm_weight`` [N] is q_norm's weight on every Q head's columns, k_norm's on every K head's and
+    0 on V; ``qk_passthrough`` [N] is 0 on Q/K and 1 on V, so V leaves as ``z``. Both in the
+    adjacent-pair column order of the fused weight. The output ``preact = z`` [M, N] (before QK-norm
+    and RoPE) is saved for backward: the QK-norm backward needs the pre-norm head, and recovering it
+    from ``qkv`` would divide by the norm weight. N must be a multiple of ``hd`` and kernels need
+    epilogue tiles of whole heads.
     """
     z = acc * rstd
-    return Program("rms_qkv_rope", Gemm.linear(), (
-        Store("qkv", Rope(z, RowVector("positions"), ColVector("frequencies", Width.HALF))),
+    if qk_norm_head_dim is None:
+        return Program("rms_qkv_rope", Gemm.linear(), (
+            Store("qkv", Rope(z, RowVector("positions"), ColVector("frequencies", Width.HALF))),
+        ), doc=rms_qkv_rope.__doc__)
+    hd = qk_norm_head_dim
+    if isinstance(hd, bool) or not isinstance(hd, int) or hd < 2 or hd % 2:
+        raise ProgramError(f"rms_qkv_rope: qk_norm_head_dim must be an even int >= 2, got {hd!r}")
+    if isinstance(qk_norm_eps, bool) or not isinstance(qk_norm_eps, (int, float)) or not qk_norm_eps > 0:
+        raise ProgramError(f"rms_qkv_rope: qk_norm_eps must be a positive float, got {qk_norm_eps!r}")
+    qk_rstd = Unary("rsqrt", SegmentSum(Unary("square", z), hd) * (1.0 / hd) + float(qk_norm_eps))
+    y = z * (ColVector("qk_norm_weight") * qk_rstd + ColVector("qk_passthrough"))
+    return Program("rms_qkv_rope_qk_norm", Gemm.linear(), (
+        Store("qkv", Rope(y, RowVector("positions"), ColVector("frequencies", Width.HALF))),
+        Store("preact", z),
     ), doc=rms_qkv_rope.__doc__)
 
 

@@ -3,7 +3,7 @@
 - :class:`Llama` — a LLaMA decoder regrouped the CODA way, parameters in the fused layout;
   Hugging Face state dicts in and out (:meth:`Llama.from_hf_state_dict`, :meth:`Llama.to_hf_state_dict`).
 - :class:`ReferenceLlama` — the same model in plain eager PyTorch (HF layout): oracle and baseline.
-- :func:`patch` / :func:`unpatch` — run a ``transformers`` Llama / Mistral / Qwen2 causal LM on codagen
+- :func:`patch` / :func:`unpatch` — run a ``transformers`` Llama / Mistral / Qwen2 / Qwen3 causal LM on codagen
   kernels in place, and undo it (``transformers`` is imported only by a patched forward).
 """
 from .config import LlamaConfig

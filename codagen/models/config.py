@@ -13,7 +13,9 @@ class LlamaConfig:
     """A pre-norm LLaMA decoder: RMSNorm, GQA attention with RoPE, SwiGLU MLP, no biases.
 
     ``head_dim`` defaults to ``hidden_size // num_heads``. RoPE inverse frequencies are
-    ``rope_theta ** (-2i / head_dim)`` for ``i < head_dim / 2``.
+    ``rope_theta ** (-2i / head_dim)`` for ``i < head_dim / 2``. ``qk_norm=True`` adds Qwen3's QK-norm:
+    an RMSNorm over each Q and K head (weights ``q_norm``, ``k_norm`` [head_dim], eps ``rms_norm_eps``)
+    after the projection and before RoPE.
     """
     vocab_size: int
     hidden_size: int
@@ -25,6 +27,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.num_kv_heads is None:
@@ -62,4 +65,5 @@ class LlamaConfig:
     def num_parameters(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         per_layer = 2 * d + d * self.qkv_size + self.num_heads * self.head_dim * d + 3 * d * f
+        per_layer += 2 * self.head_dim if self.qk_norm else 0
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d

@@ -2,7 +2,7 @@
 
 ::
 
-    model = LlamaForCausalLM(config)        # or Qwen2ForCausalLM, MistralForCausalLM
+    model = LlamaForCausalLM(config)        # or Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM
     codagen.patch(model)                     # model.forward now runs the fused CODA decoder
     loss = model(input_ids, labels=labels).loss
     codagen.unpatch(model)                   # back to the transformers forward
@@ -23,11 +23,14 @@ approximation):
   materialized); call without ``labels`` to get logits.
 - Under autocast everything runs in the autocast dtype (weights cast once per forward).
 - Handled exactly: Q/K/V biases (Qwen2; RoPE is linear, so the rotated bias is added after the fused
-  kernel), O-proj bias (folded into the residual add), tied embeddings, ``position_ids``,
+  kernel), QK-norm (Qwen3: per-head RMSNorm of Q and K before RoPE, in the QKV GEMM's epilogue; the
+  q_norm/k_norm weights are permuted to pair order like the Q/K rows), O-proj bias (folded into the
+  residual add), tied embeddings, ``position_ids``,
   ``inputs_embeds``, all-ones ``attention_mask``, sliding-window attention (an explicit SDPA mask when
   the sequence is longer than the window), attention dropout, ``num_items_in_batch``,
   ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``.
-- Refused: MLP biases, activations other than SiLU, other RoPE types (``dynamic``, ``yarn``, ...),
+- Refused: MLP biases, Q/K/V biases together with QK-norm (the bias would enter before the norm),
+  QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types (``dynamic``, ``yarn``, ...),
   padding in ``attention_mask``, KV cache / generation (``past_key_values``, ``use_cache=True``),
   ``output_attentions`` / ``output_hidden_states``, gradient checkpointing, extra attention kwargs.
   ``unpatch`` the model (or use an unpatched copy) for those.
@@ -45,7 +48,7 @@ from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 
 __all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODELS"]
 
-SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3")  # static inv_freq and attention_scaling == 1
 
 
@@ -77,10 +80,20 @@ def _check_model(model: nn.Module) -> None:
         if not (layer.input_layernorm.variance_epsilon == layer.post_attention_layernorm.variance_epsilon
                 == model.model.norm.variance_epsilon):
             raise _refuse(f"different eps among the RMSNorms (layer {i})")
+        qk_norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+        if any(norm is not None for norm in qk_norms):
+            if any(norm is None for norm in qk_norms):
+                raise _refuse(f"a norm on only one of q and k (layer {i})")
+            if any(qkv_bias):
+                raise _refuse(f"Q/K/V biases together with QK-norm (layer {i})")
+            if any(tuple(norm.weight.shape) != (attn.head_dim,) for norm in qk_norms):
+                raise _refuse(f"QK-norm weights of shape other than [head_dim] = ({attn.head_dim},) (layer {i})")
+            if any(norm.variance_epsilon != layer.input_layernorm.variance_epsilon for norm in qk_norms):
+                raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})")
 
 
 def patch(model: nn.Module) -> nn.Module:
-    """Make a ``transformers`` Llama/Mistral/Qwen2 ``...ForCausalLM`` run on codagen kernels; returns it.
+    """Make a ``transformers`` Llama/Mistral/Qwen2/Qwen3 ``...ForCausalLM`` run on codagen kernels; returns it.
 
     Undo with :func:`unpatch`. Patching twice is a no-op. See the module docstring for what is
     handled and what is refused.
@@ -114,15 +127,19 @@ def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, 
     qkv = fuse_qkv(*(cast(getattr(attn, n).weight) for n in ("q_proj", "k_proj", "v_proj")), head_dim)
     qkv_bias = (None if attn.q_proj.bias is None
                 else fuse_qkv(*(cast(getattr(attn, n).bias) for n in ("q_proj", "k_proj", "v_proj")), head_dim))
+    # QK-norm (Qwen3): each head's channels permuted to pair order, like the Q/K rows of qkv
+    q_norm, k_norm = (None if getattr(attn, n, None) is None
+                      else ops.rope_pairs_from_half_split(cast(getattr(attn, n).weight), head_dim)
+                      for n in ("q_norm", "k_norm"))
     return BlockWeights(
         attn_norm=cast(layer.input_layernorm.weight), qkv=qkv, qkv_bias=qkv_bias,
         o=cast(attn.o_proj.weight), o_bias=cast(attn.o_proj.bias), mlp_norm=cast(layer.post_attention_layernorm.weight),
         gate_up=ops.interleave_gate_up(cast(mlp.gate_proj.weight), cast(mlp.up_proj.weight)),
-        down=cast(mlp.down_proj.weight), sliding_window=sliding_window)
+        down=cast(mlp.down_proj.weight), q_norm=q_norm, k_norm=k_norm, sliding_window=sliding_window)
 
 
 def _sliding_window(model: nn.Module, layer: nn.Module) -> int | None:
-    # Qwen2 sets it per layer (layer_types); Mistral has one for all layers; Llama has none.
+    # Qwen2/Qwen3 set it per layer (layer_types); Mistral has one for all layers; Llama has none.
     if hasattr(layer.self_attn, "sliding_window"):
         return layer.self_attn.sliding_window
     return getattr(model.config, "sliding_window", None)

@@ -47,6 +47,8 @@ class BlockWeights:
     down: torch.Tensor
     qkv_bias: torch.Tensor | None = None  # pair order, as the rows of ``qkv``
     o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # QK-norm weights [head_dim], pair order, as each head's rows of ``qkv``
+    k_norm: torch.Tensor | None = None
     sliding_window: int | None = None  # key j is visible to query i iff i - window < j <= i
 
 
@@ -87,11 +89,18 @@ def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: t
     """Run the blocks on the embeddings ``x`` [tokens, d]; return ``(x, normed, rstd)`` of the final norm.
 
     ``positions`` [tokens] and ``frequencies`` [(h + 2 kv) hd / 2] (V pairs 0) drive RoPE in the QKV epilogue.
+    Blocks with ``q_norm``/``k_norm`` apply QK-norm (eps ``eps``) in the same epilogue, before RoPE.
     """
     norms = [blk.attn_norm for blk in blocks] + [final_norm]
     normed, rstd = ops.rms_norm_stats(x, norms[0], eps)
     for blk, next_norm in zip(blocks, norms[1:]):
-        qkv = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies)
+        if blk.q_norm is None and blk.k_norm is None:
+            qkv = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies)
+        else:
+            if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
+                raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
+            qkv = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies, blk.q_norm,
+                                   blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps)
         if blk.qkv_bias is not None:
             # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
             angles = positions.float()[:, None] * frequencies[None, :]
@@ -143,9 +152,15 @@ class _Block(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(d, **factory))
         self.gate_up = nn.Parameter(torch.empty(2 * c.intermediate_size, d, **factory))
         self.down = nn.Parameter(torch.empty(d, c.intermediate_size, **factory))
+        if c.qk_norm:  # pair order, as each Q/K head's rows of qkv
+            self.q_norm = nn.Parameter(torch.ones(c.head_dim, **factory))
+            self.k_norm = nn.Parameter(torch.ones(c.head_dim, **factory))
+        else:
+            self.q_norm = self.k_norm = None
 
     def weights(self) -> BlockWeights:
-        return BlockWeights(self.attn_norm, self.qkv, self.o, self.mlp_norm, self.gate_up, self.down)
+        return BlockWeights(self.attn_norm, self.qkv, self.o, self.mlp_norm, self.gate_up, self.down,
+                            q_norm=self.q_norm, k_norm=self.k_norm)
 
 
 class Llama(nn.Module):
@@ -193,7 +208,7 @@ class Llama(nn.Module):
         out = lm_head(x, normed, rstd, self.norm, self.lm_head, None if targets is None else targets.reshape(-1))
         return out if targets is not None else out.view(batch, seq, c.vocab_size)
 
-    # --- Hugging Face state dicts (LlamaForCausalLM names) --------------------------------------------
+    # --- Hugging Face state dicts (LlamaForCausalLM names; Qwen3ForCausalLM's with qk_norm) ----------------
     def _hf_keys(self) -> list[str]:
         keys = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
         for i in range(self.config.num_layers):
@@ -201,11 +216,14 @@ class Llama(nn.Module):
             keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
             keys += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
             keys += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+            if self.config.qk_norm:
+                keys += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         return keys
 
     @torch.no_grad()
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters under Hugging Face ``LlamaForCausalLM`` names and layouts (copies)."""
+        """The parameters under Hugging Face ``LlamaForCausalLM`` names and layouts (copies); with
+        ``qk_norm`` also ``self_attn.q_norm.weight``/``k_norm.weight`` (``Qwen3ForCausalLM``)."""
         c = self.config
         sd = {"model.embed_tokens.weight": self.embed.weight, "model.norm.weight": self.norm,
               "lm_head.weight": self.lm_head}
@@ -218,6 +236,9 @@ class Llama(nn.Module):
                        p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": blk.o,
                        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
                        p + "mlp.down_proj.weight": blk.down})
+            if c.qk_norm:
+                sd.update({p + "self_attn.q_norm.weight": ops.rope_half_split_from_pairs(blk.q_norm, c.head_dim),
+                           p + "self_attn.k_norm.weight": ops.rope_half_split_from_pairs(blk.k_norm, c.head_dim)})
         return {key: t.detach().clone() for key, t in sd.items()}
 
     @classmethod
@@ -250,6 +271,10 @@ class Llama(nn.Module):
                          f"layers.{i}.mlp_norm": sd[p + "post_attention_layernorm.weight"],
                          f"layers.{i}.qkv": qkv, f"layers.{i}.o": sd[p + "self_attn.o_proj.weight"],
                          f"layers.{i}.gate_up": gate_up, f"layers.{i}.down": sd[p + "mlp.down_proj.weight"]})
+            if config.qk_norm:
+                ours.update({f"layers.{i}.{n}": ops.rope_pairs_from_half_split(sd[p + f"self_attn.{n}.weight"],
+                                                                               config.head_dim)
+                             for n in ("q_norm", "k_norm")})
         if device is None:
             device = sd["model.embed_tokens.weight"].device
         model = model.to_empty(device=device)

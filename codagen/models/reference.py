@@ -1,9 +1,9 @@
 """The unfused PyTorch LLaMA: the oracle for :class:`codagen.models.Llama` and the demo's baseline.
 
 Plain eager PyTorch in the Hugging Face layout (separate q/k/v and gate/up projections, half-split
-RoPE), with the same ``state_dict`` names as ``transformers``' ``LlamaForCausalLM``, so
-``Llama.to_hf_state_dict()`` loads into it unchanged. Every memory-bound op is a method so a
-benchmark can swap in other kernels (Liger) by subclassing.
+RoPE), with the same ``state_dict`` names as ``transformers``' ``LlamaForCausalLM`` (``Qwen3ForCausalLM``'s
+with ``qk_norm``), so ``Llama.to_hf_state_dict()`` loads into it unchanged. Every memory-bound op is a
+method so a benchmark can swap in other kernels (Liger) by subclassing.
 """
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ class _Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:  # Qwen3: RMSNorm over each Q/K head, before RoPE
+            self.q_norm = _RMSNormWeight(c.head_dim)
+            self.k_norm = _RMSNormWeight(c.head_dim)
 
 
 class _MLP(nn.Module):
@@ -119,6 +122,8 @@ class ReferenceLlama(nn.Module):
             q = attn.q_proj(h).view(batch, seq, c.num_heads, c.head_dim).transpose(1, 2)
             k = attn.k_proj(h).view(batch, seq, c.num_kv_heads, c.head_dim).transpose(1, 2)
             v = attn.v_proj(h).view(batch, seq, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            if c.qk_norm:  # over head_dim, the last axis
+                q, k = self.rms_norm(q, attn.q_norm.weight), self.rms_norm(k, attn.k_norm.weight)
             q, k = self.rope(q, k, cos, sin)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, seq, -1))

@@ -106,7 +106,21 @@ def index_vector(name: str, t, length: int, like: torch.Tensor, *, allow_float: 
     return t
 
 
-def eps(value) -> float:
+def eps(value, name: str = "eps") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"eps: expected a positive float, got {value!r}")
+        raise ValueError(f"{name}: expected a positive float, got {value!r}")
     return float(value)
+
+
+def positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def head_vector(name: str, t, x: torch.Tensor) -> torch.Tensor:
+    """A per-head-channel weight [head_dim] (QK-norm), head_dim even (whole RoPE pairs)."""
+    t = tensor(name, t)
+    if t.dim() != 1 or t.shape[0] < 2 or t.shape[0] % 2:
+        raise ValueError(f"{name}: expected a vector [head_dim] with an even head_dim, got shape {tuple(t.shape)}")
+    return vector(name, t, t.shape[0], "[head_dim]", x)

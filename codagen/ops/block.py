@@ -150,7 +150,7 @@ def out_proj_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, norm_we
 
 
 # ==================================================================================================
-# F4 (+ B1, B2, B3): RMSNorm-scaled QKV projection + RoPE
+# F4 (+ B1, B2, B3): RMSNorm-scaled QKV projection + RoPE, optionally with QK-norm
 # ==================================================================================================
 @torch.library.custom_op("codagen::rms_qkv_rope", mutates_args=())
 def _rms_qkv_rope_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor,
@@ -195,18 +195,111 @@ class _RmsQkvRope(torch.autograd.Function):
         return grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None
 
 
+def _qk_norm_columns(q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
+                    num_kv_heads: int) -> tuple[Tensor, Tensor]:
+    """The per-column vectors of the QK-norm program (columns ``[Q heads | K heads | V heads]``):
+    ``qk_norm_weight`` [N] = q_norm's weight on each Q head, k_norm's on each K head, 0 on V;
+    ``qk_passthrough`` [N] = 0 on Q/K, 1 on V."""
+    head_dim = q_norm_weight.shape[0]
+    v_zeros = q_norm_weight.new_zeros(num_kv_heads * head_dim)
+    weight = torch.cat((q_norm_weight.repeat(num_heads), k_norm_weight.repeat(num_kv_heads),
+                        v_zeros))
+    passthrough = torch.cat((q_norm_weight.new_zeros((num_heads + num_kv_heads) * head_dim), v_zeros + 1))
+    return weight, passthrough
+
+
+def _num_kv_heads(qkv_rows: int, head_dim: int, num_heads: int) -> int:
+    return (qkv_rows // head_dim - num_heads) // 2
+
+
+@torch.library.custom_op("codagen::rms_qkv_rope_qk_norm", mutates_args=())
+def _rms_qkv_rope_qk_norm_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
+                             q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
+                             eps: float) -> tuple[Tensor, Tensor]:
+    head_dim = q_norm_weight.shape[0]
+    qk_norm_weight, qk_passthrough = _qk_norm_columns(
+        q_norm_weight, k_norm_weight, num_heads, _num_kv_heads(qkv_weight.shape[0], head_dim, num_heads))
+    out = execute(library.rms_qkv_rope(head_dim, eps), normed, qkv_weight, rstd=rstd, positions=positions,
+                  frequencies=frequencies, qk_norm_weight=qk_norm_weight, qk_passthrough=qk_passthrough)
+    return out["qkv"], out["preact"]
+
+
+@_rms_qkv_rope_qk_norm_op.register_fake
+def _(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps):
+    shape = (normed.shape[0], qkv_weight.shape[0])
+    return normed.new_empty(shape), normed.new_empty(shape)
+
+
+@torch.library.custom_op("codagen::rms_qkv_rope_qk_norm_backward", mutates_args=())
+def _rms_qkv_rope_qk_norm_backward_op(grad_qkv: Tensor, preact: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
+                                      qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
+                                      q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
+                                      eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # B1: RoPE backward + the Q/K heads' RMSNorm backward (+ q_norm/k_norm weight gradients)
+    grad_z, mean_z_dz, grad_q_norm_weight, grad_k_norm_weight = kernels.rope_qk_norm_backward(
+        grad_qkv, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, x.shape[1])
+    grad_x, grad_norm_weight, grad_qkv_weight = consumer_rms_norm_backward(
+        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz)  # B2, B3
+    return (grad_x, grad_norm_weight, grad_qkv_weight, grad_q_norm_weight.to(q_norm_weight.dtype),
+            grad_k_norm_weight.to(k_norm_weight.dtype))
+
+
+@_rms_qkv_rope_qk_norm_backward_op.register_fake
+def _(grad_qkv, preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
+      num_heads, eps):
+    return (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(qkv_weight),
+            torch.empty_like(q_norm_weight), torch.empty_like(k_norm_weight))
+
+
+class _RmsQkvRopeQkNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
+                num_heads, eps):
+        qkv, preact = _rms_qkv_rope_qk_norm_op(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight,
+                                               k_norm_weight, num_heads, eps)
+        ctx.save_for_backward(preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
+                              k_norm_weight)
+        ctx.num_heads, ctx.eps = num_heads, eps
+        ctx.set_materialize_grads(False)
+        return qkv
+
+    @staticmethod
+    def backward(ctx, grad_qkv):
+        if grad_qkv is None:
+            return (None,) * 11
+        grad_x, grad_norm_weight, grad_qkv_weight, grad_q_norm_weight, grad_k_norm_weight = \
+            _rms_qkv_rope_qk_norm_backward_op(grad_qkv.contiguous(), *ctx.saved_tensors, ctx.num_heads, ctx.eps)
+        return (grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None, grad_q_norm_weight,
+                grad_k_norm_weight, None, None)
+
+
 def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor,
-                 positions: Tensor, frequencies: Tensor) -> Tensor:
-    """F4: ``qkv = rope(RMSNorm(x) @ qkv_weight^T)`` on adjacent pairs, one GEMM.
+                 positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor | None = None,
+                 k_norm_weight: Tensor | None = None, num_heads: int | None = None,
+                 qk_norm_eps: float = 1e-6) -> Tensor:
+    """F4: ``qkv = rope(RMSNorm(x) @ qkv_weight^T)`` on adjacent pairs, one GEMM; optionally QK-norm before RoPE.
 
     ``z = rstd[m] * (normed @ W^T)``; pair ``j`` of row ``m`` rotates by ``positions[m] * frequencies[j]``
     (``frequencies`` [N/2] from :func:`rope_frequencies`; V pairs are 0). Q/K rows of ``qkv_weight``
     must be in the adjacent-pair layout (:func:`rope_pairs_from_half_split`).
 
+    QK-norm (Qwen3, OLMo-2): with ``q_norm_weight`` and ``k_norm_weight`` (both ``[head_dim]``, in the
+    same pair order as the Q/K rows: ``rope_pairs_from_half_split(w, head_dim)`` converts Hugging Face's)
+    and ``num_heads`` (Q heads; K and V have ``(N / head_dim - num_heads) / 2`` each), every Q and K
+    head ``h`` is normalized before RoPE: ``y_h = z_h * rsqrt(mean(z_h^2) + qk_norm_eps) * gamma``
+    (``gamma`` = q_norm's or k_norm's weight); V is not. Still one GEMM: the per-head statistic is a
+    segmented sum in the epilogue (tiles hold whole heads).
+
     Backward: B1 rotates ``grad_qkv`` back by ``-theta`` and computes ``mean_z_dz = sum qkv * grad_qkv / d``
-    (rotations preserve dot products); B2 is the RMSNorm-backward GEMM ``grad_z @ W`` (fresh ``grad_x``:
-    the residual path's gradient arrives through the out-projection op); B3 ``grad_W = grad_z^T @ n``.
-    Saved: ``qkv`` (attention keeps it alive anyway), ``x``, ``rstd``; ``n = RMSNorm(x)`` is recomputed.
+    (rotations preserve dot products); with QK-norm B1 also applies each Q/K head's RMSNorm backward
+    ``dz_h = rho_h (gamma g_h - zhat_h mean(zhat_h gamma g_h))`` (``rho_h`` its rstd, ``zhat_h = z_h rho_h``,
+    ``g`` the un-rotated gradient), takes ``mean_z_dz = sum z dz / d`` with the pre-QK-norm ``z`` and
+    writes per-row-block partials of the q_norm/k_norm gradients ``sum g zhat``. B2 is the
+    RMSNorm-backward GEMM ``grad_z @ W`` (fresh ``grad_x``: the residual path's gradient arrives
+    through the out-projection op); B3 ``grad_W = grad_z^T @ n``.
+    Saved: ``qkv`` (attention keeps it alive anyway), ``x``, ``rstd``; with QK-norm ``preact = z``
+    [M, N] instead of ``qkv`` (one extra activation of qkv's size: the norm's backward needs the
+    pre-norm heads; ``rho`` is recomputed from it). ``n = RMSNorm(x)`` is recomputed.
     """
     x = check.activation("x", x)
     m, d = x.shape
@@ -219,8 +312,31 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     frequencies = check.vector("frequencies", frequencies, qkv_weight.shape[0] // 2, "[qkv features / 2]", x,
                                dtypes=(torch.float32, torch.float64))
     positions = positions.to(stats_dtype(x.dtype))  # angles are computed in fp32 registers
-    return _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
-                             frequencies.detach())
+    if q_norm_weight is None and k_norm_weight is None:
+        if num_heads is not None:
+            raise ValueError("num_heads: only used with QK-norm (give q_norm_weight and k_norm_weight too)")
+        return _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
+                                 frequencies.detach())
+    if q_norm_weight is None or k_norm_weight is None:
+        missing = "q_norm_weight" if q_norm_weight is None else "k_norm_weight"
+        raise ValueError(f"{missing}: QK-norm needs both q_norm_weight and k_norm_weight, got only one")
+    q_norm_weight = check.head_vector("q_norm_weight", q_norm_weight, x)
+    head_dim = q_norm_weight.shape[0]
+    k_norm_weight = check.vector("k_norm_weight", k_norm_weight, head_dim, "[head_dim] (that of q_norm_weight)", x)
+    if num_heads is None:
+        raise ValueError("num_heads: QK-norm needs the number of Q heads (to tell Q columns from K columns)")
+    num_heads = check.positive_int("num_heads", num_heads)
+    rows = qkv_weight.shape[0]
+    if rows % head_dim:
+        raise ValueError(f"qkv_weight: expected (heads + 2 kv_heads) * head_dim rows with head_dim = {head_dim} "
+                         f"(q_norm_weight's length), got shape {tuple(qkv_weight.shape)}")
+    kv_rows = rows // head_dim - num_heads
+    if kv_rows <= 0 or kv_rows % 2:
+        raise ValueError(f"num_heads: qkv_weight holds {rows // head_dim} heads of head_dim {head_dim} = num_heads + "
+                         f"2 kv_heads, which num_heads = {num_heads} does not split")
+    eps = check.eps(qk_norm_eps, "qk_norm_eps")
+    return _RmsQkvRopeQkNorm.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
+                                   frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps)
 
 
 # ==================================================================================================

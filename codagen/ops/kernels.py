@@ -2,6 +2,8 @@
 
 - :func:`rms_norm_stats`: the first block's RMSNorm statistics (no producer GEMM precedes it);
 - :func:`rope_backward` (B1): rotate the QKV gradient back and compute ``mean_z_dz`` for the RMSNorm backward;
+- :func:`rope_qk_norm_backward` (B1 with QK-norm): the same, plus the per-head RMSNorm backward of the Q/K
+  heads and the q_norm / k_norm weight gradients (per-row-block partials, summed after the launch);
 - :func:`swiglu_backward`: SwiGLU backward + ``mean_z_dz`` for the standalone gate/up op (the fused MLP op
   does this in the down-projection's input-gradient epilogue instead);
 - :func:`mean_row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is.
@@ -26,10 +28,12 @@ try:  # the package must import without Triton (or without a GPU)
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
-__all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "swiglu_backward", "mean_row_dot")
-           for kind in ("", "_ref", "_triton")]
+__all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "rope_qk_norm_backward", "swiglu_backward",
+                                        "mean_row_dot") for kind in ("", "_ref", "_triton")]
 
 _MAX_BLOCK = 2048
+#: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
+_QK_NORM_ROWS = 16
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -85,6 +89,85 @@ if triton is not None:
             tl.store(grad_z_ptr + even, (g0 * cos + g1 * sin).to(out_ty), mask=mask)  # rotate by -theta
             tl.store(grad_z_ptr + odd, (g1 * cos - g0 * sin).to(out_ty), mask=mask)
         tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
+
+    @triton.jit
+    def _rope_qk_norm_backward_kernel(grad_ptr, preact_ptr, positions_ptr, frequencies_ptr, q_norm_weight_ptr,
+                                      k_norm_weight_ptr, grad_z_ptr, mean_z_dz_ptr, partial_grad_norm_weight_ptr,
+                                      n_rows, n_pairs, half_head, num_heads, num_norm_heads, eps, inv_width,
+                                      ROWS: tl.constexpr, HEAD_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+        """ROWS rows per program; each row's Q/K heads one at a time (their pairs as even/odd halves),
+        then its remaining (V) columns in blocks. Norm-weight gradients accumulate over the program's rows
+        and heads in registers and leave as one partial row per program (no atomics)."""
+        block = tl.program_id(0)
+        j = tl.arange(0, HEAD_BLOCK)  # pair index inside a head: columns 2j, 2j + 1
+        in_head = j < half_head
+        q_gamma_even = tl.load(q_norm_weight_ptr + 2 * j, mask=in_head, other=0.0).to(tl.float32)
+        q_gamma_odd = tl.load(q_norm_weight_ptr + 2 * j + 1, mask=in_head, other=0.0).to(tl.float32)
+        k_gamma_even = tl.load(k_norm_weight_ptr + 2 * j, mask=in_head, other=0.0).to(tl.float32)
+        k_gamma_odd = tl.load(k_norm_weight_ptr + 2 * j + 1, mask=in_head, other=0.0).to(tl.float32)
+        grad_q_even = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
+        grad_q_odd = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
+        grad_k_even = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
+        grad_k_odd = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
+        inv_head_dim = 0.5 / half_head
+        out_ty = grad_z_ptr.dtype.element_ty
+        for r in range(ROWS):
+            row = block * ROWS + r
+            row_ok = row < n_rows
+            offset = row.to(tl.int64) * 2 * n_pairs
+            position = tl.load(positions_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
+            z_dz = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
+            for head in range(num_norm_heads):
+                pair = head * half_head + j
+                mask = in_head & row_ok
+                theta = position * tl.load(frequencies_ptr + pair, mask=mask, other=0.0).to(tl.float32)
+                cos, sin = tl.cos(theta), tl.sin(theta)
+                even, odd = offset + 2 * pair, offset + 2 * pair + 1
+                g0 = tl.load(grad_ptr + even, mask=mask, other=0.0).to(tl.float32)
+                g1 = tl.load(grad_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+                u0 = g0 * cos + g1 * sin  # rotated back by -theta: the gradient of the QK-norm output
+                u1 = g1 * cos - g0 * sin
+                z0 = tl.load(preact_ptr + even, mask=mask, other=0.0).to(tl.float32)
+                z1 = tl.load(preact_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+                rho = 1.0 / tl.sqrt(tl.sum(z0 * z0 + z1 * z1, axis=0) * inv_head_dim + eps)
+                is_q = head < num_heads
+                gamma0 = tl.where(is_q, q_gamma_even, k_gamma_even)
+                gamma1 = tl.where(is_q, q_gamma_odd, k_gamma_odd)
+                zhat0, zhat1 = z0 * rho, z1 * rho
+                gg0, gg1 = gamma0 * u0, gamma1 * u1
+                mean_zhat_gg = tl.sum(zhat0 * gg0 + zhat1 * gg1, axis=0) * inv_head_dim
+                dz0 = rho * (gg0 - zhat0 * mean_zhat_gg)
+                dz1 = rho * (gg1 - zhat1 * mean_zhat_gg)
+                tl.store(grad_z_ptr + even, dz0.to(out_ty), mask=mask)
+                tl.store(grad_z_ptr + odd, dz1.to(out_ty), mask=mask)
+                z_dz += z0 * dz0 + z1 * dz1
+                grad_q_even += tl.where(is_q, u0 * zhat0, 0.0)
+                grad_q_odd += tl.where(is_q, u1 * zhat1, 0.0)
+                grad_k_even += tl.where(is_q, 0.0, u0 * zhat0)
+                grad_k_odd += tl.where(is_q, 0.0, u1 * zhat1)
+            v_dz = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(num_norm_heads * half_head, n_pairs, BLOCK):  # V: rotate back only
+                pair = start + tl.arange(0, BLOCK)
+                mask = (pair < n_pairs) & row_ok
+                theta = position * tl.load(frequencies_ptr + pair, mask=mask, other=0.0).to(tl.float32)
+                cos, sin = tl.cos(theta), tl.sin(theta)
+                even, odd = offset + 2 * pair, offset + 2 * pair + 1
+                g0 = tl.load(grad_ptr + even, mask=mask, other=0.0).to(tl.float32)
+                g1 = tl.load(grad_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+                u0 = g0 * cos + g1 * sin
+                u1 = g1 * cos - g0 * sin
+                z0 = tl.load(preact_ptr + even, mask=mask, other=0.0).to(tl.float32)
+                z1 = tl.load(preact_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+                tl.store(grad_z_ptr + even, u0.to(out_ty), mask=mask)
+                tl.store(grad_z_ptr + odd, u1.to(out_ty), mask=mask)
+                v_dz += z0 * u0 + z1 * u1
+            tl.store(mean_z_dz_ptr + row, (tl.sum(z_dz, axis=0) + tl.sum(v_dz, axis=0)) * inv_width, mask=row_ok)
+        # partial row of this program: [q_norm grad | k_norm grad], each head_dim wide in pair order
+        partial = partial_grad_norm_weight_ptr + block.to(tl.int64) * 4 * half_head
+        tl.store(partial + 2 * j, grad_q_even, mask=in_head)
+        tl.store(partial + 2 * j + 1, grad_q_odd, mask=in_head)
+        tl.store(partial + 2 * half_head + 2 * j, grad_k_even, mask=in_head)
+        tl.store(partial + 2 * half_head + 2 * j + 1, grad_k_odd, mask=in_head)
 
     @triton.jit
     def _swiglu_backward_kernel(grad_ptr, preact_ptr, grad_preact_ptr, mean_z_dz_ptr, n_out, inv_width,
@@ -179,6 +262,74 @@ def rope_backward_triton(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: t
         _rope_backward_kernel[(m,)](grad_qkv, qkv, positions, frequencies, grad_z, mean_z_dz, n // 2, 1.0 / width,
                                     BLOCK=_block(n // 2))
     return grad_z, mean_z_dz
+
+
+# --------------------------------------------------------------------------------------------------
+# B1 with QK-norm: RoPE backward + per-head RMSNorm backward of the Q/K heads
+# --------------------------------------------------------------------------------------------------
+def rope_qk_norm_backward_ref(grad_qkv: torch.Tensor, preact: torch.Tensor, positions: torch.Tensor,
+                              frequencies: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                              num_heads: int, eps: float, width: int):
+    """B1 of ``qkv = rope(qk_norm(z))``, columns ``[Q heads | K heads | V heads]`` (``preact = z``).
+
+    ``g = rotate(grad_qkv, -theta)`` is the gradient of the QK-norm output. On each Q/K head ``h``
+    (``head_dim = hd`` columns, weight ``gamma`` = ``q_norm_weight`` or ``k_norm_weight``, pair order)::
+
+        rho_h  = rsqrt(mean(z_h^2) + eps),   zhat_h = z_h * rho_h
+        dz_h   = rho_h * (gamma * g_h - zhat_h * mean(zhat_h * gamma * g_h))
+        grad_gamma = sum over rows and heads of that kind of g_h * zhat_h
+
+    V columns: ``dz = g``. ``mean_z_dz[m] = sum_k z dz / width`` with the pre-QK-norm ``z`` (the input
+    RMSNorm's statistic). Returns ``(grad_z, mean_z_dz, grad_q_norm_weight, grad_k_norm_weight)``;
+    statistics and weight gradients in float32 (float64 for float64 inputs).
+    """
+    cd = stats_dtype(grad_qkv.dtype)
+    m, n = grad_qkv.shape
+    hd = q_norm_weight.shape[0]
+    num_kv_heads = (n // hd - num_heads) // 2
+    qk_cols = (num_heads + num_kv_heads) * hd
+    theta = positions.to(cd)[:, None] * frequencies.to(cd)[None, :]
+    g = reference.rope_ref(grad_qkv.to(cd), -theta)
+    z = preact.to(cd)
+    z_heads, g_heads = z[:, :qk_cols].view(m, -1, hd), g[:, :qk_cols].view(m, -1, hd)
+    gamma = torch.cat((q_norm_weight.to(cd).expand(num_heads, hd), k_norm_weight.to(cd).expand(num_kv_heads, hd)))
+    rho = torch.rsqrt(z_heads.square().mean(-1, keepdim=True) + eps)
+    zhat = z_heads * rho
+    gamma_g = gamma * g_heads
+    dz_heads = rho * (gamma_g - zhat * (zhat * gamma_g).mean(-1, keepdim=True))
+    grad_z = torch.cat((dz_heads.reshape(m, qk_cols), g[:, qk_cols:]), dim=1)
+    mean_z_dz = (z * grad_z).sum(-1) / width
+    grad_gamma = g_heads * zhat
+    return (grad_z.to(grad_qkv.dtype), mean_z_dz, grad_gamma[:, :num_heads].sum((0, 1)),
+            grad_gamma[:, num_heads:].sum((0, 1)))
+
+
+def rope_qk_norm_backward(grad_qkv: torch.Tensor, preact: torch.Tensor, positions: torch.Tensor,
+                          frequencies: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                          num_heads: int, eps: float, width: int):
+    impl = rope_qk_norm_backward_triton if _use_triton(grad_qkv) else rope_qk_norm_backward_ref
+    return impl(grad_qkv, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, width)
+
+
+def rope_qk_norm_backward_triton(grad_qkv: torch.Tensor, preact: torch.Tensor, positions: torch.Tensor,
+                                 frequencies: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                                 num_heads: int, eps: float, width: int):
+    """:func:`rope_qk_norm_backward_ref` as one kernel launch (fp16/bf16/fp32) + the finishing sum of the
+    per-program norm-weight gradient partials ``[cdiv(M, 16), 2 head_dim]``."""
+    m, n = grad_qkv.shape
+    hd = q_norm_weight.shape[0]
+    num_kv_heads = (n // hd - num_heads) // 2
+    grad_z = torch.empty_like(grad_qkv)
+    mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_qkv.device)
+    blocks = -(-m // _QK_NORM_ROWS)
+    partial = torch.empty(blocks, 2 * hd, dtype=torch.float32, device=grad_qkv.device)
+    if m:
+        _rope_qk_norm_backward_kernel[(blocks,)](
+            grad_qkv, preact, positions, frequencies, q_norm_weight, k_norm_weight, grad_z, mean_z_dz, partial,
+            m, n // 2, hd // 2, num_heads, num_heads + num_kv_heads, eps, 1.0 / width,
+            ROWS=_QK_NORM_ROWS, HEAD_BLOCK=triton.next_power_of_2(hd // 2), BLOCK=_block(n // 2))
+    grad_norm_weight = partial.sum(0)
+    return grad_z, mean_z_dz, grad_norm_weight[:hd], grad_norm_weight[hd:]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
 from . import codegen
-from .configs import INTERPRETER_CONFIG, KernelConfig, TuningCache, cache_dir, candidates, warp_specializable
+from .configs import INTERPRETER_CONFIG, KernelConfig, TuningCache, cache_dir, candidates
 
 __all__ = ["TritonBackend", "program_source", "load_kernel", "SUPPORTED_DTYPES"]
 
@@ -229,10 +229,7 @@ class TritonBackend:
         meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
                     TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok, UPCAST_OPERANDS=launch.upcast,
-                    DOT_PRECISION=launch.precision, INTERPRETER=launch.interpret,
-                    # warp specialization partitions the unflattened tile loop
-                    FLATTEN=not launch.interpret and not cfg.warp_specialize,
-                    WARP_SPECIALIZE=cfg.warp_specialize and not launch.interpret)
+                    DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
         if launch.interpret:
             with _interpreting():
                 launch.kernel[grid](*args, **meta)
@@ -282,9 +279,6 @@ class TritonBackend:
     # -- tuning ------------------------------------------------------------------------------------
     def _choose(self, bound: BoundProgram, launch: _Launch, interpret: bool) -> KernelConfig:
         if self.config is not None:
-            if self.config.warp_specialize and not warp_specializable(bound.program):
-                raise ProgramError(f"{bound.program.name}: config {self.config.short()} asks for warp specialization, "
-                                   f"which Triton cannot apply to an epilogue with column pairs or column partials")
             return self.config
         if interpret:
             return INTERPRETER_CONFIG
@@ -335,12 +329,6 @@ class TritonBackend:
                 timings[cfg.short()] = float("nan")
                 if verbose and announced:
                     print(f"  {cfg.short()}: out of resources ({e})", file=sys.stderr)
-                continue
-            except RuntimeError as e:  # Triton's warp-specialization pass rejects some loops it cannot split
-                if not cfg.warp_specialize:
-                    raise
-                timings[cfg.short()] = float("nan")
-                print(f"  {cfg.short()}: warp specialization failed to compile ({str(e)[:200]})", file=sys.stderr)
                 continue
             timings[cfg.short()] = ms
             if ms < best_ms:

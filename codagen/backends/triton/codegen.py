@@ -19,8 +19,9 @@ common subexpressions; pair splits and sigmoids of one operand are shared as wel
 Column bookkeeping. An accumulator sub-tile covers FULL-width columns ``[off_n, off_n + SUB_N)``. A
 value of width HALF covers ``[off_n / 2, off_n / 2 + SUB_N / 2)`` of its own N/2 columns, DOUBLE
 covers ``[2 off_n, 2 off_n + 2 SUB_N)`` of 2N: the same column pairs, so pair maps never straddle a
-sub-tile (``SUB_N`` is even). Rows past M and columns past N*w are masked on every load and store and
-excluded from every reduction (``-inf`` for logsumexp).
+sub-tile (``SUB_N`` is even). A ``SegmentSum`` of size s needs ``SUB_N * w`` to be a multiple of s
+(the configurations are filtered for it; the kernel checks it with ``tl.static_assert``). Rows past M
+and columns past N*w are masked on every load and store and excluded from every reduction (``-inf`` for logsumexp).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import hashlib
 import textwrap
 
 from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Program,
-                                 Rope, RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward,
-                                 TileInput, Unary, Width)
+                                 Rope, RowPartial, RowVector, ScalarInput, SegmentSum, Store, SwiGLU,
+                                 SwiGLUBackward, TileInput, Unary, Width)
 
 __all__ = ["generate", "program_key", "GENERATOR_VERSION"]
 
@@ -51,6 +52,7 @@ _UNARY = {
     "sigmoid": "tl.sigmoid({x})",
     "silu": "{x} * tl.sigmoid({x})",
     "square": "{x} * {x}",
+    "rsqrt": "tl.rsqrt({x})",
 }
 _BINARY = {
     "add": "{a} + {b}",
@@ -253,6 +255,28 @@ class _Epilogue:
             self.emit(f"{name}_even = {first}")
             self.emit(f"{name}_odd = {second}")
             self.pair_form[e] = (f"{name}_even", f"{name}_odd")
+        elif isinstance(e, SegmentSum):
+            name = self.fresh("segment_sum")
+            w, size = e.width, e.size
+            groups = f"{_TILE_COLS[w]} // {size}"
+            self.emit(f"# {_comment(e)}: each aligned group of {size} columns sums per row, broadcast back")
+            self.emit(f"tl.static_assert({_TILE_COLS[w]} % {size} == 0, \"segment_sum(size={size}): the epilogue "
+                      f"sub-tile (BLOCK_N / EPILOGUE_SPLIT columns, times the value's width) must hold whole groups "
+                      f"of {size} columns (whole heads when {size} is head_dim)\")")
+            if self.in_pairs(e.x):
+                # a group of `size` columns is size/2 pairs: the same [groups, size/2] cut of both halves
+                even, odd = self.pair_form[e.x]
+                half = size // 2
+                self.emit(f"{name}_group = tl.sum(tl.reshape({even}, (BLOCK_M, {groups}, {half})), axis=2) + "
+                          f"tl.sum(tl.reshape({odd}, (BLOCK_M, {groups}, {half})), axis=2)")
+                self.emit(f"{name}_half = tl.reshape(tl.broadcast_to({name}_group[:, :, None], (BLOCK_M, {groups}, "
+                          f"{half})), (BLOCK_M, {_TILE_COLS[w]} // 2))  # both halves of a pair hold the group's sum")
+                self.pair_form[e] = (f"{name}_half", f"{name}_half")
+            else:
+                x = self.full(e.x)
+                self.emit(f"{name}_group = tl.sum(tl.reshape({x}, (BLOCK_M, {groups}, {size})), axis=2)")
+                self.emit(f"{name} = tl.reshape(tl.broadcast_to({name}_group[:, :, None], (BLOCK_M, {groups}, "
+                          f"{size})), (BLOCK_M, {_TILE_COLS[w]}))")
         else:  # pragma: no cover - the IR is a closed set
             raise TypeError(f"triton backend cannot generate code for {type(e).__name__}")
         self.names[e] = name
@@ -460,8 +484,7 @@ def generate(program: Program, header: str = "") -> str:
         "a_ptr, b_ptr", ", ".join(inputs), ", ".join(outputs), "M, N, K",
         "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr",
         "EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr",
-        "UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr",
-        "INTERPRETER: tl.constexpr",
+        "UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr",
     ]))
 
     def ind(text: str, n: int) -> str:
@@ -553,8 +576,7 @@ def {name}_kernel(
 {ind(setup, 4)}
 {ind(epi_desc, 4)}
 
-    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN,
-                            warp_specialize=WARP_SPECIALIZE):
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N

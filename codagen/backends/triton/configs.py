@@ -15,11 +15,6 @@ Candidates are pruned *before* compiling by two estimates:
 * registers: the fp32 accumulator needs ``BM * BN / (32 * warps)`` registers per thread; more than
   128 leaves the epilogue too little of the 255 a thread can have and it spills.
 
-Warp specialization (``warp_specialize``, Hopper): Triton 3.6's automatic partitioning splits the
-persistent tile loop into a TMA producer warp and two consumer warpgroups that split the tile's rows.
-It rejects epilogues that reshape the tile (column pairs) or reduce over its rows (column partials),
-so such programs never get those candidates.
-
 A compile that still runs out of resources (``OutOfResources``) drops the candidate at tuning time.
 """
 from __future__ import annotations
@@ -32,9 +27,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from codagen.epilogue.ir import ColPartial, Program, Store, TileInput
+from codagen.epilogue.ir import Program, Store, TileInput
 
-__all__ = ["KernelConfig", "candidates", "warp_specializable", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG"]
+__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG"]
 
 
 @dataclass(frozen=True)
@@ -47,21 +42,12 @@ class KernelConfig:
     epilogue_split: int = 1
     tma_epilogue: bool = False
     group_m: int = 8
-    warp_specialize: bool = False
 
     def __post_init__(self):
         if self.epilogue_split not in (1, 2, 4):
             raise ValueError(f"epilogue_split must be 1, 2 or 4, got {self.epilogue_split}")
         if (self.block_n // self.epilogue_split) % 2:
             raise ValueError("a sub-tile's width must be even (column pairs never straddle sub-tiles)")
-        if self.warp_specialize and (self.num_warps != 4 or self.epilogue_split != 1):
-            raise ValueError("warp_specialize: Triton's Hopper warp specialization takes num_warps=4 (one warpgroup, "
-                             "which it doubles into two consumer warpgroups) and epilogue_split=1")
-
-    @property
-    def consumer_warps(self) -> int:
-        """Warps that hold the accumulator: with warp specialization, two consumer warpgroups."""
-        return 2 * self.num_warps if self.warp_specialize else self.num_warps
 
     @property
     def sub_n(self) -> int:
@@ -70,7 +56,7 @@ class KernelConfig:
     def short(self) -> str:
         epi = "tma" if self.tma_epilogue else "ptr"
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps} "
-                f"split{self.epilogue_split} {epi}" + (" ws" if self.warp_specialize else ""))
+                f"split{self.epilogue_split} {epi}")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,11 +79,6 @@ _SM90 = (
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=1, tma_epilogue=True),
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=False),
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=True),
-    # warp-specialized (a producer warp for the TMA loads, two consumer warpgroups of 64 rows each):
-    # the producer runs ahead into the next tile while the consumers do this tile's epilogue
-    KernelConfig(128, 256, 64, 3, 4, epilogue_split=1, warp_specialize=True),
-    KernelConfig(128, 128, 64, 4, 4, epilogue_split=1, warp_specialize=True),
-    KernelConfig(128, 128, 64, 4, 4, epilogue_split=1, tma_epilogue=True, warp_specialize=True),
 )
 # Ampere/Ada (pointer loads, cp.async pipelining)
 _SM80 = (
@@ -120,12 +101,6 @@ def _tile_io(program: Program):
             yield o.value.width, True
 
 
-def warp_specializable(program: Program) -> bool:
-    """Triton's Hopper warp specialization splits the tile's rows between two consumer warpgroups: it
-    fails on pair maps (a reshape of the tile) and on reductions over rows (ColPartial)."""
-    return not program.needs_even_n() and not any(isinstance(o, ColPartial) for o in program.outputs)
-
-
 def smem_estimate(program: Program, cfg: KernelConfig, operand_bytes: int, io_bytes: int = 2) -> int:
     """Bytes of shared memory the configuration needs (see the module docstring)."""
     ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * operand_bytes
@@ -144,6 +119,19 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         pool = _SM90
     else:
         pool = _SM80
+    # A SegmentSum group (a head, for QK-norm) must lie inside one epilogue sub-tile: a hard constraint,
+    # so it filters the pool before the fallback below.
+    segments = program.segment_sums()
+    if segments:
+        from codagen.epilogue.ir import ProgramError
+        fitting = tuple(cfg for cfg in pool if all(int(cfg.sub_n * s.width.value) % s.size == 0 for s in segments))
+        if not fitting:
+            sizes = sorted({s.size for s in segments})
+            raise ProgramError(
+                f"{program.name}: segment_sum over groups of {sizes} columns (the QK-norm head_dim) needs an "
+                f"epilogue sub-tile width (BLOCK_N / EPILOGUE_SPLIT) that is a multiple of it; the configurations "
+                f"for these operands have sub-tile widths {sorted({cfg.sub_n for cfg in pool})}")
+        pool = fitting
     keep = []
     for cfg in pool:
         if cfg.tma_epilogue and not tma:
@@ -153,11 +141,9 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
             continue
         if cfg.tma_epilogue and not any(True for _ in _tile_io(program)):
             continue  # nothing to stage: same kernel as the pointer variant
-        if cfg.warp_specialize and not (tma and major == 9 and warp_specializable(program)):
-            continue
         if smem_estimate(program, cfg, operand_bytes) > smem_limit:
             continue
-        if cfg.block_m * cfg.block_n / (32 * cfg.consumer_warps) > _MAX_ACC_REGS:
+        if cfg.block_m * cfg.block_n / (32 * cfg.num_warps) > _MAX_ACC_REGS:
             continue
         keep.append(cfg)
     if not keep:  # the smallest one always fits
