@@ -225,7 +225,7 @@ class TritonBackend:
         if launch.interpret:
             grid = (min(num_tiles, 3),)  # several tiles per program: the persistent loop is exercised
         else:
-            grid = (min(num_tiles, cfg.ctas_per_sm * _num_sms(bound.device)),)
+            grid = (min(num_tiles, _num_sms(bound.device)),)
         meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
                     TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok, UPCAST_OPERANDS=launch.upcast,

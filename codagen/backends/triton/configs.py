@@ -15,11 +15,6 @@ Candidates are pruned *before* compiling by two estimates:
 * registers: the fp32 accumulator needs ``BM * BN / (32 * warps)`` registers per thread; more than
   128 leaves the epilogue too little of the 255 a thread can have and it spills.
 
-``ctas_per_sm = 2`` launches two persistent programs per SM (one warpgroup each, so both register
-files fit): the hardware interleaves them, and one's epilogue overlaps the other's mainloop. Without
-warp specialization (Triton 3.6 cannot apply it to these epilogues) this is how the epilogue leaves
-the critical path. Both programs' shared memory must fit the SM.
-
 A compile that still runs out of resources (``OutOfResources``) drops the candidate at tuning time.
 """
 from __future__ import annotations
@@ -47,15 +42,12 @@ class KernelConfig:
     epilogue_split: int = 1
     tma_epilogue: bool = False
     group_m: int = 8
-    ctas_per_sm: int = 1
 
     def __post_init__(self):
         if self.epilogue_split not in (1, 2, 4):
             raise ValueError(f"epilogue_split must be 1, 2 or 4, got {self.epilogue_split}")
         if (self.block_n // self.epilogue_split) % 2:
             raise ValueError("a sub-tile's width must be even (column pairs never straddle sub-tiles)")
-        if self.ctas_per_sm not in (1, 2):
-            raise ValueError(f"ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
 
     @property
     def sub_n(self) -> int:
@@ -64,7 +56,7 @@ class KernelConfig:
     def short(self) -> str:
         epi = "tma" if self.tma_epilogue else "ptr"
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps} "
-                f"split{self.epilogue_split} {epi}" + (f" x{self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""))
+                f"split{self.epilogue_split} {epi}")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -87,11 +79,6 @@ _SM90 = (
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=1, tma_epilogue=True),
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=False),
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=True),
-    # two persistent programs per SM, one warpgroup each: while one runs its epilogue, the other's
-    # mainloop keeps the tensor cores busy (the overlap warp specialization would give)
-    KernelConfig(128, 128, 64, 3, 4, epilogue_split=4, tma_epilogue=False, ctas_per_sm=2),
-    KernelConfig(128, 128, 64, 2, 4, epilogue_split=4, tma_epilogue=True, ctas_per_sm=2),
-    KernelConfig(128, 128, 64, 2, 4, epilogue_split=2, tma_epilogue=True, ctas_per_sm=2),
 )
 # Ampere/Ada (pointer loads, cp.async pipelining)
 _SM80 = (
@@ -154,10 +141,7 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
             continue
         if cfg.tma_epilogue and not any(True for _ in _tile_io(program)):
             continue  # nothing to stage: same kernel as the pointer variant
-        # the SM's shared memory is the block limit + 1 KiB, and every resident program reserves 1 KiB
-        if cfg.ctas_per_sm * (smem_estimate(program, cfg, operand_bytes) + 1024) > smem_limit + 1024:
-            continue
-        if cfg.ctas_per_sm * cfg.num_warps * 32 * 255 > 65536:  # all programs' registers must fit the SM's file
+        if smem_estimate(program, cfg, operand_bytes) > smem_limit:
             continue
         if cfg.block_m * cfg.block_n / (32 * cfg.num_warps) > _MAX_ACC_REGS:
             continue
