@@ -407,50 +407,75 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
 # ==================================================================================================
 # F2 + F3 (+ B4, B5, B6, B7): the whole SwiGLU MLP with its residual and the next norm's statistics
 # ==================================================================================================
-@torch.library.custom_op("codagen::swiglu_mlp_residual_rms", mutates_args=())
-def _swiglu_mlp_residual_rms_op(x: Tensor, normed: Tensor, rstd: Tensor, gate_up_weight: Tensor, down_weight: Tensor,
-                                next_norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    f2 = execute(library.rms_gate_up_swiglu(), normed, gate_up_weight, rstd=rstd)
-    f3 = execute(library.residual_rms_stats(), f2["out"], down_weight, residual=x, norm_weight=next_norm_weight)
-    rstd_next = finish.rstd_from_partial_sumsq(f3["partial_sumsq"], x.shape[1], eps)
-    return f3["residual_out"], f3["normed"], rstd_next, f2["preact"]
-
-
-@_swiglu_mlp_residual_rms_op.register_fake
-def _(x, normed, rstd, gate_up_weight, down_weight, next_norm_weight, eps):
-    preact = x.new_empty(x.shape[0], gate_up_weight.shape[0])
-    return torch.empty_like(x), torch.empty_like(x), _stats(x, x.shape[0]), preact
-
-
-@torch.library.custom_op("codagen::swiglu_mlp_residual_rms_backward", mutates_args=())
-def _swiglu_mlp_residual_rms_backward_op(grad_x_out: Tensor, preact: Tensor, x: Tensor, rstd: Tensor,
-                                         norm_weight: Tensor, gate_up_weight: Tensor,
-                                         down_weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+# Two autograd nodes, so that ``preact`` [M, 2F] -- the largest activation -- is released as soon as the
+# down-projection's backward has used it, before the gate/up backward allocates its outputs:
+#   node 1 (F2):  (x, normed, rstd) -> act, preact, x (passed through), mean_z_dz_slot
+#   node 2 (F3):  (act, preact, x, mean_z_dz_slot) -> x_out, normed_next, rstd_next       saves preact
+# In backward node 2 (B4, B5) hands node 1 three things as gradients of node 1's outputs: grad_preact,
+# the residual gradient grad_x_out (the gradient of the passed-through x, joined into B6's store) and
+# mean_z_dz, the RMSNorm statistic B4 computes from preact (the gradient of a zero [M] slot output).
+@torch.library.custom_op("codagen::swiglu_down_backward", mutates_args=())
+def _swiglu_down_backward_op(grad_x_out: Tensor, preact: Tensor, down_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """B4 + B5: ``(grad_preact, mean_z_dz, grad_down_weight)``."""
     # B4: grad_act = grad_x_out @ W_down with the SwiGLU backward in its epilogue (recomputes act for B5)
     b4 = execute(library.swiglu_backward(), grad_x_out, down_weight, preact=preact)
-    grad_preact, act = b4["grad_preact"], b4["act"]
-    mean_z_dz = finish.sum_row_partials(b4.pop("partial_z_dz")) / x.shape[1]
-    del b4
-    grad_down_weight = execute(library.weight_grad(), grad_x_out, act)["grad_weight"]  # B5
-    del act  # [M, ffn]: freed before B6 allocates its outputs (it sets the backward's peak memory)
-    # B6 + B7: the residual path's gradient (grad_x_out) joins the norm's input gradient in one store
-    grad_x, grad_norm_weight, grad_gate_up_weight = consumer_rms_norm_backward(
-        grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz, grad_residual=grad_x_out)
-    return grad_x, grad_norm_weight, grad_gate_up_weight, grad_down_weight
+    mean_z_dz = finish.sum_row_partials(b4["partial_z_dz"]) / down_weight.shape[0]
+    grad_down_weight = execute(library.weight_grad(), grad_x_out, b4["act"])["grad_weight"]  # B5
+    return b4["grad_preact"], mean_z_dz, grad_down_weight
 
 
-@_swiglu_mlp_residual_rms_backward_op.register_fake
-def _(grad_x_out, preact, x, rstd, norm_weight, gate_up_weight, down_weight):
-    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(gate_up_weight), \
-        torch.empty_like(down_weight)
+@_swiglu_down_backward_op.register_fake
+def _(grad_x_out, preact, down_weight):
+    return torch.empty_like(preact), _stats(grad_x_out, grad_x_out.shape[0]), torch.empty_like(down_weight)
 
 
-class _SwigluMlpResidualRms(torch.autograd.Function):
+@torch.library.custom_op("codagen::gate_up_rms_norm_backward", mutates_args=())
+def _gate_up_rms_norm_backward_op(grad_preact: Tensor, grad_residual: Tensor, x: Tensor, rstd: Tensor,
+                                  norm_weight: Tensor, gate_up_weight: Tensor,
+                                  mean_z_dz: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """B6 + B7: ``grad_x = grad_residual + norm_grad`` in one store, ``grad_norm_weight``, ``grad_gate_up_weight``."""
+    return consumer_rms_norm_backward(grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz,
+                                      grad_residual=grad_residual)
+
+
+@_gate_up_rms_norm_backward_op.register_fake
+def _(grad_preact, grad_residual, x, rstd, norm_weight, gate_up_weight, mean_z_dz):
+    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(gate_up_weight)
+
+
+class _MlpGateUp(torch.autograd.Function):
+    """Node 1: F2. Its backward is B6 + B7; the SwiGLU backward ran in node 2's B4 epilogue."""
+
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, down_weight, next_norm_weight, eps):
-        x_out, normed_next, rstd_next, preact = _swiglu_mlp_residual_rms_op(
-            x, normed, rstd, gate_up_weight, down_weight, next_norm_weight, eps)
-        ctx.save_for_backward(preact, x, rstd, norm_weight, gate_up_weight, down_weight)
+    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight):
+        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight)
+        mean_z_dz_slot = _stats(x, x.shape[0]).zero_()
+        ctx.save_for_backward(x, rstd, norm_weight, gate_up_weight)
+        ctx.mark_non_differentiable(act)
+        ctx.set_materialize_grads(False)
+        return act, preact, x.view_as(x), mean_z_dz_slot
+
+    @staticmethod
+    def backward(ctx, _grad_act, grad_preact, grad_residual, mean_z_dz):
+        if grad_preact is None:  # only the residual path carries a gradient
+            return grad_residual, None, None, None, None
+        if mean_z_dz is None or grad_residual is None:
+            raise RuntimeError("swiglu_mlp_residual_rms: the gate/up backward needs the down-projection's backward "
+                               "(its outputs must only feed that op)")
+        x, rstd, norm_weight, gate_up_weight = ctx.saved_tensors
+        grad_x, grad_norm_weight, grad_gate_up_weight = _gate_up_rms_norm_backward_op(
+            grad_preact.contiguous(), grad_residual.contiguous(), x, rstd, norm_weight, gate_up_weight,
+            mean_z_dz.contiguous())
+        return grad_x, None, None, grad_norm_weight, grad_gate_up_weight
+
+
+class _MlpDownResidualRms(torch.autograd.Function):
+    """Node 2: F3. Its backward is B4 (with the SwiGLU backward) + B5; it releases ``preact``."""
+
+    @staticmethod
+    def forward(ctx, act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight, eps):
+        x_out, normed_next, rstd_next = _out_proj_residual_rms_op(act, down_weight, residual, next_norm_weight, eps)
+        ctx.save_for_backward(preact, down_weight)
         ctx.mark_non_differentiable(normed_next, rstd_next)
         ctx.set_materialize_grads(False)
         return x_out, normed_next, rstd_next
@@ -458,10 +483,11 @@ class _SwigluMlpResidualRms(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x_out, _grad_normed_next, _grad_rstd_next):
         if grad_x_out is None:
-            return (None,) * 8
-        grad_x, grad_norm_weight, grad_gate_up_weight, grad_down_weight = _swiglu_mlp_residual_rms_backward_op(
-            grad_x_out.contiguous(), *ctx.saved_tensors)
-        return grad_x, None, None, grad_norm_weight, grad_gate_up_weight, grad_down_weight, None, None
+            return (None,) * 7
+        preact, down_weight = ctx.saved_tensors
+        grad = grad_x_out.contiguous()
+        grad_preact, mean_z_dz, grad_down_weight = _swiglu_down_backward_op(grad, preact, down_weight)
+        return None, grad_preact, grad, mean_z_dz, grad_down_weight, None, None
 
 
 def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor,
@@ -472,11 +498,12 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     non-differentiable, for the next norm's consumer). F2 stores ``preact`` [M, 2F] (saved) and ``act``
     [M, F] (freed after F3); F3 adds the residual and writes the next norm's statistics.
 
-    Backward, one autograd node: B4 ``grad_act = grad_x_out @ W_down`` with the SwiGLU backward in its
+    Backward, two autograd nodes: B4 ``grad_act = grad_x_out @ W_down`` with the SwiGLU backward in its
     epilogue (emits ``grad_preact``, recomputes ``act`` and the partials of ``mean_z_dz``); B5
-    ``grad_W_down = grad_x_out^T @ act``; B6 the RMSNorm-backward GEMM ``grad_preact @ W_gate_up`` writing
-    ``grad_x = grad_x_out + norm_grad`` in one store; B7 ``grad_W_gate_up = grad_preact^T @ n``.
-    Saved: ``preact``, ``x``, ``rstd``; ``act`` and ``n = RMSNorm(x)`` are recomputed.
+    ``grad_W_down = grad_x_out^T @ act``; then, with ``preact`` already released, B6 the RMSNorm-backward
+    GEMM ``grad_preact @ W_gate_up`` writing ``grad_x = grad_x_out + norm_grad`` in one store and B7
+    ``grad_W_gate_up = grad_preact^T @ n``.
+    Saved: ``preact`` (until B4 has run), ``x``, ``rstd``; ``act`` and ``n = RMSNorm(x)`` are recomputed.
     """
     x = check.activation("x", x)
     d = x.shape[1]
@@ -490,8 +517,10 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
         raise ValueError(f"gate_up_weight: expected 2 * ffn rows with an even ffn, got shape {tuple(gate_up_weight.shape)}")
     down_weight = check.weight("down_weight", down_weight, (d, ffn), "[features, ffn features]", x)
     next_norm_weight = check.vector("next_norm_weight", next_norm_weight, d, "[features]", x)
-    return _SwigluMlpResidualRms.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight, down_weight,
-                                       next_norm_weight.detach(), check.eps(eps))
+    act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed.detach(), rstd.detach(), norm_weight,
+                                                            gate_up_weight)
+    return _MlpDownResidualRms.apply(act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight.detach(),
+                                     check.eps(eps))
 
 
 # ==================================================================================================
