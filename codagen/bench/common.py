@@ -42,13 +42,21 @@ def environment() -> dict:
     }
 
 
-def median_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 500) -> float:
+def median_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 500, min_reps: int = 20) -> float:
     """Median time of ``fn`` in milliseconds, measured with CUDA events after warm-up.
 
     ``triton.testing.do_bench`` clears the L2 cache between runs, so repeated runs over the same
-    buffers do not measure the cache.
+    buffers do not measure the cache. It repeats ``fn`` for about ``rep_ms``; for slow functions (a
+    140 ms training step would get two runs) the budget is raised to at least ``min_reps`` runs.
     """
     import triton.testing
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    rep_ms = max(rep_ms, min_reps * start.elapsed_time(end))
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
