@@ -7,8 +7,10 @@ hands it contiguous ``[B, h, S, hd]`` tensors. For each shape and each SDPA back
 forward + backward of causal (GQA) attention three ways:
 
 ``contiguous``   q, k, v contiguous ``[B, heads, S, hd]`` leaves (eager's layout);
-``fused_views``  q, k, v views of one ``[B*S, (h + 2 kv) hd]`` leaf (codagen's layout): the gradient
-                 of that leaf needs dq, dk, dv copied into one buffer;
+``fused_views``  q, k, v views of one ``[B*S, (h + 2 kv) hd]`` leaf, transposed then split: the
+                 gradient of that leaf is a head-major concatenation of dq, dk, dv plus a copy;
+``fused_split``  the same views, split then transposed (``codagen.models.llama.attention``): one
+                 concatenation straight into the leaf's layout;
 ``views_only``   the same views, but gradients taken for q, k, v themselves (no copy): the layout's
                  cost alone.
 """
@@ -43,16 +45,19 @@ def cases(b, s, h, kv, hd):
         v = torch.randn(b, kv, s, hd, device=dev, dtype=dt, requires_grad=True)
         return (q, k, v), (q, k, v)
 
-    def fused(views_only):
+    def fused(views_only, split_first=False):
         qkv = torch.randn(b * s, (h + 2 * kv) * hd, device=dev, dtype=dt, requires_grad=not views_only)
-        q, k, v = qkv.view(b, s, h + 2 * kv, hd).transpose(1, 2).split((h, kv, kv), dim=1)
+        if split_first:
+            q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, h + 2 * kv, hd).split((h, kv, kv), dim=2))
+        else:
+            q, k, v = qkv.view(b, s, h + 2 * kv, hd).transpose(1, 2).split((h, kv, kv), dim=1)
         if views_only:
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             return (q, k, v), (q, k, v)
         return (q, k, v), (qkv,)
 
     for name, make in (("contiguous", contiguous), ("fused_views", lambda: fused(False)),
-                       ("views_only", lambda: fused(True))):
+                       ("fused_split", lambda: fused(False, split_first=True)), ("views_only", lambda: fused(True))):
         (q, k, v), leaves = make()
 
         def step(q=q, k=k, v=v, leaves=leaves):

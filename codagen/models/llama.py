@@ -73,7 +73,9 @@ def rotate_pairs(z: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 def attention(qkv: torch.Tensor, spec: AttentionSpec, sliding_window: int | None = None) -> torch.Tensor:
     """Causal (GQA) SDPA over the fused ``qkv`` rows ``[B*S, (h + 2 kv) hd]`` -> ``[B*S, h hd]``."""
     b, s, h, kv, hd = spec.batch, spec.seq, spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q, k, v = qkv.view(b, s, h + 2 * kv, hd).transpose(1, 2).split((h, kv, kv), dim=1)
+    # split, then transpose: the backward then concatenates dq, dk, dv straight into the [B*S, N]
+    # gradient (one pass); transposing first made it concatenate head-major and copy once more
+    q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, h + 2 * kv, hd).split((h, kv, kv), dim=2))
     mask = None
     if sliding_window is not None and s > sliding_window:  # shorter sequences: the window is the causal mask
         i = torch.arange(s, device=qkv.device)
