@@ -25,6 +25,8 @@ from ._checks import stats_dtype
 try:  # the package must import without Triton (or without a GPU)
     import triton
     import triton.language as tl
+
+    from codagen.backends.triton.trig import cos_sin
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
@@ -39,6 +41,11 @@ _QK_NORM_ROWS = 16
 def _use_triton(t: torch.Tensor) -> bool:
     return (triton is not None and t.is_cuda and t.dtype != torch.float64
             and resolve_backend_name(t.device) == "triton")
+
+
+def _interpreting() -> bool:
+    """Whether the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``): no inline PTX there."""
+    return bool(triton.knobs.runtime.interpret)
 
 
 def _block(columns: int) -> int:
@@ -69,7 +76,7 @@ if triton is not None:
 
     @triton.jit
     def _rope_backward_kernel(grad_ptr, qkv_ptr, positions_ptr, frequencies_ptr, grad_z_ptr, mean_z_dz_ptr,
-                              n_pairs, inv_width, BLOCK: tl.constexpr):
+                              n_pairs, inv_width, BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offset = row * 2 * n_pairs
         position = tl.load(positions_ptr + row).to(tl.float32)
@@ -78,7 +85,7 @@ if triton is not None:
             pair = start + tl.arange(0, BLOCK)
             mask = pair < n_pairs
             theta = position * tl.load(frequencies_ptr + pair, mask=mask, other=0.0).to(tl.float32)
-            cos, sin = tl.cos(theta), tl.sin(theta)
+            cos, sin = cos_sin(theta, INTERPRETER)
             even, odd = offset + 2 * pair, offset + 2 * pair + 1
             g0 = tl.load(grad_ptr + even, mask=mask, other=0.0).to(tl.float32)
             g1 = tl.load(grad_ptr + odd, mask=mask, other=0.0).to(tl.float32)
@@ -94,7 +101,8 @@ if triton is not None:
     def _rope_qk_norm_backward_kernel(grad_ptr, preact_ptr, positions_ptr, frequencies_ptr, q_norm_weight_ptr,
                                       k_norm_weight_ptr, grad_z_ptr, mean_z_dz_ptr, partial_grad_norm_weight_ptr,
                                       n_rows, n_pairs, half_head, num_heads, num_norm_heads, eps, inv_width,
-                                      ROWS: tl.constexpr, HEAD_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+                                      ROWS: tl.constexpr, HEAD_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                                      INTERPRETER: tl.constexpr):
         """ROWS rows per program; each row's Q/K heads one at a time (their pairs as even/odd halves),
         then its remaining (V) columns in blocks. Norm-weight gradients accumulate over the program's rows
         and heads in registers and leave as one partial row per program (no atomics)."""
@@ -121,7 +129,7 @@ if triton is not None:
                 pair = head * half_head + j
                 mask = in_head & row_ok
                 theta = position * tl.load(frequencies_ptr + pair, mask=mask, other=0.0).to(tl.float32)
-                cos, sin = tl.cos(theta), tl.sin(theta)
+                cos, sin = cos_sin(theta, INTERPRETER)
                 even, odd = offset + 2 * pair, offset + 2 * pair + 1
                 g0 = tl.load(grad_ptr + even, mask=mask, other=0.0).to(tl.float32)
                 g1 = tl.load(grad_ptr + odd, mask=mask, other=0.0).to(tl.float32)
@@ -150,7 +158,7 @@ if triton is not None:
                 pair = start + tl.arange(0, BLOCK)
                 mask = (pair < n_pairs) & row_ok
                 theta = position * tl.load(frequencies_ptr + pair, mask=mask, other=0.0).to(tl.float32)
-                cos, sin = tl.cos(theta), tl.sin(theta)
+                cos, sin = cos_sin(theta, INTERPRETER)
                 even, odd = offset + 2 * pair, offset + 2 * pair + 1
                 g0 = tl.load(grad_ptr + even, mask=mask, other=0.0).to(tl.float32)
                 g1 = tl.load(grad_ptr + odd, mask=mask, other=0.0).to(tl.float32)
@@ -260,7 +268,7 @@ def rope_backward_triton(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: t
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_qkv.device)
     if m:
         _rope_backward_kernel[(m,)](grad_qkv, qkv, positions, frequencies, grad_z, mean_z_dz, n // 2, 1.0 / width,
-                                    BLOCK=_block(n // 2))
+                                    BLOCK=_block(n // 2), INTERPRETER=_interpreting())
     return grad_z, mean_z_dz
 
 
@@ -327,7 +335,8 @@ def rope_qk_norm_backward_triton(grad_qkv: torch.Tensor, preact: torch.Tensor, p
         _rope_qk_norm_backward_kernel[(blocks,)](
             grad_qkv, preact, positions, frequencies, q_norm_weight, k_norm_weight, grad_z, mean_z_dz, partial,
             m, n // 2, hd // 2, num_heads, num_heads + num_kv_heads, eps, 1.0 / width,
-            ROWS=_QK_NORM_ROWS, HEAD_BLOCK=triton.next_power_of_2(hd // 2), BLOCK=_block(n // 2))
+            ROWS=_QK_NORM_ROWS, HEAD_BLOCK=triton.next_power_of_2(hd // 2), BLOCK=_block(n // 2),
+            INTERPRETER=_interpreting())
     grad_norm_weight = partial.sum(0)
     return grad_z, mean_z_dz, grad_norm_weight[:hd], grad_norm_weight[hd:]
 

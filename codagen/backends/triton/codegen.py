@@ -498,6 +498,8 @@ def generate(program: Program, header: str = "") -> str:
 import triton
 import triton.language as tl
 
+from codagen.backends.triton.trig import cos_sin  # shared with the B1 row kernel
+
 
 @triton.jit
 def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
@@ -530,24 +532,6 @@ def cast_for_store(x, ptr, INTERPRETER: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
     return x.to(ptr.dtype.element_ty)
-
-
-@triton.jit
-def cos_sin(theta, INTERPRETER: tl.constexpr):
-    """(cos, sin) of fp32 angles: reduced to [-pi, pi] by 2*pi in three parts (Cody-Waite, exact
-    products in fma), then the hardware approximations (MUFU, abs error < 2**-20 on [-pi, pi]).
-    libdevice's precise sinf/cosf cost a Payne-Hanek path in local memory per element."""
-    k = tl.floor(theta * 0.15915494309189535 + 0.5)
-    r = tl.fma(k, -6.28125, theta)                  # 6.28125 has 8 significant bits: k * it is exact
-    r = tl.fma(k, -0.0019353071693331003, r)        # fp32(2 pi - 6.28125), exact in fp32
-    r = tl.fma(k, -1.0253376606378076e-11, r)       # 2 pi - 6.28125 - the above
-    if INTERPRETER:
-        c = tl.cos(r)
-        s = tl.sin(r)
-    else:
-        c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
-        s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
-    return c, s
 
 
 @triton.jit
