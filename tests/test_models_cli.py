@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from codagen import demo
 from codagen.bench import block
@@ -44,3 +45,21 @@ def test_block_bench_smoke(tmp_path, capsys):
     diffs = [r["rel_diff_vs_eager"] for r in records if r["provider"] == "codagen" and r["pass"] == "fwd+bwd"]
     assert len(diffs) == 2 and max(diffs) < 1e-5  # fp32 on CPU: the fused block computes the eager block
     assert "| fwd+bwd | smoke-gqa |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("provider", ["eager", "codagen"])
+def test_block_bench_steps_start_from_fresh_gradients(provider):
+    """Every timed step resets the gradients of the tensors it trains: none left unused (a copy of a
+    weight, say), none accumulated from the previous step."""
+    torch.manual_seed(0)
+    shape = block.SMOKE_SHAPES["smoke-gqa"]
+    block_factories, _ = block.block_providers(shape, 2, 32, torch.device("cpu"), torch.float64)
+    model_factories = block.model_providers(shape, 1, 128, 2, 32, torch.device("cpu"), torch.float64)
+    for factories in (block_factories, model_factories):
+        step = factories[provider]()
+        step()
+        assert all(t.grad is not None for t in step.params), "a trained tensor got no gradient"
+        first = [t.grad.clone() for t in step.params]
+        step()
+        for before, t in zip(first, step.params):
+            torch.testing.assert_close(t.grad, before, rtol=1e-12, atol=0)

@@ -200,6 +200,7 @@ def _train_step(loss_fn: Callable[[], torch.Tensor], params: list, grad_out=None
             t.grad = None
         out = loss_fn()
         out.backward(grad_out)
+    step.params = params  # for the harness's own test: each of these gets a fresh gradient every step
     return step
 
 
@@ -230,7 +231,10 @@ def block_providers(s: BlockShape, batch: int, seq: int, device, dtype) -> tuple
         positions = torch.arange(seq, device=device).repeat(batch)
         freqs = ops.rope_frequencies(s.heads, s.kv_heads, s.head_dim, base=500000.0).to(device)
         xc = x.detach().clone().requires_grad_()
-        params = [xc, next_norm] + [t for t in dataclasses.astuple(blk) if isinstance(t, torch.Tensor)]
+        # the block's own tensors (dataclasses.astuple would deep-copy them: their gradients would then
+        # never be reset and every step would accumulate into the previous step's)
+        # (next_norm only scales the next block's input: the block gives it no gradient)
+        params = [xc] + [t for t in (getattr(blk, f.name) for f in dataclasses.fields(blk)) if isinstance(t, torch.Tensor)]
         return (lambda: decoder_stack(xc, [blk], next_norm, EPS, spec, positions, freqs)[0]), params
 
     def codagen():
@@ -283,7 +287,8 @@ def model_providers(s: BlockShape, layers: int, vocab: int, batch: int, seq: int
             return (0.02 * torch.randn(rows, cols, device=device, dtype=dtype)).requires_grad_()
         mp = {"embed": w(vocab, s.d), "norm": torch.ones(s.d, device=device, dtype=dtype, requires_grad=True),
               "lm_head": w(vocab, s.d), "layers": [block_weights(s, device, dtype) for _ in range(layers)]}
-        params = [mp["embed"], mp["norm"], mp["lm_head"]] + [t for p in mp["layers"] for t in p.values()]
+        params = [mp["embed"], mp["norm"], mp["lm_head"]] + [t for p in mp["layers"] for name, t in p.items()
+                                                             if name != "next_norm"]
         return mp, params
 
     def with_ops(get_ops, compiled=False):
