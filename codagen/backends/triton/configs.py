@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from codagen.epilogue.ir import Program, Store, TileInput
+from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
 __all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG"]
 
@@ -123,7 +123,6 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
     # so it filters the pool before the fallback below.
     segments = program.segment_sums()
     if segments:
-        from codagen.epilogue.ir import ProgramError
         fitting = tuple(cfg for cfg in pool if all(int(cfg.sub_n * s.width.value) % s.size == 0 for s in segments))
         if not fitting:
             sizes = sorted({s.size for s in segments})
