@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# One device call: the GPU tests of the ops, models and allocator (no tuning: fast), then the block
-# benchmark (tunes on first use). Results under $OUT. Usage: OUT=/some/dir bench/gpu_session.sh
+# One device call: the GPU tests (no tuning: fast; the every-config sweep is left to bench/gpu_kernels.sh),
+# then the block benchmark with the arguments given (default: the LLaMA-3 shapes and a 2-layer model).
+#   OUT=/some/dir bench/gpu_session.sh [codagen bench block args...]
+# Liger-Kernel, when carried as a wheel in .whl/ (see the device README), is installed to /tmp/site first.
+# The paper's shapes with every provider take about 2.5 minutes, the LLaMA shapes with the model step
+# about 2 (H200, 2026-11-30); torch.compile's compile time is most of it.
 set -u -o pipefail
-export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/codagen-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-CODAGEN_TRITON_AUTOTUNE=0 timeout 170 python3 -m pytest -q -m gpu -p no:warnings tests/test_ops_gpu.py \
-    tests/test_hf.py tests/test_triton_allocator.py tests/test_triton_backend.py -k "not test_gpu_every_config" \
-    2>&1 | tee "$OUT/gpu_tests.log" | tail -12
-timeout "${BLOCK_SECONDS:-400}" python3 -m codagen bench block --shapes llama3-8b llama3-1b --layers 2 --out "$OUT" \
-    2>&1 | tee "$OUT/block.log" | tail -25
+CODAGEN_TRITON_AUTOTUNE=0 timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -m gpu -p no:warnings -p no:cacheprovider \
+    tests -k "not test_gpu_every_config" 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
+args=("$@")
+[ ${#args[@]} -eq 0 ] && args=(--shapes llama3-8b llama3-1b --layers 2)
+timeout "${BLOCK_SECONDS:-400}" python3 -m codagen bench block "${args[@]}" --out "$OUT" 2>&1 \
+    | grep -v "^  \[\|^codagen: tuning\|^  ->" | tee "$OUT/block.log" | tail -25
