@@ -150,6 +150,16 @@ def test_gradcheck_swiglu_mlp_residual_rms():
     assert gradcheck(f, (x, gamma, gate_up, down, next_gamma, head))
 
 
+def test_mlp_gate_up_node_refuses_a_backward_without_the_down_projection():
+    """The gate/up node's backward takes mean_z_dz and the residual gradient from the down-projection
+    node; a gradient reaching it any other way gets a clear error, not a wrong norm gradient."""
+    from codagen.ops.block import _MlpGateUp
+    x, normed, rstd, gamma = stats(rand(M, D), norm_weight())
+    act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed, rstd, gamma, rand(2 * FFN, D))
+    with pytest.raises(RuntimeError, match="down-projection's backward"):
+        preact.sum().backward()
+
+
 def test_gradcheck_rms_linear():
     x, gamma, weight = rand(M, D), norm_weight(), rand(VOCAB, D)
     assert gradcheck(lambda x, gamma, weight: ops.rms_linear(*stats(x, gamma), weight), (x, gamma, weight))
@@ -299,6 +309,10 @@ def test_rope_frequencies_layout():
     assert torch.equal(freqs[24:], torch.zeros(8))
     custom = torch.rand(4)
     assert torch.equal(ops.rope_frequencies(1, 1, 8, inv_freq=custom)[:4], custom)
+    # built where asked (no host-to-device copy, e.g. inside CUDA-graph capture), from inv_freq too
+    for given in (None, custom):
+        on_meta = ops.rope_frequencies(4, 2, 8, inv_freq=given, device="meta")
+        assert on_meta.device.type == "meta" and on_meta.shape == freqs.shape and on_meta.dtype == torch.float32
 
 
 # ==================================================================================================

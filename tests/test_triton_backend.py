@@ -409,6 +409,28 @@ def test_gpu_qk_norm_program(cfg, head_dim):
 
 
 @pytest.mark.gpu
+def test_gpu_retune_times_the_candidates_over_a_cached_choice(monkeypatch, tmp_path):
+    """A cached choice is reused; CODAGEN_TRITON_RETUNE=1 tunes again anyway."""
+    monkeypatch.setenv("CODAGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CODAGEN_TRITON_RETUNE", raising=False)
+    program = library.residual_rms_stats()
+    a, b, tensors = random_inputs(program, 777, 1536, 320, torch.bfloat16, "cuda")  # a bucket nobody ships
+    tuned_keys = []
+
+    def fake_tune(self, bound, launch, pool, key):  # records the call and caches the first candidate
+        tuned_keys.append(key)
+        self.tuning.put(key, pool[0], {})
+        return pool[0]
+    monkeypatch.setattr(TritonBackend, "_tune", fake_tune)
+    TritonBackend(autotune=True).run(bind(program, a, b, _clone(tensors)))
+    TritonBackend(autotune=True).run(bind(program, a, b, _clone(tensors)))  # fresh plans: the cached choice
+    assert len(tuned_keys) == 1
+    monkeypatch.setenv("CODAGEN_TRITON_RETUNE", "1")
+    TritonBackend(autotune=True).run(bind(program, a, b, _clone(tensors)))
+    assert len(tuned_keys) == 2 and tuned_keys[0] == tuned_keys[1]
+
+
+@pytest.mark.gpu
 def test_gpu_float64_refused():
     a = torch.randn(16, 16, dtype=torch.float64, device="cuda")
     with pytest.raises(ProgramError, match="float16, bfloat16 or float32"):
