@@ -9,6 +9,7 @@ import argparse
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from codagen.bench.block import SHAPES, block_providers
@@ -19,6 +20,7 @@ def main():
     parser.add_argument("--shape", default="llama3-1b", choices=sorted(SHAPES))
     parser.add_argument("--providers", nargs="+", default=["eager", "codagen"])
     parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--sequence", action="store_true", help="also list one step's kernels in launch order")
     args = parser.parse_args()
     factories, _ = block_providers(SHAPES[args.shape], 2, 8192, torch.device("cuda"), torch.bfloat16)
     for name in args.providers:
@@ -47,6 +49,14 @@ def main():
               f"kernels {kernel_ms:.3f} ms/step in {launches:.0f} launches")
         for e in sorted(events, key=lambda e: -e.device_time_total)[:args.top]:
             print(f"  {e.device_time_total / 3 / 1e3:8.3f} ms  x{e.count // 3:<3d} {e.key[:110]}")
+        if args.sequence:  # the last of the 3 profiled steps, kernel by kernel
+            kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                             key=lambda e: e.time_range.start)
+            print("  -- one step in launch order (start offset ms, duration ms, kernel)")
+            step = kernels[-len(kernels) // 3:]
+            t0 = step[0].time_range.start
+            for e in step:
+                print(f"  {(e.time_range.start - t0) / 1e3:9.3f} {e.time_range.elapsed_us() / 1e3:8.3f}  {e.name[:100]}")
         del step
 
 

@@ -42,6 +42,8 @@ def test_block_bench_smoke(tmp_path, capsys):
             assert (r["median_ms"] is None) == ("error" in r)
         else:
             assert r["median_ms"] > 0, r.get("traceback")
+            # timed in interleaved rounds; the median of the round medians is reported
+            assert len(r["round_ms"]) == 3 and r["median_ms"] == sorted(r["round_ms"])[1]
     diffs = [r["rel_diff_vs_eager"] for r in records if r["provider"] == "codagen" and r["pass"] == "fwd+bwd"]
     assert len(diffs) == 2 and max(diffs) < 1e-5  # fp32 on CPU: the fused block computes the eager block
     assert "| fwd+bwd | smoke-gqa |" in capsys.readouterr().out

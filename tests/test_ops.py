@@ -90,6 +90,31 @@ def test_gradcheck_rms_qkv_rope_qk_norm():
     assert gradcheck(f, (x, gamma, weight, q_norm, k_norm))
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_gradcheck_rms_qkv_rope_pass_residual(qk_norm):
+    """``pass_residual=True``: x comes back as the residual; the gradient reaching it joins x's gradient
+    inside the op's backward (the "add" store of B2), as if x had fed both paths directly."""
+    x, gamma, weight = rand(M, D), norm_weight(), rand(QKV, D)
+    positions = torch.randint(0, 50, (M,))
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM, base=7.0).double()
+    qk = (torch.ones(HEAD_DIM, dtype=torch.float64), 1 + 0.3 * rand(HEAD_DIM, requires_grad=False)) if qk_norm else ()
+    options = dict(num_heads=HEADS, qk_norm_eps=0.01) if qk_norm else {}
+
+    def f(x, gamma, weight):
+        qkv, residual = ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies, *qk, **options,
+                                         pass_residual=True)
+        return qkv, residual.sin()
+
+    assert gradcheck(f, (x, gamma, weight))
+    qkv, residual = ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies, *qk, **options,
+                                     pass_residual=True)
+    torch.testing.assert_close(residual, x)
+    torch.testing.assert_close(qkv, ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies, *qk, **options))
+    # the residual alone carries a gradient: it passes straight through
+    residual.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
 def test_rms_qkv_rope_qk_norm_forward_values():
     """Pair-order layouts throughout: QK-norm per head of the projection, V untouched, then RoPE."""
     x, gamma, weight = rand(M, D, requires_grad=False), norm_weight().detach(), rand(QKV, D, requires_grad=False)

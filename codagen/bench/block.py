@@ -182,9 +182,15 @@ def _timer(device) -> Callable[[Callable], float]:
 
 
 def _peak_gib(fn, device) -> float | None:
-    """Memory a call allocates above what was allocated before it (activations, gradients), GiB."""
+    """Peak memory of one step above what was allocated before it (activations, gradients), GiB.
+
+    The previous step's gradients are released first: a step frees them itself, and counting them in
+    the baseline would hide as much of its own peak.
+    """
     if device.type != "cuda":
         return None
+    for t in getattr(fn, "params", ()):  # the previous step's gradients would hide this step's
+        t.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -324,33 +330,58 @@ def model_providers(s: BlockShape, layers: int, vocab: int, batch: int, seq: int
 
 
 # --- driver ----------------------------------------------------------------------------------------------
-def run_providers(factories: dict, providers: list[str], base: dict, device) -> list[dict]:
-    """Time each provider (its own try/except: a failure becomes a record with ``error``)."""
+def run_providers(factories: dict, providers: list[str], base: dict, device, rounds: int = 3) -> list[dict]:
+    """Time each provider (its own try/except: a failure becomes a record with ``error``).
+
+    All providers are built first, then timed in ``rounds`` interleaved rounds (A B C, A B C, ...): the
+    GPU's clocks drift by a few percent over a run (power, temperature), as much as the differences
+    between providers, so each provider's ``median_ms`` is the median of its round medians
+    (``round_ms`` keeps them all). Peak memory is measured once, after the rounds.
+    """
     timer = _timer(device)
-    records = []
+    records, steps = {}, {}
     for name in providers:
-        record = dict(base, provider=name, median_ms=None)
+        record = records[name] = dict(base, provider=name, median_ms=None)
         started = time.perf_counter()
         try:
-            fn = factories[name]()
-            fn()  # first call: compilation, autotuning
+            steps[name] = factories[name]()
+            steps[name]()  # first call: compilation, autotuning
             record["setup_s"] = round(time.perf_counter() - started, 2)
-            record["median_ms"] = timer(fn)
-            record["peak_mem_gib"] = _peak_gib(fn, device)
         except Exception as error:  # noqa: BLE001 - recorded, the other providers still run
-            record["error"] = f"{type(error).__name__}: {error}"[:500]
-            record["traceback"] = traceback.format_exc()[-1500:]
-        finally:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _record_error(record, error)
+            steps.pop(name, None)
+    for _ in range(rounds):
+        for name in list(steps):
+            try:
+                records[name].setdefault("round_ms", []).append(timer(steps[name]))
+            except Exception as error:  # noqa: BLE001
+                _record_error(records[name], error)
+                del steps[name]
+    for name, step in steps.items():
+        record = records[name]
+        record["median_ms"] = statistics.median(record["round_ms"])
+        try:
+            record["peak_mem_gib"] = _peak_gib(step, device)
+        except Exception as error:  # noqa: BLE001
+            _record_error(record, error)
+    steps.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    for name in providers:
+        record = records[name]
         status = f"{record['median_ms']:.3f} ms" if record["median_ms"] is not None else record["error"][:100]
         print(f"  {base['name']:<12} {base['pass']:<8} {name:<15} {status}", flush=True)
-        records.append(record)
-    sol = next((r["median_ms"] for r in records if r["provider"] == "speed_of_light"), None)
-    for r in records:
+    sol = records.get("speed_of_light", {}).get("median_ms")
+    for r in records.values():
         if sol and r["median_ms"]:
             r["vs_speed_of_light"] = r["median_ms"] / sol
-    return records
+    return [records[name] for name in providers]
+
+
+def _record_error(record: dict, error: Exception) -> None:
+    record["median_ms"] = None
+    record["error"] = f"{type(error).__name__}: {error}"[:500]
+    record["traceback"] = traceback.format_exc()[-1500:]
 
 
 def table(records: list[dict], providers: list[str]) -> str:
@@ -410,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-shape", default="llama3-1b", choices=sorted(SHAPES), help="the full model's block")
     parser.add_argument("--layers", type=int, help="full model layers (default 4; 2 with --quick; 0: skip)")
     parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per provider (default 3)")
     parser.add_argument("--out", help="results folder (default: bench/results)")
     args = parser.parse_args(argv)
 
@@ -438,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}: setup failed: {error}")
             continue
         block_records = run_providers(factories, providers, {"suite": "block", "name": name, "pass": "fwd+bwd",
-                                                             "shape": shape, "dtype": str(dtype)}, device)
+                                                             "shape": shape, "dtype": str(dtype)}, device, args.rounds)
         if "codagen" in providers:
             try:
                 block_records[providers.index("codagen")]["rel_diff_vs_eager"] = check()
@@ -453,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = dict(dataclasses.asdict(s), tokens=batch * seq, layers=layers, vocab=vocab)
         factories = model_providers(s, layers, vocab, batch, seq, device, dtype)
         records += run_providers(factories, providers, {"suite": "block", "name": name, "pass": "step",
-                                                        "shape": shape, "dtype": str(dtype)}, device)
+                                                        "shape": shape, "dtype": str(dtype)}, device, args.rounds)
 
     path = write_results("block", records, args.out)
     chart = plot(records, providers, path.with_suffix(".png"))

@@ -4,7 +4,8 @@ Each RMSNorm is split around GEMMs (METHOD.md section 2): the GEMM that produces
 ``x`` also produces ``normed = x * gamma`` and ``rstd``, and the next GEMM applies ``rstd`` in its
 epilogue. So a block is three fused GEMMs plus attention::
 
-    qkv            = rms_qkv_rope(x, normed, rstd, attn_norm, W_qkv, positions, frequencies)   # norm + QKV + RoPE
+    qkv, x         = rms_qkv_rope(x, normed, rstd, attn_norm, W_qkv, positions, frequencies,
+                                  pass_residual=True)                                         # norm + QKV + RoPE
     attn           = SDPA(q, k, v, causal, GQA)
     x, normed, r   = out_proj_residual_rms(attn, W_o, x, mlp_norm, eps)                          # O-proj + residual + stats
     x, normed, r   = swiglu_mlp_residual_rms(x, normed, r, mlp_norm, W_gu, W_down, next_norm, eps)  # MLP + residual + stats
@@ -96,13 +97,15 @@ def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: t
     norms = [blk.attn_norm for blk in blocks] + [final_norm]
     normed, rstd = ops.rms_norm_stats(x, norms[0], eps)
     for blk, next_norm in zip(blocks, norms[1:]):
+        # x passes through the QKV op, so that the residual path's gradient joins its backward's store
         if blk.q_norm is None and blk.k_norm is None:
-            qkv = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies)
+            qkv, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
+                                      pass_residual=True)
         else:
             if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
                 raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
-            qkv = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies, blk.q_norm,
-                                   blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps)
+            qkv, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies, blk.q_norm,
+                                      blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps, pass_residual=True)
         if blk.qkv_bias is not None:
             # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
             angles = positions.float()[:, None] * frequencies[None, :]

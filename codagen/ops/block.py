@@ -165,16 +165,20 @@ def _(normed, rstd, qkv_weight, positions, frequencies):
 
 
 @torch.library.custom_op("codagen::rms_qkv_rope_backward", mutates_args=())
-def _rms_qkv_rope_backward_op(grad_qkv: Tensor, qkv: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
-                              qkv_weight: Tensor, positions: Tensor,
+def _rms_qkv_rope_backward_op(grad_qkv: Tensor, grad_residual: Tensor | None, qkv: Tensor, x: Tensor, rstd: Tensor,
+                              norm_weight: Tensor, qkv_weight: Tensor, positions: Tensor,
                               frequencies: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     grad_z, mean_z_dz = kernels.rope_backward(grad_qkv, qkv, positions, frequencies, x.shape[1])  # B1
-    return consumer_rms_norm_backward(grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz)  # B2, B3
+    return consumer_rms_norm_backward(grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual)  # B2, B3
 
 
 @_rms_qkv_rope_backward_op.register_fake
-def _(grad_qkv, qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies):
+def _(grad_qkv, grad_residual, qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies):
     return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(qkv_weight)
+
+
+def _contiguous(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.contiguous()
 
 
 class _RmsQkvRope(torch.autograd.Function):
@@ -183,15 +187,16 @@ class _RmsQkvRope(torch.autograd.Function):
         qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies)
         ctx.save_for_backward(qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies)
         ctx.set_materialize_grads(False)
-        return qkv
+        return qkv, x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad_qkv):
-        if grad_qkv is None:
-            return (None,) * 7
+    def backward(ctx, grad_qkv, grad_residual):
+        if grad_qkv is None:  # only the residual path carries a gradient
+            return (grad_residual,) + (None,) * 6
         qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies = ctx.saved_tensors
         grad_x, grad_norm_weight, grad_qkv_weight = _rms_qkv_rope_backward_op(
-            grad_qkv.contiguous(), qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies)
+            grad_qkv.contiguous(), _contiguous(grad_residual), qkv, x, rstd, norm_weight, qkv_weight, positions,
+            frequencies)
         return grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None
 
 
@@ -231,7 +236,8 @@ def _(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_we
 
 
 @torch.library.custom_op("codagen::rms_qkv_rope_qk_norm_backward", mutates_args=())
-def _rms_qkv_rope_qk_norm_backward_op(grad_qkv: Tensor, preact: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
+def _rms_qkv_rope_qk_norm_backward_op(grad_qkv: Tensor, grad_residual: Tensor | None, preact: Tensor, x: Tensor,
+                                      rstd: Tensor, norm_weight: Tensor,
                                       qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
                                       q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
                                       eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -239,14 +245,14 @@ def _rms_qkv_rope_qk_norm_backward_op(grad_qkv: Tensor, preact: Tensor, x: Tenso
     grad_z, mean_z_dz, grad_q_norm_weight, grad_k_norm_weight = kernels.rope_qk_norm_backward(
         grad_qkv, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, x.shape[1])
     grad_x, grad_norm_weight, grad_qkv_weight = consumer_rms_norm_backward(
-        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz)  # B2, B3
+        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual)  # B2, B3
     return (grad_x, grad_norm_weight, grad_qkv_weight, grad_q_norm_weight.to(q_norm_weight.dtype),
             grad_k_norm_weight.to(k_norm_weight.dtype))
 
 
 @_rms_qkv_rope_qk_norm_backward_op.register_fake
-def _(grad_qkv, preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
-      num_heads, eps):
+def _(grad_qkv, grad_residual, preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
+      k_norm_weight, num_heads, eps):
     return (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(qkv_weight),
             torch.empty_like(q_norm_weight), torch.empty_like(k_norm_weight))
 
@@ -261,14 +267,15 @@ class _RmsQkvRopeQkNorm(torch.autograd.Function):
                               k_norm_weight)
         ctx.num_heads, ctx.eps = num_heads, eps
         ctx.set_materialize_grads(False)
-        return qkv
+        return qkv, x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad_qkv):
-        if grad_qkv is None:
-            return (None,) * 11
+    def backward(ctx, grad_qkv, grad_residual):
+        if grad_qkv is None:  # only the residual path carries a gradient
+            return (grad_residual,) + (None,) * 10
         grad_x, grad_norm_weight, grad_qkv_weight, grad_q_norm_weight, grad_k_norm_weight = \
-            _rms_qkv_rope_qk_norm_backward_op(grad_qkv.contiguous(), *ctx.saved_tensors, ctx.num_heads, ctx.eps)
+            _rms_qkv_rope_qk_norm_backward_op(grad_qkv.contiguous(), _contiguous(grad_residual), *ctx.saved_tensors,
+                                              ctx.num_heads, ctx.eps)
         return (grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None, grad_q_norm_weight,
                 grad_k_norm_weight, None, None)
 
@@ -276,7 +283,7 @@ class _RmsQkvRopeQkNorm(torch.autograd.Function):
 def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor,
                  positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor | None = None,
                  k_norm_weight: Tensor | None = None, num_heads: int | None = None,
-                 qk_norm_eps: float = 1e-6) -> Tensor:
+                 qk_norm_eps: float = 1e-6, *, pass_residual: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """F4: ``qkv = rope(RMSNorm(x) @ qkv_weight^T)`` on adjacent pairs, one GEMM; optionally QK-norm before RoPE.
 
     ``z = rstd[m] * (normed @ W^T)``; pair ``j`` of row ``m`` rotates by ``positions[m] * frequencies[j]``
@@ -295,8 +302,12 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     ``dz_h = rho_h (gamma g_h - zhat_h mean(zhat_h gamma g_h))`` (``rho_h`` its rstd, ``zhat_h = z_h rho_h``,
     ``g`` the un-rotated gradient), takes ``mean_z_dz = sum z dz / d`` with the pre-QK-norm ``z`` and
     writes per-row-block partials of the q_norm/k_norm gradients ``sum g zhat``. B2 is the
-    RMSNorm-backward GEMM ``grad_z @ W`` (fresh ``grad_x``: the residual path's gradient arrives
-    through the out-projection op); B3 ``grad_W = grad_z^T @ n``.
+    RMSNorm-backward GEMM ``grad_z @ W``; B3 ``grad_W = grad_z^T @ n``.
+
+    ``pass_residual=True`` returns ``(qkv, residual)``, ``residual`` being ``x`` passed through: use it
+    as the block's residual (the out-projection's ``residual``). Its gradient then comes back into this
+    op's backward and B2 writes ``grad_x = grad_residual + norm_grad`` in its one store, where autograd
+    would otherwise add the two paths' ``[M, d]`` gradients in a separate kernel.
     Saved: ``qkv`` (attention keeps it alive anyway), ``x``, ``rstd``; with QK-norm ``preact = z``
     [M, N] instead of ``qkv`` (one extra activation of qkv's size: the norm's backward needs the
     pre-norm heads; ``rho`` is recomputed from it). ``n = RMSNorm(x)`` is recomputed.
@@ -315,8 +326,9 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     if q_norm_weight is None and k_norm_weight is None:
         if num_heads is not None:
             raise ValueError("num_heads: only used with QK-norm (give q_norm_weight and k_norm_weight too)")
-        return _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
-                                 frequencies.detach())
+        out = _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
+                                frequencies.detach())
+        return out if pass_residual else out[0]
     if q_norm_weight is None or k_norm_weight is None:
         missing = "q_norm_weight" if q_norm_weight is None else "k_norm_weight"
         raise ValueError(f"{missing}: QK-norm needs both q_norm_weight and k_norm_weight, got only one")
@@ -335,8 +347,9 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
         raise ValueError(f"num_heads: qkv_weight holds {rows // head_dim} heads of head_dim {head_dim} = num_heads + "
                          f"2 kv_heads, which num_heads = {num_heads} does not split")
     eps = check.eps(qk_norm_eps, "qk_norm_eps")
-    return _RmsQkvRopeQkNorm.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
-                                   frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps)
+    out = _RmsQkvRopeQkNorm.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
+                                  frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps)
+    return out if pass_residual else out[0]
 
 
 # ==================================================================================================
