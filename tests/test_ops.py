@@ -248,8 +248,14 @@ def test_programs_per_op(monkeypatch):
         ["rms_gate_up_swiglu", "residual_rms_stats"],
         ["swiglu_backward", "weight_grad", "rms_norm_backward", "weight_grad"])
     target = torch.randint(0, VOCAB, (M,))
+    # training: the gradient is made in the forward pass (+ the cross-entropy row kernel); backward only scales
     assert programs(ops.rms_lm_head_cross_entropy, *stats(x, gamma), rand(VOCAB, D), target) == (
-        ["rms_lm_head_cross_entropy"], ["rms_lm_head_cross_entropy_backward", "rms_norm_backward", "weight_grad"])
+        ["rms_linear", "rms_norm_backward", "weight_grad"], [])
+    # evaluation: one fused GEMM, no logits
+    ran.clear()
+    with torch.no_grad():
+        ops.rms_lm_head_cross_entropy(*stats(x, gamma), rand(VOCAB, D), target)
+    assert ran == ["rms_lm_head_cross_entropy"]
 
 
 # ==================================================================================================

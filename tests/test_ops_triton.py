@@ -40,6 +40,16 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=tol, atol=tol)
             torch.testing.assert_close(k.mean_row_dot_triton(x, y, 9), k.mean_row_dot_ref(x, y, 9), rtol=tol, atol=tol)
+            # cross-entropy over stored logits (in place): an ignored row, and a target past the vocabulary
+            target = torch.randint(0, n, (m,))
+            target[0] = -100
+            target[-1] = n if m > 1 else target[-1]
+            logits, row_weight = (3 * x).to(dtype), torch.rand(m)
+            got_logits, want_logits = logits.clone(), logits.clone()
+            got = k.cross_entropy_logits_grad_triton(got_logits, target, row_weight, 5)
+            want = k.cross_entropy_logits_grad_ref(want_logits, target, row_weight, 5)
+            for a, b in zip(got + (got_logits,), want + (want_logits,)):
+                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
         # QK-norm backward: 17 rows (two row blocks, the last ragged); head_dim 6 (3 pairs in a 4-wide block) and 16
         for heads, kv_heads, head_dim in ((2, 1, 6), (4, 2, 16)):
             m, n = 17, (heads + 2 * kv_heads) * head_dim

@@ -1,14 +1,24 @@
 """Final RMSNorm + LM head + cross-entropy, fused, never materializing fp32 logits.
 
-Forward, per chunk of tokens: one GEMM ``z = rstd[m] * (normed @ W^T)`` whose epilogue keeps per-tile
-partial logsumexps and picks the target logit (``rms_lm_head_cross_entropy``); finished:
+Training (an input needs a gradient): the gradient is computed in the forward pass, one chunk of tokens
+at a time, so each logit is made once and never recomputed (the order of Liger-Kernel's fused linear
+cross-entropy):
+
+1. ``z = rstd[m] * (normed @ W^T)``, the chunk's logits in the activation dtype (program ``rms_linear``);
+2. one row kernel (:func:`codagen.ops.kernels.cross_entropy_logits_grad`): ``lse``, each row's loss
+   ``lse - z[target]`` and, over ``z`` in place, ``dz = (softmax(z) - onehot(target)) * row_weight`` with
+   the RMSNorm-backward statistic ``mean_z_dz = sum z dz / d``;
+3. the RMSNorm-backward GEMM ``dz @ W`` (fills the chunk's rows of ``grad_x``, the norm-weight partials
+   and ``n = RMSNorm(x)``) and ``grad_W (+)= dz^T @ n``.
+
+Backward only scales the three gradients by the incoming loss gradient. The loss is then PyTorch's
+low-precision computation: logits rounded to the activation dtype, the rest in fp32.
+
+Evaluation (no gradient): one GEMM per chunk whose epilogue keeps per-tile partial logsumexps of the
+fp32 logits and picks the target logit (``rms_lm_head_cross_entropy``); finished:
 ``lse[m] = logsumexp_t(partial_lse)``, ``loss[m] = lse[m] - z[m, target[m]]``. No logits are stored.
 
-Backward, per chunk: the GEMM recomputes ``z`` and writes ``grad_logits = (softmax(z) - onehot(target)) *
-row_weight * grad_loss`` in the activation dtype plus partials of ``sum z dz``
-(``rms_lm_head_cross_entropy_backward``); then the RMSNorm-backward GEMM ``grad_logits @ W`` (fills the
-chunk's rows of ``grad_x``, the norm-weight partials and ``n = RMSNorm(x)``) and ``grad_W += grad_logits^T @ n``.
-Chunking bounds the only vocabulary-sized buffer, ``grad_logits``, to :data:`CHUNK_BYTES`.
+Chunking bounds the only vocabulary-sized buffer, one chunk of logits, to :data:`CHUNK_BYTES`.
 """
 from __future__ import annotations
 
@@ -19,6 +29,7 @@ from codagen.backends import execute
 from codagen.epilogue import finish, library
 
 from . import _checks as check
+from . import kernels
 from ._checks import stats_dtype
 
 __all__ = ["rms_lm_head_cross_entropy", "CHUNK_BYTES", "chunk_rows"]
@@ -36,9 +47,20 @@ def chunk_rows(tokens: int, vocab: int, element_size: int, budget: int | None = 
     return max(1, min(rows, tokens))
 
 
+def _row_weight(target: Tensor, ignore_index: int, mean: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(valid, row_weight): 0 on ignored rows, else 1 (sum) or 1 / #valid (mean: a device tensor, no host
+    sync; all targets ignored gives nan, as torch's cross_entropy does)."""
+    valid = target != ignore_index
+    row_weight = valid.to(dtype)
+    if mean:
+        row_weight = row_weight / row_weight.sum()
+    return valid, row_weight
+
+
 @torch.library.custom_op("codagen::rms_lm_head_cross_entropy", mutates_args=())
 def _ce_op(normed: Tensor, rstd: Tensor, lm_head_weight: Tensor, target: Tensor, ignore_index: int, mean: bool,
-           rows_per_chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+           rows_per_chunk: int) -> Tensor:
+    """The loss alone: fused epilogue partials, no logits stored."""
     m = normed.shape[0]
     cd = stats_dtype(normed.dtype)
     lse = normed.new_empty(m, dtype=cd)
@@ -49,27 +71,24 @@ def _ce_op(normed: Tensor, rstd: Tensor, lm_head_weight: Tensor, target: Tensor,
                       target=target[rows])
         lse[rows] = finish.logsumexp_from_partials(out["partial_lse"])
         target_logit[rows] = finish.sum_row_partials(out["partial_target"])
-    valid = target != ignore_index
-    row_weight = valid.to(cd)
-    if mean:  # a device tensor: no host sync; all targets ignored gives nan, as torch's cross_entropy does
-        row_weight = row_weight / row_weight.sum()
-    loss = (row_weight * torch.where(valid, lse - target_logit, 0.0)).sum()
-    return loss, lse, row_weight
+    valid, row_weight = _row_weight(target, ignore_index, mean, cd)
+    return (row_weight * torch.where(valid, lse - target_logit, 0.0)).sum()
 
 
 @_ce_op.register_fake
 def _(normed, rstd, lm_head_weight, target, ignore_index, mean, rows_per_chunk):
-    cd = stats_dtype(normed.dtype)
-    m = normed.shape[0]
-    return normed.new_empty((), dtype=cd), normed.new_empty(m, dtype=cd), normed.new_empty(m, dtype=cd)
+    return normed.new_empty((), dtype=stats_dtype(normed.dtype))
 
 
-@torch.library.custom_op("codagen::rms_lm_head_cross_entropy_backward", mutates_args=())
-def _ce_backward_op(grad_loss: Tensor, x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor,
-                    lm_head_weight: Tensor, target: Tensor, lse: Tensor, row_weight: Tensor,
-                    rows_per_chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+@torch.library.custom_op("codagen::rms_lm_head_cross_entropy_with_grad", mutates_args=())
+def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, lm_head_weight: Tensor,
+                     target: Tensor, ignore_index: int, mean: bool,
+                     rows_per_chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, grad_x, grad_norm_weight, grad_weight)`` for a loss gradient of 1 (module docstring, steps 1-3)."""
     m, d = x.shape
     cd = stats_dtype(x.dtype)
+    valid, row_weight = _row_weight(target, ignore_index, mean, cd)
+    row_loss = x.new_empty(m, dtype=cd)
     grad_x = torch.zeros_like(x)  # each chunk accumulates into its own rows
     grad_norm_weight = norm_weight.new_zeros(d, dtype=cd)
     # several chunks accumulate grad_W: keep it in fp32 then (one rounding to the weight dtype at the end)
@@ -78,40 +97,45 @@ def _ce_backward_op(grad_loss: Tensor, x: Tensor, normed: Tensor, rstd: Tensor, 
     grad_weight = None
     for start in range(0, m, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
-        ce = execute(library.rms_lm_head_cross_entropy_backward(), normed[rows], lm_head_weight, rstd=rstd[rows],
-                     lse=lse[rows], target=target[rows], row_weight=row_weight[rows], grad_scale=grad_loss)
-        mean_z_dz = finish.sum_row_partials(ce["partial_z_dz"]) / d
-        norm = execute(library.rms_norm_backward("accumulate"), ce["grad_logits"], lm_head_weight, residual=x[rows],
+        grad_logits = execute(library.rms_linear(), normed[rows], lm_head_weight, rstd=rstd[rows])["out"]
+        row_loss[rows], mean_z_dz = kernels.cross_entropy_logits_grad(grad_logits, target[rows], row_weight[rows], d)
+        norm = execute(library.rms_norm_backward("accumulate"), grad_logits, lm_head_weight, residual=x[rows],
                        rstd=rstd[rows], norm_weight=norm_weight, mean_z_dz=mean_z_dz, grad_residual=grad_x[rows])
         grad_norm_weight += finish.sum_col_partials(norm["partial_grad_norm_weight"])
         if grad_weight is None:
-            grad_weight = execute(library.weight_grad(dtype="float32" if wide else "input"), ce["grad_logits"],
+            grad_weight = execute(library.weight_grad(dtype="float32" if wide else "input"), grad_logits,
                                   norm["normed"])["grad_weight"]
         else:
-            execute(library.weight_grad(accumulate=True), ce["grad_logits"], norm["normed"], grad_weight=grad_weight)
+            execute(library.weight_grad(accumulate=True), grad_logits, norm["normed"], grad_weight=grad_weight)
     if grad_weight is None:  # no tokens
         grad_weight = torch.zeros_like(lm_head_weight)
-    return grad_x, grad_norm_weight.to(norm_weight.dtype), grad_weight.to(lm_head_weight.dtype)
+    loss = (row_weight * torch.where(valid, row_loss, 0.0)).sum()
+    return loss, grad_x, grad_norm_weight.to(norm_weight.dtype), grad_weight.to(lm_head_weight.dtype)
 
 
-@_ce_backward_op.register_fake
-def _(grad_loss, x, normed, rstd, norm_weight, lm_head_weight, target, lse, row_weight, rows_per_chunk):
-    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(lm_head_weight)
+@_ce_with_grad_op.register_fake
+def _(x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk):
+    return (x.new_empty((), dtype=stats_dtype(x.dtype)), torch.empty_like(x), torch.empty_like(norm_weight),
+            torch.empty_like(lm_head_weight))
 
 
 class _RmsLmHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk):
-        loss, lse, row_weight = _ce_op(normed, rstd, lm_head_weight, target, ignore_index, mean, rows_per_chunk)
-        ctx.save_for_backward(x, normed, rstd, norm_weight, lm_head_weight, target, lse, row_weight)
-        ctx.rows_per_chunk = rows_per_chunk
+    def forward(ctx, x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk,
+                with_grad):
+        if not with_grad:
+            return _ce_op(normed, rstd, lm_head_weight, target, ignore_index, mean, rows_per_chunk)
+        loss, grad_x, grad_norm_weight, grad_weight = _ce_with_grad_op(
+            x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk)
+        ctx.save_for_backward(grad_x, grad_norm_weight, grad_weight)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_norm_weight, grad_weight = _ce_backward_op(grad_loss.contiguous(), *ctx.saved_tensors,
-                                                                ctx.rows_per_chunk)
-        return grad_x, None, None, grad_norm_weight, grad_weight, None, None, None, None
+        # every gradient is linear in the loss gradient (scaled in the loss's fp32, then rounded once)
+        grad_x, grad_norm_weight, grad_weight = ((g.to(grad_loss.dtype) * grad_loss).to(g.dtype)
+                                                 for g in ctx.saved_tensors)
+        return grad_x, None, None, grad_norm_weight, grad_weight, None, None, None, None, None
 
 
 def rms_lm_head_cross_entropy(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, lm_head_weight: Tensor,
@@ -123,8 +147,9 @@ def rms_lm_head_cross_entropy(x: Tensor, normed: Tensor, rstd: Tensor, norm_weig
     float32 (float64 for float64 inputs). Targets outside ``[0, vocab)`` other than ``ignore_index`` are
     not detected (that would need a host sync) and contribute ``lse``.
 
-    Saved: ``x``, ``normed``, ``rstd``, ``lse`` [M], ``row_weight`` [M]; the logits are recomputed chunk
-    by chunk in backward.
+    With gradients (training) they are computed here, in the forward pass (module docstring), and saved
+    (``grad_x`` [M, d], ``grad_norm_weight``, ``grad_W``); the backward scales them by the loss gradient.
+    Without (``torch.no_grad()`` or nothing requiring grad), one fused GEMM per chunk and no logits.
     """
     x = check.activation("x", x)
     m, d = x.shape
@@ -138,5 +163,6 @@ def rms_lm_head_cross_entropy(x: Tensor, normed: Tensor, rstd: Tensor, norm_weig
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
     rows = chunk_rows(m, lm_head_weight.shape[0], x.element_size())
+    with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, lm_head_weight))
     return _RmsLmHeadCrossEntropy.apply(x, normed.detach(), rstd.detach(), norm_weight, lm_head_weight,
-                                        target.detach(), ignore_index, reduction == "mean", rows)
+                                        target.detach(), ignore_index, reduction == "mean", rows, with_grad)

@@ -6,7 +6,9 @@
   heads and the q_norm / k_norm weight gradients (per-row-block partials, summed after the launch);
 - :func:`swiglu_backward`: SwiGLU backward + ``mean_z_dz`` for the standalone gate/up op (the fused MLP op
   does this in the down-projection's input-gradient epilogue instead);
-- :func:`mean_row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is.
+- :func:`mean_row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is;
+- :func:`cross_entropy_logits_grad`: a chunk of logits -> each row's loss, its gradient (in place) and
+  ``mean_z_dz`` (two passes over the row: online logsumexp, then softmax minus one-hot).
 
 Each comes as ``foo_ref`` (PyTorch), ``foo_triton`` (one launch of a module-level ``@triton.jit`` kernel)
 and the dispatcher ``foo``: the kernel for CUDA tensors when the selected backend is ``triton`` and the
@@ -31,7 +33,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
 __all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "rope_qk_norm_backward", "swiglu_backward",
-                                        "mean_row_dot") for kind in ("", "_ref", "_triton")]
+                                        "mean_row_dot", "cross_entropy_logits_grad") for kind in ("", "_ref", "_triton")]
 
 _MAX_BLOCK = 2048
 #: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
@@ -211,6 +213,41 @@ if triton is not None:
         tl.store(out_ptr + row, tl.sum(acc, axis=0) * inv_width)
 
 
+    @triton.jit
+    def _cross_entropy_logits_grad_kernel(logits_ptr, target_ptr, row_weight_ptr, row_loss_ptr, mean_z_dz_ptr,
+                                          n_cols, inv_width, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        logits_row = logits_ptr + row * n_cols
+        target = tl.load(target_ptr + row)
+        # pass 1: online logsumexp per lane, and the target's logit (no column matches an ignored target)
+        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
+        target_logit = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            z = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(lane_max, z)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a lane without columns yet stays 0
+            lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(z - shift)
+            lane_max = new_max
+            target_logit += tl.where(mask & (cols == target), z, 0.0)
+        row_max = tl.max(lane_max, axis=0)
+        lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0))
+        # pass 2: dz = (softmax(z) - onehot(target)) * row_weight, written over the logits
+        weight = tl.load(row_weight_ptr + row).to(tl.float32)
+        z_dz = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            z = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+            dz = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * weight
+            z_dz += tl.where(mask, z * dz, 0.0)
+            tl.store(logits_row + cols, dz.to(logits_ptr.dtype.element_ty), mask=mask)
+        tl.store(row_loss_ptr + row, lse - tl.sum(target_logit, axis=0))
+        tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
+
+
 # --------------------------------------------------------------------------------------------------
 # RMSNorm statistics (first block)
 # --------------------------------------------------------------------------------------------------
@@ -386,3 +423,46 @@ def mean_row_dot_triton(z: torch.Tensor, grad_z: torch.Tensor, width: int) -> to
     if m:
         _mean_row_dot_kernel[(m,)](z, grad_z, out, n, 1.0 / width, BLOCK=_block(n))
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# cross-entropy over a chunk of stored logits
+# --------------------------------------------------------------------------------------------------
+def cross_entropy_logits_grad_ref(logits: torch.Tensor, target: torch.Tensor, row_weight: torch.Tensor,
+                                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of each row of ``logits`` [rows, V] and its gradient, written over ``logits``.
+
+    ``row_loss[m] = logsumexp(z[m]) - z[m, target[m]]`` (just ``logsumexp`` where the target is outside
+    ``[0, V)``, e.g. ignore_index); ``logits`` becomes ``dz = (softmax(z) - onehot(target)) * row_weight[m]``
+    (in its dtype); returns ``(row_loss, mean_z_dz = sum_k z dz / width)`` (fp32; fp64 for fp64 logits).
+    """
+    cd = stats_dtype(logits.dtype)
+    z = logits.to(cd)
+    vocab = z.shape[1]
+    valid = (target >= 0) & (target < vocab)
+    index = target.clamp(0, max(vocab - 1, 0)).long()[:, None]
+    lse = torch.logsumexp(z, dim=-1)
+    target_logit = torch.where(valid, z.gather(1, index)[:, 0], 0.0)
+    onehot = torch.zeros_like(z).scatter_(1, index, valid[:, None].to(cd))
+    dz = (torch.exp(z - lse[:, None]) - onehot) * row_weight.to(cd)[:, None]
+    mean_z_dz = (z * dz).sum(dim=-1) / width
+    logits.copy_(dz)  # last: z may be logits itself
+    return lse - target_logit, mean_z_dz
+
+
+def cross_entropy_logits_grad(logits: torch.Tensor, target: torch.Tensor, row_weight: torch.Tensor,
+                              width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (cross_entropy_logits_grad_triton if _use_triton(logits) else cross_entropy_logits_grad_ref)(
+        logits, target, row_weight, width)
+
+
+def cross_entropy_logits_grad_triton(logits: torch.Tensor, target: torch.Tensor, row_weight: torch.Tensor,
+                                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cross_entropy_logits_grad_ref` as one kernel launch (fp16/bf16/fp32; contiguous logits)."""
+    m, vocab = logits.shape
+    row_loss = torch.empty(m, dtype=torch.float32, device=logits.device)
+    mean_z_dz = torch.empty(m, dtype=torch.float32, device=logits.device)
+    if m:
+        _cross_entropy_logits_grad_kernel[(m,)](logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width,
+                                                BLOCK=_block(vocab))
+    return row_loss, mean_z_dz
