@@ -12,7 +12,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from codagen.bench.block import SHAPES, block_providers
+from codagen.bench.block import SHAPES, block_providers, model_providers
 
 
 def main():
@@ -21,8 +21,14 @@ def main():
     parser.add_argument("--providers", nargs="+", default=["eager", "codagen"])
     parser.add_argument("--top", type=int, default=18)
     parser.add_argument("--sequence", action="store_true", help="also list one step's kernels in launch order")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="profile a training step of a model of this many blocks (LM head included) instead")
     args = parser.parse_args()
-    factories, _ = block_providers(SHAPES[args.shape], 2, 8192, torch.device("cuda"), torch.bfloat16)
+    if args.layers:
+        factories = model_providers(SHAPES[args.shape], args.layers, 32768, 2, 8192, torch.device("cuda"),
+                                    torch.bfloat16)
+    else:
+        factories, _ = block_providers(SHAPES[args.shape], 2, 8192, torch.device("cuda"), torch.bfloat16)
     for name in args.providers:
         step = factories[name]()
         for _ in range(3):
