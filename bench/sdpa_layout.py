@@ -13,6 +13,14 @@ forward + backward of causal (GQA) attention three ways:
                  concatenation straight into the leaf's layout;
 ``views_only``   the same views, but gradients taken for q, k, v themselves (no copy): the layout's
                  cost alone.
+
+Two more end at the out-projection's operand, ``out`` as ``[B*S, h hd]`` (free for a token-major
+``out``, a copy for a head-major one), its gradient arriving in that layout, as in a block:
+
+``block_split``       ``fused_split`` as the decoder runs it;
+``block_head_major``  q, k, v head slices of one head-major ``[B, h + 2 kv, S, hd]`` leaf: what a QKV
+                      epilogue storing head-major would hand SDPA (``benchmarks.md``: the speed-of-light
+                      line's attention runs on contiguous head-major tensors and is faster).
 """
 from __future__ import annotations
 
@@ -56,15 +64,25 @@ def cases(b, s, h, kv, hd):
             return (q, k, v), (q, k, v)
         return (q, k, v), (qkv,)
 
-    for name, make in (("contiguous", contiguous), ("fused_views", lambda: fused(False)),
-                       ("fused_split", lambda: fused(False, split_first=True)), ("views_only", lambda: fused(True))):
-        (q, k, v), leaves = make()
+    def head_major():
+        qkv = torch.randn(b, h + 2 * kv, s, hd, device=dev, dtype=dt, requires_grad=True)
+        return qkv.split((h, kv, kv), dim=1), (qkv,)
 
-        def step(q=q, k=k, v=v, leaves=leaves):
+    grad_tokens = torch.randn(b * s, h * hd, device=dev, dtype=dt)
+    for name, make in (("contiguous", contiguous), ("fused_views", lambda: fused(False)),
+                       ("fused_split", lambda: fused(False, split_first=True)), ("views_only", lambda: fused(True)),
+                       ("block_split", lambda: fused(False, split_first=True)), ("block_head_major", head_major)):
+        (q, k, v), leaves = make()
+        to_tokens = name.startswith("block_")
+
+        def step(q=q, k=k, v=v, leaves=leaves, to_tokens=to_tokens):
             for t in leaves:
                 t.grad = None
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != h)
-            out.backward(grad)
+            if to_tokens:  # the out-projection's operand [B*S, h hd] and its gradient
+                out.transpose(1, 2).reshape(b * s, h * hd).backward(grad_tokens)
+            else:
+                out.backward(grad)
         yield name, step
 
 
