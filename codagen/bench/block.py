@@ -189,7 +189,7 @@ def _peak_gib(fn, device) -> float | None:
     """
     if device.type != "cuda":
         return None
-    for t in getattr(fn, "params", ()):  # the previous step's gradients would hide this step's
+    for t in getattr(fn, "params", ()):
         t.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
