@@ -1,6 +1,6 @@
 """Does the layout of q/k/v change SDPA's speed? (GPU, bf16; a diagnostic for the block benchmark.)
 
-    PYTHONPATH=. python bench/sdpa_layout.py [--out DIR]
+    PYTHONPATH=. python bench/sdpa_layout.py [--shapes ...] [--backends flash cudnn] [--out DIR]
 
 The codagen block hands SDPA strided views of the fused QKV output ``[B*S, (h + 2 kv) hd]``; eager
 hands it contiguous ``[B, h, S, hd]`` tensors. For each shape and each SDPA backend this times
@@ -90,10 +90,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    p.add_argument("--backends", nargs="*", default=list(BACKENDS))
     args = p.parse_args(argv)
     records = []
     for shape in args.shapes:
-        for backend_name, backend in BACKENDS.items():
+        for backend_name in args.backends:
+            backend = BACKENDS[backend_name]
             for layout, step in cases(*SHAPES[shape]):
                 try:
                     with sdpa_kernel(backend):
