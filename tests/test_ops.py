@@ -215,6 +215,40 @@ def test_cross_entropy_int32_targets_and_all_ignored():
     assert ops.rms_lm_head_cross_entropy(*stats(x, gamma), weight, ignored).isnan()  # as torch's mean
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_cross_entropy_scales_saved_gradients_by_the_loss_gradient(monkeypatch, dtype):
+    """The gradients are made in the forward pass for a loss gradient of 1; a scaled loss must scale them
+    all. bf16 with several chunks takes the fp32 grad_W accumulator, rounded once after the scale."""
+    from codagen.ops import cross_entropy
+
+    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 2 * VOCAB * torch.empty((), dtype=dtype).element_size())
+    x, gamma, weight = (t.detach().to(dtype).requires_grad_() for t in (rand(M, D), norm_weight(), rand(VOCAB, D)))
+    target = torch.randint(0, VOCAB, (M,))
+    factor = 0.37
+    (ops.rms_lm_head_cross_entropy(*stats(x, gamma), weight, target) * factor).backward()
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, gamma, weight)]
+    (F.cross_entropy(rms_norm(leaves64[0], leaves64[1], EPS) @ leaves64[2].t(), target) * factor).backward()
+    for name, got, want in zip(("x", "norm_weight", "lm_head_weight"), (x, gamma, weight), leaves64):
+        assert got.grad.dtype == dtype, name
+        tol = 1e-10 if dtype == torch.float64 else 3e-2 * want.grad.abs().max().item()
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=0, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_embedding_matches_torch_and_zeroes_the_padding_row():
+    weight = rand(VOCAB, D)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    ids[0, :4] = 3  # a repeated id
+    assert gradcheck(lambda w: ops.embedding(ids, w), (weight,))
+    for padding_idx in (None, 3, -1):
+        out = ops.embedding(ids, weight, padding_idx)
+        probe = torch.randn_like(out)
+        got = torch.autograd.grad((out * probe).sum(), weight)[0]
+        want_out = F.embedding(ids, weight, padding_idx)
+        want = torch.autograd.grad((want_out * probe).sum(), weight)[0]
+        torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 # ==================================================================================================
 # Each fused step is one GEMM program: count the programs each op's forward and backward run
 # ==================================================================================================
@@ -403,6 +437,9 @@ def test_errors_name_the_argument():
          "target: expected an integer"),
         (lambda: ops.rms_lm_head_cross_entropy(x, normed, rstd, gamma, rand(VOCAB, D), torch.zeros(M, dtype=int),
                                                reduction="none"), "reduction: expected 'mean' or 'sum'"),
+        (lambda: ops.embedding(torch.zeros(3), weight), "ids: expected an int32 or int64 tensor"),
+        (lambda: ops.embedding(torch.zeros(3, dtype=int), gamma), "weight: expected a 2-D"),
+        (lambda: ops.embedding(torch.zeros(3, dtype=int), weight, padding_idx=2 * FFN), "padding_idx: expected"),
         (lambda: ops.rope_frequencies(3, 2, 8), "num_heads (3) must be a multiple of num_kv_heads (2)"),
         (lambda: ops.rope_pairs_from_half_split(rand(10, D), 4), "multiple of head_dim"),
         (lambda: ops.interleave_gate_up(rand(3, D), rand(4, D)), "up_weight: expected the shape"),

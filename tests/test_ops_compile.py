@@ -50,3 +50,18 @@ def test_compiled_qk_norm_qkv_rope_fullgraph_matches_eager():
         got = torch.autograd.grad(compiled(*leaves), leaves)
     for name, g, w in zip(("x", "norm_weight", "qkv_weight", "q_norm", "k_norm"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda msg: f"{name}: {msg}")
+
+
+def test_compiled_embedding_fullgraph_matches_eager():
+    weight = torch.randn(11, 8, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 5))
+    probe = torch.randn(2, 5, 8)
+
+    def step(weight):
+        return (ops.embedding(ids, weight, padding_idx=0) * probe).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)  # raises on any graph break
+    want = torch.autograd.grad(step(weight), weight)[0]
+    got = torch.autograd.grad(compiled(weight), weight)[0]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

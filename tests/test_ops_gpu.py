@@ -82,3 +82,31 @@ def test_bf16_block_bitwise_deterministic(qk_norm):
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     for key in first[2]:
         assert torch.equal(first[2][key], second[2][key]), key
+
+
+def test_bf16_embedding_backward_two_x_rule_and_bitwise_deterministic():
+    """A frequent token (a quarter of the rows), unused vocabulary rows, 520 features (a ragged column block)."""
+    from codagen import ops
+
+    tokens, vocab, features = 4096, 5000, 520
+    weight = torch.randn(vocab, features, device="cuda").bfloat16().requires_grad_()
+    ids = torch.randint(0, vocab, (2, tokens // 2), device="cuda")
+    ids[0, : tokens // 4] = 7
+    grad_out = torch.randn(2, tokens // 2, features, device="cuda").bfloat16()
+    exact = torch.zeros(vocab, features, dtype=torch.float64, device="cuda").index_add_(
+        0, ids.reshape(-1), grad_out.reshape(-1, features).double())
+    eager = torch.autograd.grad(torch.nn.functional.embedding(ids, weight), weight, grad_out)[0]
+    runs = [torch.autograd.grad(ops.embedding(ids, weight), weight, grad_out)[0] for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    fused_err, eager_err = ((g.double() - exact).abs().max().item() for g in (runs[0], eager))
+    assert fused_err <= 2 * eager_err + 1e-6, (fused_err, eager_err)
+
+
+def test_scale_cast_is_one_rounding_of_the_fp32_product():
+    from codagen.ops import kernels
+
+    src = torch.randn(3000, 77, device="cuda")
+    factor = torch.tensor(1 / 3, device="cuda")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        got = kernels.scale_cast(src, factor, dtype)
+        assert torch.equal(got, (src * factor).to(dtype)), dtype

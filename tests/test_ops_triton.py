@@ -50,6 +50,18 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             want = k.cross_entropy_logits_grad_ref(want_logits, target, row_weight, 5)
             for a, b in zip(got + (got_logits,), want + (want_logits,)):
                 torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+            factor = torch.tensor(0.37)
+            for out_dtype in (dtype, torch.float32):  # exact in fp32; the interpreter rounds to bf16 by truncation
+                exact = out_dtype == torch.float32
+                torch.testing.assert_close(k.scale_cast_triton(x, factor, out_dtype), k.scale_cast_ref(x, factor, out_dtype),
+                                           rtol=0 if exact else 1e-2, atol=0)
+        # embedding backward: repeated ids, unused rows, 600 features (two column blocks, the last ragged)
+        for tokens, vocab, features in ((1, 3, 5), (40, 11, 600)):
+            grad_out = torch.randn(tokens, features).to(dtype)
+            ids = torch.randint(0, vocab, (tokens,))
+            ids[: tokens // 2] = vocab - 1
+            got, want = k.embedding_backward_triton(grad_out, ids, vocab), k.embedding_backward_ref(grad_out, ids, vocab)
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
         # QK-norm backward: 17 rows (two row blocks, the last ragged); head_dim 6 (3 pairs in a 4-wide block) and 16
         for heads, kv_heads, head_dim in ((2, 1, 6), (4, 2, 16)):
             m, n = 17, (heads + 2 * kv_heads) * head_dim

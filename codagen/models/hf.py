@@ -159,7 +159,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
         raise _refuse("gradient checkpointing")
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("codagen.patch: give exactly one of input_ids or inputs_embeds")
-    x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    x = _embed(self.model.embed_tokens, input_ids) if inputs_embeds is None else inputs_embeds
     if x.dim() != 3:
         raise ValueError(f"codagen.patch: expected [batch, seq] input_ids or [batch, seq, hidden] inputs_embeds, "
                          f"got embeddings of shape {tuple(x.shape)}")
@@ -173,6 +173,15 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     with torch.autocast(device_type, enabled=False):
         return _decoder_forward(self, x.to(dtype), dtype, position_ids, labels, shift_labels, logits_to_keep, num_items_in_batch,
                     return_dict)
+
+
+def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """A plain ``nn.Embedding`` runs as :func:`codagen.ops.embedding` (deterministic backward); anything else
+    (max_norm, scale_grad_by_freq, sparse, a scaled or custom embedding module) runs as is."""
+    if (type(embed_tokens) is nn.Embedding and embed_tokens.max_norm is None and not embed_tokens.scale_grad_by_freq
+            and not embed_tokens.sparse):
+        return ops.embedding(input_ids, embed_tokens.weight, embed_tokens.padding_idx)
+    return embed_tokens(input_ids)
 
 
 def _decoder_forward(self, x, dtype, position_ids, labels, shift_labels, logits_to_keep, num_items_in_batch,

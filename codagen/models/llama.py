@@ -206,7 +206,7 @@ class Llama(nn.Module):
         batch, seq = input_ids.shape
         if positions is None:
             positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-        x = self.embed(input_ids).reshape(batch * seq, c.hidden_size)
+        x = ops.embedding(input_ids, self.embed.weight).reshape(batch * seq, c.hidden_size)
         spec = AttentionSpec(batch, seq, c.num_heads, c.num_kv_heads, c.head_dim)
         x, normed, rstd = decoder_stack(x, [blk.weights() for blk in self.layers], self.norm, c.rms_norm_eps, spec,
                                         positions.reshape(-1).float(), self.frequencies)

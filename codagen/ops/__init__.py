@@ -8,9 +8,10 @@ Producers of the residual stream return ``(x, normed, rstd)``; ``normed = x * no
 from .block import (out_proj_residual_rms, rms_gate_up_swiglu, rms_linear, rms_norm_stats, rms_qkv_rope,
                     swiglu_mlp_residual_rms)
 from .cross_entropy import rms_lm_head_cross_entropy
+from .embedding import embedding
 from .layouts import (interleave_gate_up, rope_frequencies, rope_half_split_from_pairs, rope_pairs_from_half_split,
                       split_gate_up)
 
 __all__ = ["rms_norm_stats", "out_proj_residual_rms", "rms_qkv_rope", "rms_gate_up_swiglu", "swiglu_mlp_residual_rms",
-           "rms_linear", "rms_lm_head_cross_entropy", "interleave_gate_up", "split_gate_up",
+           "rms_linear", "rms_lm_head_cross_entropy", "embedding", "interleave_gate_up", "split_gate_up",
            "rope_pairs_from_half_split", "rope_half_split_from_pairs", "rope_frequencies"]

@@ -11,7 +11,8 @@ cross-entropy):
 3. the RMSNorm-backward GEMM ``dz @ W`` (fills the chunk's rows of ``grad_x``, the norm-weight partials
    and ``n = RMSNorm(x)``) and ``grad_W (+)= dz^T @ n``.
 
-Backward only scales the three gradients by the incoming loss gradient. The loss is then PyTorch's
+Backward only scales the three saved gradients by the incoming loss gradient
+(:func:`codagen.ops.kernels.scale_cast`: one kernel each, fp32 product, one rounding). The loss is then PyTorch's
 low-precision computation: logits rounded to the activation dtype, the rest in fp32.
 
 Evaluation (no gradient): one GEMM per chunk whose epilogue keeps per-tile partial logsumexps of the
@@ -80,20 +81,26 @@ def _(normed, rstd, lm_head_weight, target, ignore_index, mean, rows_per_chunk):
     return normed.new_empty((), dtype=stats_dtype(normed.dtype))
 
 
+def _accumulates_wide(m: int, rows_per_chunk: int, lm_head_weight: Tensor) -> bool:
+    """Several chunks accumulate grad_W: keep it in fp32 then (one rounding, in backward)."""
+    return rows_per_chunk < m and lm_head_weight.dtype in (torch.float16, torch.bfloat16)
+
+
 @torch.library.custom_op("codagen::rms_lm_head_cross_entropy_with_grad", mutates_args=())
 def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, lm_head_weight: Tensor,
                      target: Tensor, ignore_index: int, mean: bool,
                      rows_per_chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, grad_x, grad_norm_weight, grad_weight)`` for a loss gradient of 1 (module docstring, steps 1-3)."""
+    """``(loss, grad_x, grad_norm_weight, grad_weight)`` for a loss gradient of 1 (module docstring, steps 1-3).
+
+    ``grad_norm_weight`` is fp32 (the stats dtype), ``grad_weight`` fp32 when chunks accumulate it: the
+    backward rounds them once, after scaling."""
     m, d = x.shape
     cd = stats_dtype(x.dtype)
     valid, row_weight = _row_weight(target, ignore_index, mean, cd)
     row_loss = x.new_empty(m, dtype=cd)
     grad_x = torch.zeros_like(x)  # each chunk accumulates into its own rows
     grad_norm_weight = norm_weight.new_zeros(d, dtype=cd)
-    # several chunks accumulate grad_W: keep it in fp32 then (one rounding to the weight dtype at the end)
-    several = rows_per_chunk < m
-    wide = several and lm_head_weight.dtype in (torch.float16, torch.bfloat16)
+    wide = _accumulates_wide(m, rows_per_chunk, lm_head_weight)
     grad_weight = None
     for start in range(0, m, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
@@ -110,13 +117,25 @@ def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tenso
     if grad_weight is None:  # no tokens
         grad_weight = torch.zeros_like(lm_head_weight)
     loss = (row_weight * torch.where(valid, row_loss, 0.0)).sum()
-    return loss, grad_x, grad_norm_weight.to(norm_weight.dtype), grad_weight.to(lm_head_weight.dtype)
+    return loss, grad_x, grad_norm_weight, grad_weight
 
 
 @_ce_with_grad_op.register_fake
 def _(x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk):
-    return (x.new_empty((), dtype=stats_dtype(x.dtype)), torch.empty_like(x), torch.empty_like(norm_weight),
-            torch.empty_like(lm_head_weight))
+    cd = stats_dtype(x.dtype)
+    wide = _accumulates_wide(x.shape[0], rows_per_chunk, lm_head_weight)
+    return (x.new_empty((), dtype=cd), torch.empty_like(x), norm_weight.new_empty(norm_weight.shape, dtype=cd),
+            torch.empty_like(lm_head_weight, dtype=torch.float32 if wide else None))
+
+
+@torch.library.custom_op("codagen::scale_cast", mutates_args=())
+def _scale_cast_op(src: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
+    return kernels.scale_cast(src, factor, dtype)
+
+
+@_scale_cast_op.register_fake
+def _(src, factor, dtype):
+    return src.new_empty(src.shape, dtype=dtype)
 
 
 class _RmsLmHeadCrossEntropy(torch.autograd.Function):
@@ -128,13 +147,14 @@ class _RmsLmHeadCrossEntropy(torch.autograd.Function):
         loss, grad_x, grad_norm_weight, grad_weight = _ce_with_grad_op(
             x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk)
         ctx.save_for_backward(grad_x, grad_norm_weight, grad_weight)
+        ctx.dtypes = (x.dtype, norm_weight.dtype, lm_head_weight.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # every gradient is linear in the loss gradient (scaled in the loss's fp32, then rounded once)
-        grad_x, grad_norm_weight, grad_weight = ((g.to(grad_loss.dtype) * grad_loss).to(g.dtype)
-                                                 for g in ctx.saved_tensors)
+        # every gradient is linear in the loss gradient: scaled in fp32, rounded once (one kernel each)
+        grad_x, grad_norm_weight, grad_weight = (_scale_cast_op(g, grad_loss, dtype)
+                                                 for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
         return grad_x, None, None, grad_norm_weight, grad_weight, None, None, None, None, None
 
 

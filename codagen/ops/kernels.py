@@ -8,7 +8,11 @@
   does this in the down-projection's input-gradient epilogue instead);
 - :func:`mean_row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is;
 - :func:`cross_entropy_logits_grad`: a chunk of logits -> each row's loss, its gradient (in place) and
-  ``mean_z_dz`` (two passes over the row: online logsumexp, then softmax minus one-hot).
+  ``mean_z_dz`` (two passes over the row: online logsumexp, then softmax minus one-hot);
+- :func:`scale_cast`: ``(src * factor).to(dtype)`` with ``factor`` a device scalar, one rounding (the LM
+  head's saved gradients times the loss gradient);
+- :func:`embedding_backward`: the embedding table's gradient, one program per (vocabulary row, column
+  block) summing that row's tokens in a fixed order.
 
 Each comes as ``foo_ref`` (PyTorch), ``foo_triton`` (one launch of a module-level ``@triton.jit`` kernel)
 and the dispatcher ``foo``: the kernel for CUDA tensors when the selected backend is ``triton`` and the
@@ -33,7 +37,8 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
 __all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "rope_qk_norm_backward", "swiglu_backward",
-                                        "mean_row_dot", "cross_entropy_logits_grad") for kind in ("", "_ref", "_triton")]
+                                        "mean_row_dot", "cross_entropy_logits_grad", "scale_cast",
+                                        "embedding_backward") for kind in ("", "_ref", "_triton")]
 
 _MAX_BLOCK = 2048
 #: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
@@ -246,6 +251,29 @@ if triton is not None:
             tl.store(logits_row + cols, dz.to(logits_ptr.dtype.element_ty), mask=mask)
         tl.store(row_loss_ptr + row, lse - tl.sum(target_logit, axis=0))
         tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
+
+    @triton.jit
+    def _scale_cast_kernel(src_ptr, factor_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        factor = tl.load(factor_ptr).to(tl.float32)
+        src = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offsets, (src * factor).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _embedding_backward_kernel(grad_out_ptr, token_order_ptr, row_start_ptr, grad_weight_ptr, n_cols,
+                                   BLOCK: tl.constexpr):
+        """Program (v, c): ``grad_weight[v, c block] = sum of grad_out[t, c block]`` over the tokens t with id v,
+        in ascending t (``token_order`` is a stable sort): fp32 sum, one store, zeros for unused rows."""
+        vocab_row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        # a frequent token has many rows: keep several loads in flight
+        for i in tl.range(tl.load(row_start_ptr + vocab_row), tl.load(row_start_ptr + vocab_row + 1), num_stages=4):
+            token = tl.load(token_order_ptr + i).to(tl.int64)
+            acc += tl.load(grad_out_ptr + token * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_weight_ptr + vocab_row * n_cols + cols, acc.to(grad_weight_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -466,3 +494,56 @@ def cross_entropy_logits_grad_triton(logits: torch.Tensor, target: torch.Tensor,
         _cross_entropy_logits_grad_kernel[(m,)](logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width,
                                                 BLOCK=_block(vocab))
     return row_loss, mean_z_dz
+
+
+# --------------------------------------------------------------------------------------------------
+# scaling saved gradients by the loss gradient
+# --------------------------------------------------------------------------------------------------
+def scale_cast_ref(src: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(src * factor).to(dtype)``, the product in fp32 (fp64 for fp64 ``src``): ``factor`` is never rounded
+    to ``src``'s dtype (PyTorch's ``bf16 * fp32 scalar tensor`` would round it to bf16 first)."""
+    cd = stats_dtype(src.dtype)
+    return (src.to(cd) * factor.to(cd)).to(dtype)
+
+
+def scale_cast(src: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (scale_cast_triton if _use_triton(src) else scale_cast_ref)(src, factor, dtype)
+
+
+def scale_cast_triton(src: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`scale_cast_ref` as one kernel launch (contiguous ``src``; fp16/bf16/fp32)."""
+    src = src.contiguous()
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    if src.numel():
+        block = 4096
+        _scale_cast_kernel[(triton.cdiv(src.numel(), block),)](src, factor, out, src.numel(), BLOCK=block)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# embedding backward
+# --------------------------------------------------------------------------------------------------
+def embedding_backward_ref(grad_out: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``grad_weight[v] = sum_{t: ids[t] = v} grad_out[t]`` [vocab, d], summed in fp32 (fp64 for fp64)."""
+    cd = stats_dtype(grad_out.dtype)
+    grad_weight = grad_out.new_zeros(vocab, grad_out.shape[1], dtype=cd)
+    return grad_weight.index_add_(0, ids.long(), grad_out.to(cd)).to(grad_out.dtype)
+
+
+def embedding_backward(grad_out: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return (embedding_backward_triton if _use_triton(grad_out) else embedding_backward_ref)(grad_out, ids, vocab)
+
+
+def embedding_backward_triton(grad_out: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """:func:`embedding_backward_ref` as a stable sort of the ids and one kernel launch: each (vocabulary row,
+    column block) program sums its tokens' rows in token order. No atomics: deterministic."""
+    tokens, d = grad_out.shape
+    grad_weight = torch.empty(vocab, d, dtype=grad_out.dtype, device=grad_out.device)
+    if vocab and d:
+        sorted_ids, token_order = torch.sort(ids.to(torch.int32), stable=True)
+        vocab_rows = torch.arange(vocab + 1, dtype=torch.int32, device=ids.device)
+        row_start = torch.searchsorted(sorted_ids, vocab_rows, out_int32=True)  # [vocab + 1]: row v is [start v, start v+1)
+        block = min(triton.next_power_of_2(d), 512)
+        _embedding_backward_kernel[(vocab, triton.cdiv(d, block))](grad_out, token_order, row_start, grad_weight, d,
+                                                                   BLOCK=block)
+    return grad_weight

@@ -1,0 +1,74 @@
+"""Token embedding with a deterministic backward.
+
+Forward: ``out[t] = weight[ids[t]]`` (PyTorch's gather). Backward: ``grad_weight[v] = sum_{t: ids[t] = v}
+grad_out[t]`` (zero for ``padding_idx``), by :func:`codagen.ops.kernels.embedding_backward`: a stable sort of
+the ids, then one program per (vocabulary row, column block) that sums its tokens in token order in fp32.
+
+Why not PyTorch's: its deterministic CUDA backward (sort, partial segments, scatter) took 0.49 ms for
+16384 tokens x 2048 features on the H200, the atomic one torch.compile emits 0.15 ms but is not
+bitwise reproducible. This one reads each gradient row once and writes the table once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _checks as check
+from . import kernels
+
+__all__ = ["embedding"]
+
+
+@torch.library.custom_op("codagen::embedding_backward", mutates_args=())
+def _embedding_backward_op(grad_out: Tensor, ids: Tensor, vocab: int, padding_idx: int) -> Tensor:
+    grad_weight = kernels.embedding_backward(grad_out, ids, vocab)
+    if padding_idx >= 0:
+        grad_weight[padding_idx].zero_()
+    return grad_weight
+
+
+@_embedding_backward_op.register_fake
+def _(grad_out, ids, vocab, padding_idx):
+    return grad_out.new_empty(vocab, grad_out.shape[1])
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx):
+        ctx.save_for_backward(ids)
+        ctx.vocab, ctx.padding_idx = weight.shape[0], padding_idx
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        features = grad_out.shape[-1]
+        grad_weight = _embedding_backward_op(grad_out.reshape(-1, features).contiguous(), ids.reshape(-1),
+                                             ctx.vocab, ctx.padding_idx)
+        return None, grad_weight, None
+
+
+def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:
+    """``F.embedding(ids, weight, padding_idx)`` with a deterministic backward (module docstring).
+
+    ``ids``: integer tensor of any shape, values in ``[0, vocab)``; ``weight``: [vocab, features], a float
+    tensor on ids' device. Returns ``[*ids.shape, features]``.
+    """
+    ids, weight = check.tensor("ids", ids), check.tensor("weight", weight)
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids: expected an int32 or int64 tensor of token ids, got {ids.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected a 2-D [vocab, features] table, got shape {tuple(weight.shape)}")
+    if weight.dtype not in check.ACTIVATION_DTYPES:
+        raise ValueError(f"weight: expected one of {[str(d) for d in check.ACTIVATION_DTYPES]}, got {weight.dtype}")
+    if ids.device != weight.device:
+        raise ValueError(f"ids: expected device {weight.device} (that of weight), got {ids.device}")
+    vocab = weight.shape[0]
+    if padding_idx is None:
+        padding_idx = -1
+    elif not -vocab <= padding_idx < vocab:
+        raise ValueError(f"padding_idx: expected an index in [-{vocab}, {vocab}), got {padding_idx}")
+    else:
+        padding_idx %= vocab
+    return _Embedding.apply(ids, weight, padding_idx)
