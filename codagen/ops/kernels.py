@@ -11,8 +11,8 @@
   ``mean_z_dz`` (two passes over the row: online logsumexp, then softmax minus one-hot);
 - :func:`scale_cast`: ``(src * factor).to(dtype)`` with ``factor`` a device scalar, one rounding (the LM
   head's saved gradients times the loss gradient);
-- :func:`embedding_backward`: the embedding table's gradient, one program per (vocabulary row, column
-  block) summing that row's tokens in a fixed order.
+- :func:`embedding_backward`: the embedding table's gradient, each vocabulary row's tokens summed in
+  token order (8 rows x one column block per program).
 
 Each comes as ``foo_ref`` (PyTorch), ``foo_triton`` (one launch of a module-level ``@triton.jit`` kernel)
 and the dispatcher ``foo``: the kernel for CUDA tensors when the selected backend is ``triton`` and the
@@ -261,19 +261,25 @@ if triton is not None:
         tl.store(out_ptr + offsets, (src * factor).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _embedding_backward_kernel(grad_out_ptr, token_order_ptr, row_start_ptr, grad_weight_ptr, n_cols,
-                                   BLOCK: tl.constexpr):
-        """Program (v, c): ``grad_weight[v, c block] = sum of grad_out[t, c block]`` over the tokens t with id v,
-        in ascending t (``token_order`` is a stable sort): fp32 sum, one store, zeros for unused rows."""
-        vocab_row = tl.program_id(0).to(tl.int64)
+    def _embedding_backward_kernel(grad_out_ptr, token_order_ptr, row_start_ptr, grad_weight_ptr, vocab, n_cols,
+                                   ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (r, c), for each vocabulary row v of its ROWS: ``grad_weight[v, c block] = sum of
+        grad_out[t, c block]`` over the tokens t with id v, in ascending t (``token_order`` is a stable sort):
+        fp32 sum, one store, zeros for unused rows. ROWS rows per program: most rows have no token or one,
+        and a program per row spent more time starting than working."""
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        # a frequent token has many rows: keep several loads in flight
-        for i in tl.range(tl.load(row_start_ptr + vocab_row), tl.load(row_start_ptr + vocab_row + 1), num_stages=4):
-            token = tl.load(token_order_ptr + i).to(tl.int64)
-            acc += tl.load(grad_out_ptr + token * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(grad_weight_ptr + vocab_row * n_cols + cols, acc.to(grad_weight_ptr.dtype.element_ty), mask=mask)
+        for r in range(ROWS):
+            vocab_row = tl.program_id(0).to(tl.int64) * ROWS + r
+            if vocab_row < vocab:
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+                # a frequent token has many rows: keep several loads in flight
+                for i in tl.range(tl.load(row_start_ptr + vocab_row), tl.load(row_start_ptr + vocab_row + 1),
+                                  num_stages=4):
+                    token = tl.load(token_order_ptr + i).to(tl.int64)
+                    acc += tl.load(grad_out_ptr + token * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(grad_weight_ptr + vocab_row * n_cols + cols, acc.to(grad_weight_ptr.dtype.element_ty),
+                         mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -535,15 +541,15 @@ def embedding_backward(grad_out: torch.Tensor, ids: torch.Tensor, vocab: int) ->
 
 
 def embedding_backward_triton(grad_out: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """:func:`embedding_backward_ref` as a stable sort of the ids and one kernel launch: each (vocabulary row,
-    column block) program sums its tokens' rows in token order. No atomics: deterministic."""
+    """:func:`embedding_backward_ref` as a stable sort of the ids and one kernel launch that sums each
+    vocabulary row's tokens in token order. No atomics: deterministic."""
     tokens, d = grad_out.shape
     grad_weight = torch.empty(vocab, d, dtype=grad_out.dtype, device=grad_out.device)
     if vocab and d:
         sorted_ids, token_order = torch.sort(ids.to(torch.int32), stable=True)
         vocab_rows = torch.arange(vocab + 1, dtype=torch.int32, device=ids.device)
         row_start = torch.searchsorted(sorted_ids, vocab_rows, out_int32=True)  # [vocab + 1]: row v is [start v, start v+1)
-        block = min(triton.next_power_of_2(d), 512)
-        _embedding_backward_kernel[(vocab, triton.cdiv(d, block))](grad_out, token_order, row_start, grad_weight, d,
-                                                                   BLOCK=block)
+        block, rows = min(triton.next_power_of_2(d), 1024), 8
+        _embedding_backward_kernel[(triton.cdiv(vocab, rows), triton.cdiv(d, block))](
+            grad_out, token_order, row_start, grad_weight, vocab, d, ROWS=rows, BLOCK=block)
     return grad_weight
