@@ -149,10 +149,11 @@ def pingpong_gemm_kernel(a_desc, b_desc, out_ptr, preact_ptr, grad_preact_ptr, a
 # --------------------------------------------------------------------------------------------------
 def _descriptors(a, b):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    a_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
-    b_layout = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
-    return (TensorDescriptor.from_tensor(a, [BM, BK], a_layout),
-            TensorDescriptor.from_tensor(b, [BK, BN], b_layout))
+    bm, bn, bk = BM.value, BN.value, BK.value
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)
+    b_layout = gl.NVMMASharedLayout.get_default_for([bk, bn], gl.bfloat16)
+    return (TensorDescriptor.from_tensor(a, [bm, bk], a_layout),
+            TensorDescriptor.from_tensor(b, [bk, bn], b_layout))
 
 
 def pingpong(a, b, preact=None, epilogue=1):
@@ -163,10 +164,10 @@ def pingpong(a, b, preact=None, epilogue=1):
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     if epilogue:
         grad_preact, act = torch.empty(m, 2 * n, device=a.device, dtype=a.dtype), out
-        partial = torch.empty(m, triton.cdiv(n, BN), device=a.device, dtype=torch.float32)
+        partial = torch.empty(m, triton.cdiv(n, BN.value), device=a.device, dtype=torch.float32)
     else:
         preact = grad_preact = act = partial = out
-    tiles = triton.cdiv(m, BM) * triton.cdiv(n, BN)
+    tiles = triton.cdiv(m, BM.value) * triton.cdiv(n, BN.value)
     grid = (min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count),)
     pingpong_gemm_kernel[grid](a_desc, b_desc, out, preact, grad_preact, act, partial, m, n, k, EPILOGUE=epilogue,
                                num_warps=CONSUMER_WARPS.value)
@@ -178,8 +179,8 @@ def compile_only(epilogue: int = 1, dump: str | None = None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    a_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
-    b_layout = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
+    a_layout = gl.NVMMASharedLayout.get_default_for([BM.value, BK.value], gl.bfloat16)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BK.value, BN.value], gl.bfloat16)
     signature = {"a_desc": f"tensordesc<bf16[{BM.value}, {BK.value}],{a_layout!r}>",
                  "b_desc": f"tensordesc<bf16[{BK.value}, {BN.value}],{b_layout!r}>",
                  "out_ptr": "*bf16", "preact_ptr": "*bf16", "grad_preact_ptr": "*bf16", "act_ptr": "*bf16",
