@@ -30,10 +30,12 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 BM, BN, BK = gl.constexpr(128), gl.constexpr(128), gl.constexpr(64)
-STAGES = gl.constexpr(6)  # 6 x 32 KiB of A/B slots
+STAGES = gl.constexpr(4)  # 4 x 32 KiB of A/B slots (+ 96 KiB of epilogue buffers)
+QUARTER = gl.constexpr(32)  # the epilogue works on [BM, BN / 4] column pieces
 GROUP = gl.constexpr(8)
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup per consumer
 
@@ -65,33 +67,76 @@ def _producer(a_desc, b_desc, a_slots, b_slots, ready, empty, M, N, K):
 
 
 @gluon.jit
-def _swiglu_backward_epilogue(acc, pid_m, pid_n, M, N, preact_ptr, grad_preact_ptr, act_ptr, partial_ptr,
-                              layout: gl.constexpr):
-    rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-    row = gl.expand_dims(rows, 1).to(gl.int64)
-    col = gl.expand_dims(cols, 0)
-    inside = (row < M) & (col < N)
-    pair = row * (2 * N) + 2 * col  # (g, u) = preact[m, 2j], preact[m, 2j + 1]
-    pair_offsets = gl.join(pair, pair + 1)
-    pair_inside = gl.join(inside, inside)
-    gate, up = gl.split(gl.load(preact_ptr + pair_offsets, mask=pair_inside, other=0.0).to(gl.float32))
-    # split's result layout is the accumulator's written as a linear layout: the conversion is a no-op
+def _halves(t):
+    """[R, C] -> its column halves [R, C/2]: in the wgmma layout column bit C/2 is a register bit, so
+    this moves no data; it bounds how many values the epilogue holds at once."""
+    R: gl.constexpr = t.shape[0]
+    C: gl.constexpr = t.shape[1]
+    return gl.split(gl.permute(gl.reshape(t, [R, 2, C // 2]), [0, 2, 1]))
+
+
+@gluon.jit
+def _issue_piece_load(preact_desc, buffer, bar, pid_m, pid_n, piece: gl.constexpr):
+    mbarrier.expect(bar, preact_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(preact_desc, [pid_m * BM, pid_n * 2 * BN + piece * 2 * QUARTER], bar, buffer)
+
+
+@gluon.jit
+def _swiglu_backward_piece(acc, pair_buffer, act_buffer, bar, grad_preact_desc, act_desc, pid_m, pid_n,
+                           piece: gl.constexpr):
+    """One [BM, QUARTER] column piece: its (g, u) pairs [BM, 2 QUARTER] arrived by TMA in ``pair_buffer``;
+    (dg, du) go back over them in place and leave by TMA, as ``act`` does from ``act_buffer``."""
+    layout: gl.constexpr = acc.type.layout
+    pair_layout: gl.constexpr = gl.join(acc, acc).type.layout
+    mbarrier.wait(bar, (piece // 2) & 1)  # piece p is this buffer's use p // 2 in the tile
+    pairs = pair_buffer.reshape([BM, QUARTER, 2])
+    gate, up = gl.split(pairs.load(pair_layout).to(gl.float32))
+    # split's result layout is the piece's written as a linear layout: the conversion is a no-op
     gate, up = gl.convert_layout(gate, layout), gl.convert_layout(up, layout)
     sig = 1.0 / (1.0 + gl.exp(-gate))
     silu = gate * sig
     d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = acc * silu
-    gl.store(grad_preact_ptr + pair_offsets, gl.join(d_gate, d_up).to(grad_preact_ptr.dtype.element_ty),
-             mask=pair_inside)
-    gl.store(act_ptr + row * N + col, (silu * up).to(act_ptr.dtype.element_ty), mask=inside)
-    partial = gl.sum(gate * d_gate + up * d_up, axis=1)
+    pairs.store(gl.join(d_gate, d_up).to(pair_buffer.dtype))
+    act_buffer.store((silu * up).to(act_buffer.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(grad_preact_desc, [pid_m * BM, pid_n * 2 * BN + piece * 2 * QUARTER],
+                                    pair_buffer)
+    tma.async_copy_shared_to_global(act_desc, [pid_m * BM, pid_n * BN + piece * QUARTER], act_buffer)
+    return gl.sum(gate * d_gate + up * d_up, axis=1)
+
+
+@gluon.jit
+def _swiglu_backward_epilogue(acc, pid_m, pid_n, M, N, preact_desc, grad_preact_desc, act_desc, partial_ptr,
+                              pair_buffers, act_buffers, bars):
+    """Pieces 0 and 1 were prefetched at the tile's start (buffers 0, 1); pieces 2 and 3 reuse those
+    buffers once the earlier pieces' stores have drained."""
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    left, right = _halves(acc)
+    q0, q1 = _halves(left)
+    q2, q3 = _halves(right)
+    partial = gl.convert_layout(_swiglu_backward_piece(q0, pair_buffers.index(0), act_buffers.index(0), bars.index(0),
+                                                       grad_preact_desc, act_desc, pid_m, pid_n, 0), row_layout)
+    partial += gl.convert_layout(_swiglu_backward_piece(q1, pair_buffers.index(1), act_buffers.index(1),
+                                                        bars.index(1), grad_preact_desc, act_desc, pid_m, pid_n, 1),
+                                 row_layout)
+    tma.store_wait(pendings=2)  # piece 0's two stores are done: its buffers are free
+    _issue_piece_load(preact_desc, pair_buffers.index(0), bars.index(0), pid_m, pid_n, 2)
+    partial += gl.convert_layout(_swiglu_backward_piece(q2, pair_buffers.index(0), act_buffers.index(0),
+                                                        bars.index(0), grad_preact_desc, act_desc, pid_m, pid_n, 2),
+                                 row_layout)
+    tma.store_wait(pendings=2)  # piece 1's stores are done
+    _issue_piece_load(preact_desc, pair_buffers.index(1), bars.index(1), pid_m, pid_n, 3)
+    partial += gl.convert_layout(_swiglu_backward_piece(q3, pair_buffers.index(1), act_buffers.index(1),
+                                                        bars.index(1), grad_preact_desc, act_desc, pid_m, pid_n, 3),
+                                 row_layout)
+    rows = pid_m * BM + gl.arange(0, BM, layout=row_layout)
     gl.store(partial_ptr + rows * gl.cdiv(N, BN) + pid_n, partial, mask=rows < M)
 
 
 @gluon.jit
-def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_ptr, grad_preact_ptr, act_ptr,
-              partial_ptr, WHICH: gl.constexpr, EPILOGUE: gl.constexpr):
+def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_desc, grad_preact_desc, act_desc,
+              partial_ptr, my_pairs, my_acts, my_bars, WHICH: gl.constexpr, EPILOGUE: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     num_pid_m, num_pid_n = gl.cdiv(M, BM), gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
@@ -101,6 +146,10 @@ def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_ptr
     for local in range(WHICH, my_tiles, 2):
         tile = gl.program_id(0) + local * gl.num_programs(0)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n)
+        if EPILOGUE == 1:  # the epilogue's first two pieces load while the mainloop runs
+            tma.store_wait(pendings=0)
+            _issue_piece_load(preact_desc, my_pairs.index(0), my_bars.index(0), pid_m, pid_n, 0)
+            _issue_piece_load(preact_desc, my_pairs.index(1), my_bars.index(1), pid_m, pid_n, 1)
         base = local * k_steps  # ring position of this tile's first k-slice (the producer's order)
         mbarrier.wait(turn.index(WHICH), (local // 2) & 1)
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
@@ -120,58 +169,68 @@ def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_ptr
             row, col = gl.expand_dims(rows, 1).to(gl.int64), gl.expand_dims(cols, 0)
             gl.store(out_ptr + row * N + col, acc.to(out_ptr.dtype.element_ty), mask=(row < M) & (col < N))
         else:
-            _swiglu_backward_epilogue(acc, pid_m, pid_n, M, N, preact_ptr, grad_preact_ptr, act_ptr, partial_ptr,
-                                      layout)
+            _swiglu_backward_epilogue(acc, pid_m, pid_n, M, N, preact_desc, grad_preact_desc, act_desc, partial_ptr,
+                                      my_pairs, my_acts, my_bars)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def pingpong_gemm_kernel(a_desc, b_desc, out_ptr, preact_ptr, grad_preact_ptr, act_ptr, partial_ptr, M, N, K,
+def pingpong_gemm_kernel(a_desc, b_desc, out_ptr, preact_desc, grad_preact_desc, act_desc, partial_ptr, M, N, K,
                          EPILOGUE: gl.constexpr):
     a_slots = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_slots = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    # per consumer: two [BM, 2 QUARTER] pre-activation / gradient pair buffers and two act buffers
+    pairs0 = gl.allocate_shared_memory(preact_desc.dtype, [2, BM, 2 * QUARTER], preact_desc.layout)
+    pairs1 = gl.allocate_shared_memory(preact_desc.dtype, [2, BM, 2 * QUARTER], preact_desc.layout)
+    acts0 = gl.allocate_shared_memory(act_desc.dtype, [2, BM, QUARTER], act_desc.layout)
+    acts1 = gl.allocate_shared_memory(act_desc.dtype, [2, BM, QUARTER], act_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bars0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bars1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
+        mbarrier.init(bars0.index(i), count=1)
+        mbarrier.init(bars1.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_ptr, grad_preact_ptr, act_ptr,
-                     partial_ptr, 0, EPILOGUE)),
-        (_consumer, (a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_ptr, grad_preact_ptr, act_ptr,
-                     partial_ptr, 1, EPILOGUE)),
+        (_consumer, (a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_desc, grad_preact_desc, act_desc,
+                     partial_ptr, pairs0, acts0, bars0, 0, EPILOGUE)),
+        (_consumer, (a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_desc, grad_preact_desc, act_desc,
+                     partial_ptr, pairs1, acts1, bars1, 1, EPILOGUE)),
         (_producer, (a_desc, b_desc, a_slots, b_slots, ready, empty, M, N, K)),
     ], [CONSUMER_WARPS, 1], [232, 40])
 
 
 # --------------------------------------------------------------------------------------------------
-def _descriptors(a, b):
+def _descriptor(t, block):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    bm, bn, bk = BM.value, BN.value, BK.value
-    a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)
-    b_layout = gl.NVMMASharedLayout.get_default_for([bk, bn], gl.bfloat16)
-    return (TensorDescriptor.from_tensor(a, [bm, bk], a_layout),
-            TensorDescriptor.from_tensor(b, [bk, bn], b_layout))
+    block = [int(b) for b in block]
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
 def pingpong(a, b, preact=None, epilogue=1):
     """``a`` [M, K] @ ``b`` [K, N]; epilogue 0: the product (bf16); 1: SwiGLU backward outputs."""
     m, k = a.shape
     n = b.shape[1]
-    a_desc, b_desc = _descriptors(a, b)
+    bm, bn, bk, quarter = BM.value, BN.value, BK.value, QUARTER.value
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     if epilogue:
-        grad_preact, act = torch.empty(m, 2 * n, device=a.device, dtype=a.dtype), out
-        partial = torch.empty(m, triton.cdiv(n, BN.value), device=a.device, dtype=torch.float32)
+        grad_preact = torch.empty(m, 2 * n, device=a.device, dtype=a.dtype)
+        partial = torch.empty(m, triton.cdiv(n, bn), device=a.device, dtype=torch.float32)
+        epilogue_descs = (_descriptor(preact, [bm, 2 * quarter]), _descriptor(grad_preact, [bm, 2 * quarter]),
+                          _descriptor(out, [bm, quarter]))
     else:
-        preact = grad_preact = act = partial = out
-    tiles = triton.cdiv(m, BM.value) * triton.cdiv(n, BN.value)
+        partial = out
+        epilogue_descs = (_descriptor(out, [bm, 2 * quarter]),) * 2 + (_descriptor(out, [bm, quarter]),)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     grid = (min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count),)
-    pingpong_gemm_kernel[grid](a_desc, b_desc, out, preact, grad_preact, act, partial, m, n, k, EPILOGUE=epilogue,
-                               num_warps=CONSUMER_WARPS.value)
-    return (grad_preact, act, partial.sum(1)) if epilogue else out
+    pingpong_gemm_kernel[grid](_descriptor(a, [bm, bk]), _descriptor(b, [bk, bn]), out, *epilogue_descs, partial,
+                               m, n, k, EPILOGUE=epilogue, num_warps=CONSUMER_WARPS.value)
+    return (grad_preact, out, partial.sum(1)) if epilogue else out
 
 
 def compile_only(epilogue: int = 1, dump: str | None = None) -> int:
@@ -179,12 +238,13 @@ def compile_only(epilogue: int = 1, dump: str | None = None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    a_layout = gl.NVMMASharedLayout.get_default_for([BM.value, BK.value], gl.bfloat16)
-    b_layout = gl.NVMMASharedLayout.get_default_for([BK.value, BN.value], gl.bfloat16)
-    signature = {"a_desc": f"tensordesc<bf16[{BM.value}, {BK.value}],{a_layout!r}>",
-                 "b_desc": f"tensordesc<bf16[{BK.value}, {BN.value}],{b_layout!r}>",
-                 "out_ptr": "*bf16", "preact_ptr": "*bf16", "grad_preact_ptr": "*bf16", "act_ptr": "*bf16",
-                 "partial_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+    def desc(rows, cols):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
+    bm, bn, bk, quarter = BM.value, BN.value, BK.value, QUARTER.value
+    signature = {"a_desc": desc(bm, bk), "b_desc": desc(bk, bn), "out_ptr": "*bf16",
+                 "preact_desc": desc(bm, 2 * quarter), "grad_preact_desc": desc(bm, 2 * quarter),
+                 "act_desc": desc(bm, quarter), "partial_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
                  "EPILOGUE": "constexpr"}
     source = GluonASTSource(pingpong_gemm_kernel, signature, constexprs={"EPILOGUE": epilogue})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": CONSUMER_WARPS.value})
