@@ -302,7 +302,7 @@ def main(argv=None) -> int:
                             "shape": {"M": m, "N": n, "K": k, "model": name}, "provider": provider, "median_ms": ms})
         print(f"{name:10s} M{m} N{n} K{k}  product err {product_err:.3g}  " +
               "  ".join(f"{key} err {v:.3g}" for key, v in errs.items()))
-        print("           " + "  ".join(f"{key} {v:.3f} ms" for key, v in times.items()), flush=True)
+        print(f"{name:10s} " + "  ".join(f"{key} {v:.3f} ms" for key, v in times.items()), flush=True)
     if args.out:
         with open(f"{args.out}/gluon_pingpong.json", "w") as f:
             json.dump({"env": environment(), "records": records}, f, indent=1)
