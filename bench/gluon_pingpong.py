@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -34,7 +35,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 BM, BN, BK = gl.constexpr(128), gl.constexpr(128), gl.constexpr(64)
-STAGES = gl.constexpr(4)  # 4 x 32 KiB of A/B slots (+ 96 KiB of epilogue buffers)
+# shared memory (227 KiB): STAGES x 32 KiB of A/B slots + per consumer PAIR_BUFFERS x 16 KiB of (g, u) pairs
+# and 2 x 8 KiB of act; CODAGEN_GLUON_SCHEDULE="stages,pair_buffers" picks another split
+_stages, _pair_buffers = (int(v) for v in os.environ.get("CODAGEN_GLUON_SCHEDULE", "4,2").split(","))
+STAGES = gl.constexpr(_stages)
+PAIR_BUFFERS = gl.constexpr(_pair_buffers)  # 2: pieces 0, 1 prefetched; 3: pieces 0, 1, 2
 QUARTER = gl.constexpr(32)  # the epilogue works on [BM, BN / 4] column pieces
 GROUP = gl.constexpr(8)
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup per consumer
@@ -82,13 +87,13 @@ def _issue_piece_load(preact_desc, buffer, bar, pid_m, pid_n, piece: gl.constexp
 
 
 @gluon.jit
-def _swiglu_backward_piece(acc, pair_buffer, act_buffer, bar, grad_preact_desc, act_desc, pid_m, pid_n,
+def _swiglu_backward_piece(acc, pair_buffer, act_buffer, bar, phase, grad_preact_desc, act_desc, pid_m, pid_n,
                            piece: gl.constexpr):
     """One [BM, QUARTER] column piece: its (g, u) pairs [BM, 2 QUARTER] arrived by TMA in ``pair_buffer``;
     (dg, du) go back over them in place and leave by TMA, as ``act`` does from ``act_buffer``."""
     layout: gl.constexpr = acc.type.layout
     pair_layout: gl.constexpr = gl.join(acc, acc).type.layout
-    mbarrier.wait(bar, (piece // 2) & 1)  # piece p is this buffer's use p // 2 in the tile
+    mbarrier.wait(bar, phase)
     pairs = pair_buffer.reshape([BM, QUARTER, 2])
     gate, up = gl.split(pairs.load(pair_layout).to(gl.float32))
     # split's result layout is the piece's written as a linear layout: the conversion is a no-op
@@ -107,29 +112,34 @@ def _swiglu_backward_piece(acc, pair_buffer, act_buffer, bar, grad_preact_desc, 
 
 
 @gluon.jit
-def _swiglu_backward_epilogue(acc, pid_m, pid_n, M, N, preact_desc, grad_preact_desc, act_desc, partial_ptr,
-                              pair_buffers, act_buffers, bars):
-    """Pieces 0 and 1 were prefetched at the tile's start (buffers 0, 1); pieces 2 and 3 reuse those
-    buffers once the earlier pieces' stores have drained."""
+def _epilogue_step(piece, p: gl.constexpr, iteration, pid_m, pid_n, preact_desc, grad_preact_desc, act_desc,
+                   pair_buffers, act_buffers, bars):
+    """Piece p, then the load of piece p - 1 + PAIR_BUFFERS into piece p - 1's buffer once piece p - 1's
+    stores have drained (piece p's are issued by then, so the wait rarely waits)."""
+    loads_per_tile: gl.constexpr = (4 - p % PAIR_BUFFERS + PAIR_BUFFERS - 1) // PAIR_BUFFERS  # into p's buffer
+    phase = (iteration * loads_per_tile + p // PAIR_BUFFERS) & 1
+    partial = _swiglu_backward_piece(piece, pair_buffers.index(p % PAIR_BUFFERS), act_buffers.index(p % 2),
+                                     bars.index(p % PAIR_BUFFERS), phase, grad_preact_desc, act_desc, pid_m, pid_n, p)
+    if p >= 1 and p - 1 + PAIR_BUFFERS < 4:
+        tma.store_wait(pendings=2)  # piece p - 1's two stores are done
+        _issue_piece_load(preact_desc, pair_buffers.index((p - 1) % PAIR_BUFFERS), bars.index((p - 1) % PAIR_BUFFERS),
+                          pid_m, pid_n, p - 1 + PAIR_BUFFERS)
+    return partial
+
+
+@gluon.jit
+def _swiglu_backward_epilogue(acc, iteration, pid_m, pid_n, M, N, preact_desc, grad_preact_desc, act_desc,
+                              partial_ptr, pair_buffers, act_buffers, bars):
+    """Pieces 0 .. PAIR_BUFFERS - 1 were prefetched at the tile's start; the others reuse their buffers."""
     row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     left, right = _halves(acc)
     q0, q1 = _halves(left)
     q2, q3 = _halves(right)
-    partial = gl.convert_layout(_swiglu_backward_piece(q0, pair_buffers.index(0), act_buffers.index(0), bars.index(0),
-                                                       grad_preact_desc, act_desc, pid_m, pid_n, 0), row_layout)
-    partial += gl.convert_layout(_swiglu_backward_piece(q1, pair_buffers.index(1), act_buffers.index(1),
-                                                        bars.index(1), grad_preact_desc, act_desc, pid_m, pid_n, 1),
-                                 row_layout)
-    tma.store_wait(pendings=2)  # piece 0's two stores are done: its buffers are free
-    _issue_piece_load(preact_desc, pair_buffers.index(0), bars.index(0), pid_m, pid_n, 2)
-    partial += gl.convert_layout(_swiglu_backward_piece(q2, pair_buffers.index(0), act_buffers.index(0),
-                                                        bars.index(0), grad_preact_desc, act_desc, pid_m, pid_n, 2),
-                                 row_layout)
-    tma.store_wait(pendings=2)  # piece 1's stores are done
-    _issue_piece_load(preact_desc, pair_buffers.index(1), bars.index(1), pid_m, pid_n, 3)
-    partial += gl.convert_layout(_swiglu_backward_piece(q3, pair_buffers.index(1), act_buffers.index(1),
-                                                        bars.index(1), grad_preact_desc, act_desc, pid_m, pid_n, 3),
-                                 row_layout)
+    args = (iteration, pid_m, pid_n, preact_desc, grad_preact_desc, act_desc, pair_buffers, act_buffers, bars)
+    partial = gl.convert_layout(_epilogue_step(q0, 0, *args), row_layout)
+    partial += gl.convert_layout(_epilogue_step(q1, 1, *args), row_layout)
+    partial += gl.convert_layout(_epilogue_step(q2, 2, *args), row_layout)
+    partial += gl.convert_layout(_epilogue_step(q3, 3, *args), row_layout)
     rows = pid_m * BM + gl.arange(0, BM, layout=row_layout)
     gl.store(partial_ptr + rows * gl.cdiv(N, BN) + pid_n, partial, mask=rows < M)
 
@@ -148,8 +158,8 @@ def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_des
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n)
         if EPILOGUE == 1:  # the epilogue's first two pieces load while the mainloop runs
             tma.store_wait(pendings=0)
-            _issue_piece_load(preact_desc, my_pairs.index(0), my_bars.index(0), pid_m, pid_n, 0)
-            _issue_piece_load(preact_desc, my_pairs.index(1), my_bars.index(1), pid_m, pid_n, 1)
+            for p in gl.static_range(PAIR_BUFFERS):
+                _issue_piece_load(preact_desc, my_pairs.index(p), my_bars.index(p), pid_m, pid_n, p)
         base = local * k_steps  # ring position of this tile's first k-slice (the producer's order)
         mbarrier.wait(turn.index(WHICH), (local // 2) & 1)
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
@@ -169,8 +179,8 @@ def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_des
             row, col = gl.expand_dims(rows, 1).to(gl.int64), gl.expand_dims(cols, 0)
             gl.store(out_ptr + row * N + col, acc.to(out_ptr.dtype.element_ty), mask=(row < M) & (col < N))
         else:
-            _swiglu_backward_epilogue(acc, pid_m, pid_n, M, N, preact_desc, grad_preact_desc, act_desc, partial_ptr,
-                                      my_pairs, my_acts, my_bars)
+            _swiglu_backward_epilogue(acc, local // 2, pid_m, pid_n, M, N, preact_desc, grad_preact_desc, act_desc,
+                                      partial_ptr, my_pairs, my_acts, my_bars)
     tma.store_wait(pendings=0)
 
 
@@ -180,20 +190,21 @@ def pingpong_gemm_kernel(a_desc, b_desc, out_ptr, preact_desc, grad_preact_desc,
     a_slots = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_slots = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
     # per consumer: two [BM, 2 QUARTER] pre-activation / gradient pair buffers and two act buffers
-    pairs0 = gl.allocate_shared_memory(preact_desc.dtype, [2, BM, 2 * QUARTER], preact_desc.layout)
-    pairs1 = gl.allocate_shared_memory(preact_desc.dtype, [2, BM, 2 * QUARTER], preact_desc.layout)
+    pairs0 = gl.allocate_shared_memory(preact_desc.dtype, [PAIR_BUFFERS, BM, 2 * QUARTER], preact_desc.layout)
+    pairs1 = gl.allocate_shared_memory(preact_desc.dtype, [PAIR_BUFFERS, BM, 2 * QUARTER], preact_desc.layout)
     acts0 = gl.allocate_shared_memory(act_desc.dtype, [2, BM, QUARTER], act_desc.layout)
     acts1 = gl.allocate_shared_memory(act_desc.dtype, [2, BM, QUARTER], act_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    bars0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    bars1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bars0 = gl.allocate_shared_memory(gl.int64, [PAIR_BUFFERS, 1], mbarrier.MBarrierLayout())
+    bars1 = gl.allocate_shared_memory(gl.int64, [PAIR_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(PAIR_BUFFERS):
         mbarrier.init(bars0.index(i), count=1)
         mbarrier.init(bars1.index(i), count=1)
     gl.warp_specialize([
