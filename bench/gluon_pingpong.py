@@ -13,10 +13,12 @@ CUTLASS "ping-pong" schedule written in Gluon (Triton's explicit-layout language
   turns on the tensor cores (a pair of mbarriers passes the turn at the end of each mainloop), so one
   runs its epilogue while the other runs its mainloop.
 
-The epilogue works on the accumulator in its wgmma register layout with pointer loads and stores (no
-shared-memory staging, no layout conversion): ``(g, u)`` pairs are loaded as a joined [BM, BN, 2] tensor
-and split, and ``(dg, du)`` joined again to store. ``EPILOGUE = 0`` stores the accumulator only (the
-schedule's bare GEMM speed), ``1`` is the SwiGLU backward of ``codagen.epilogue.library.swiglu_backward``.
+The epilogue takes the accumulator in four [128, 32] column pieces (register-local splits of the wgmma
+layout). Each piece's interleaved ``(g, u)`` pairs arrive by TMA in shared memory (the first
+``PAIR_BUFFERS`` pieces are requested when the tile starts, so they load under the other consumer's
+mainloop); ``(dg, du)`` are written back over them and leave by TMA, as ``act`` does from its own buffer.
+``EPILOGUE = 0`` stores the accumulator only (the schedule's bare GEMM speed), ``1`` is the SwiGLU
+backward of ``codagen.epilogue.library.swiglu_backward``. Results and what they mean: docs/triton.md.
 
 Printed: ms per kernel against cuBLAS (``torch.mm``) and codagen's Triton kernel for the same program.
 """
@@ -156,7 +158,7 @@ def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_des
     for local in range(WHICH, my_tiles, 2):
         tile = gl.program_id(0) + local * gl.num_programs(0)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n)
-        if EPILOGUE == 1:  # the epilogue's first two pieces load while the mainloop runs
+        if EPILOGUE == 1:  # the epilogue's first PAIR_BUFFERS pieces load while the mainloops run
             tma.store_wait(pendings=0)
             for p in gl.static_range(PAIR_BUFFERS):
                 _issue_piece_load(preact_desc, my_pairs.index(p), my_bars.index(p), pid_m, pid_n, p)
@@ -189,7 +191,7 @@ def pingpong_gemm_kernel(a_desc, b_desc, out_ptr, preact_desc, grad_preact_desc,
                          EPILOGUE: gl.constexpr):
     a_slots = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_slots = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
-    # per consumer: two [BM, 2 QUARTER] pre-activation / gradient pair buffers and two act buffers
+    # per consumer: PAIR_BUFFERS [BM, 2 QUARTER] pre-activation / gradient pair buffers and two act buffers
     pairs0 = gl.allocate_shared_memory(preact_desc.dtype, [PAIR_BUFFERS, BM, 2 * QUARTER], preact_desc.layout)
     pairs1 = gl.allocate_shared_memory(preact_desc.dtype, [PAIR_BUFFERS, BM, 2 * QUARTER], preact_desc.layout)
     acts0 = gl.allocate_shared_memory(act_desc.dtype, [2, BM, QUARTER], act_desc.layout)
@@ -245,8 +247,12 @@ def pingpong(a, b, preact=None, epilogue=1):
 
 
 def compile_only(epilogue: int = 1, dump: str | None = None) -> int:
-    """Compile for sm_90 without a GPU; print registers, shared memory and whether wgmma is in the PTX."""
+    """Compile for sm_90 without a GPU: shared memory, warps, wgmma count, and ptxas's register/spill report."""
+    import subprocess
+    import tempfile
+
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows, cols):
@@ -260,9 +266,14 @@ def compile_only(epilogue: int = 1, dump: str | None = None) -> int:
     source = GluonASTSource(pingpong_gemm_kernel, signature, constexprs={"EPILOGUE": epilogue})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": CONSUMER_WARPS.value})
     ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:  # Triton's cubin carries no spill count: ask ptxas
+        with open(f"{tmp}/kernel.ptx", "w") as f:
+            f.write(ptx)
+        report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/kernel.ptx", "-o",
+                                 f"{tmp}/kernel.cubin"], capture_output=True, text=True).stderr
+    spills = " ".join(line.strip() for line in report.splitlines() if "spill" in line)
     print(f"epilogue {epilogue}: shared {kernel.metadata.shared} B, warps {kernel.metadata.num_warps}, "
-          f"wgmma {ptx.count('wgmma.mma_async')}, setmaxnreg {ptx.count('setmaxnreg')}, "
-          f"mbarrier.arrive {ptx.count('mbarrier.arrive')}")
+          f"wgmma {ptx.count('wgmma.mma_async')}, setmaxnreg {ptx.count('setmaxnreg')}; ptxas: {spills}")
     if dump:
         for ext in ("ttgir", "ptx"):
             with open(f"{dump}/pingpong_epilogue{epilogue}.{ext}", "w") as f:
@@ -322,5 +333,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     if "--compile-only" in sys.argv:
-        sys.exit(compile_only(0, "/tmp") or compile_only(1, "/tmp"))
+        sys.exit(compile_only(0) or compile_only(1))
     sys.exit(main())

@@ -340,6 +340,24 @@ def test_swiglu_backward_ref_matches_autograd():
     torch.testing.assert_close(mean_z_dz, (preact * want).sum(-1).detach() / D)
 
 
+def test_cross_entropy_logits_grad_ref_matches_autograd():
+    """Row losses and the in-place gradient against autograd of F.cross_entropy; an ignored row and a target
+    past the vocabulary take no target term (loss ``lse``, gradient the softmax alone)."""
+    logits = rand(M, VOCAB, requires_grad=False)
+    target = torch.randint(0, VOCAB, (M,))
+    target[0], target[1] = -100, VOCAB
+    row_weight = torch.rand(M, dtype=torch.float64)
+    z = logits.clone().requires_grad_()
+    valid = (target >= 0) & (target < VOCAB)
+    row_loss_want = torch.where(valid, F.cross_entropy(z, target.clamp(0, VOCAB - 1), reduction="none"),
+                                torch.logsumexp(z, -1))
+    (grad_want,) = torch.autograd.grad((row_loss_want * row_weight).sum(), z)
+    row_loss, mean_z_dz = kernels.cross_entropy_logits_grad_ref(logits, target, row_weight, width=D)
+    torch.testing.assert_close(row_loss, row_loss_want.detach())
+    torch.testing.assert_close(logits, grad_want)  # written in place
+    torch.testing.assert_close(mean_z_dz, (z.detach() * grad_want).sum(-1) / D)
+
+
 # ==================================================================================================
 # Layouts
 # ==================================================================================================
