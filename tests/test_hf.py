@@ -84,6 +84,19 @@ def test_llama_biases_tied_llama3_rope():
     assert_same_training(model, lm_inputs())
 
 
+def test_llama_embedding_padding_idx(monkeypatch):
+    """The embedding runs as codagen.ops.embedding; its padding row gets no gradient, as nn.Embedding's."""
+    calls = []
+    embedding = codagen.ops.embedding
+    monkeypatch.setattr(codagen.ops, "embedding", lambda *args: calls.append(args[2]) or embedding(*args))
+    model = build("llama", pad_token_id=3)
+    inputs = lm_inputs()
+    inputs["input_ids"][:, :3] = 3
+    assert_same_training(model, inputs)
+    assert calls and set(calls) == {3}  # the padding index reached the op
+    assert model.model.embed_tokens.weight.grad[3].abs().max() == 0
+
+
 def test_qwen2_qkv_bias():
     model = build("qwen2")
     assert model.model.layers[0].self_attn.q_proj.bias is not None
