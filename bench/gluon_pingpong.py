@@ -38,10 +38,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 BM, BN, BK = gl.constexpr(128), gl.constexpr(128), gl.constexpr(64)
 # shared memory (227 KiB): STAGES x 32 KiB of A/B slots + per consumer PAIR_BUFFERS x 16 KiB of (g, u) pairs
-# and 2 x 8 KiB of act; CODAGEN_GLUON_SCHEDULE="stages,pair_buffers" picks another split
-_stages, _pair_buffers = (int(v) for v in os.environ.get("CODAGEN_GLUON_SCHEDULE", "4,2").split(","))
-STAGES = gl.constexpr(_stages)
-PAIR_BUFFERS = gl.constexpr(_pair_buffers)  # 2: pieces 0, 1 prefetched; 3: pieces 0, 1, 2
+# and 2 x 8 KiB of act; CODAGEN_GLUON_SCHEDULE="stages,pair_buffers[,registers]" picks another split
+# ("registers": act leaves by pointer stores from registers, and its shared memory goes to pair buffers)
+_schedule = os.environ.get("CODAGEN_GLUON_SCHEDULE", "4,2").split(",")
+STAGES = gl.constexpr(int(_schedule[0]))
+PAIR_BUFFERS = gl.constexpr(int(_schedule[1]))  # 2: pieces 0, 1 prefetched; 3: pieces 0, 1, 2
+ACT_IN_REGISTERS = gl.constexpr(_schedule[2:] == ["registers"])
+STORES_PER_PIECE = gl.constexpr(1 if ACT_IN_REGISTERS else 2)  # TMA stores
 QUARTER = gl.constexpr(32)  # the epilogue works on [BM, BN / 4] column pieces
 GROUP = gl.constexpr(8)
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup per consumer
@@ -89,8 +92,8 @@ def _issue_piece_load(preact_desc, buffer, bar, pid_m, pid_n, piece: gl.constexp
 
 
 @gluon.jit
-def _swiglu_backward_piece(acc, pair_buffer, act_buffer, bar, phase, grad_preact_desc, act_desc, pid_m, pid_n,
-                           piece: gl.constexpr):
+def _swiglu_backward_piece(acc, pair_buffer, act_buffer, bar, phase, grad_preact_desc, act_desc, act_ptr, M, N,
+                           pid_m, pid_n, piece: gl.constexpr):
     """One [BM, QUARTER] column piece: its (g, u) pairs [BM, 2 QUARTER] arrived by TMA in ``pair_buffer``;
     (dg, du) go back over them in place and leave by TMA, as ``act`` does from ``act_buffer``."""
     layout: gl.constexpr = acc.type.layout
@@ -105,39 +108,50 @@ def _swiglu_backward_piece(acc, pair_buffer, act_buffer, bar, phase, grad_preact
     d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = acc * silu
     pairs.store(gl.join(d_gate, d_up).to(pair_buffer.dtype))
-    act_buffer.store((silu * up).to(act_buffer.dtype))
+    act = (silu * up).to(act_ptr.dtype.element_ty)
+    if not ACT_IN_REGISTERS:
+        act_buffer.store(act)
     fence_async_shared()
     tma.async_copy_shared_to_global(grad_preact_desc, [pid_m * BM, pid_n * 2 * BN + piece * 2 * QUARTER],
                                     pair_buffer)
-    tma.async_copy_shared_to_global(act_desc, [pid_m * BM, pid_n * BN + piece * QUARTER], act_buffer)
+    if ACT_IN_REGISTERS:
+        row = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, layout)), 1)
+        col = gl.expand_dims(piece * QUARTER + gl.arange(0, QUARTER, layout=gl.SliceLayout(0, layout)), 0)
+        corner = act_ptr + (pid_m * BM).to(gl.int64) * N + pid_n * BN
+        gl.store(corner + row * N + col, act, mask=(row < M - pid_m * BM) & (col < N - pid_n * BN))
+    else:
+        tma.async_copy_shared_to_global(act_desc, [pid_m * BM, pid_n * BN + piece * QUARTER], act_buffer)
     return gl.sum(gate * d_gate + up * d_up, axis=1)
 
 
 @gluon.jit
 def _epilogue_step(piece, p: gl.constexpr, iteration, pid_m, pid_n, preact_desc, grad_preact_desc, act_desc,
-                   pair_buffers, act_buffers, bars):
+                   act_ptr, M, N, pair_buffers, act_buffers, bars):
     """Piece p, then the load of piece p - 1 + PAIR_BUFFERS into piece p - 1's buffer once piece p - 1's
     stores have drained (piece p's are issued by then, so the wait rarely waits)."""
     loads_per_tile: gl.constexpr = (4 - p % PAIR_BUFFERS + PAIR_BUFFERS - 1) // PAIR_BUFFERS  # into p's buffer
     phase = (iteration * loads_per_tile + p // PAIR_BUFFERS) & 1
-    partial = _swiglu_backward_piece(piece, pair_buffers.index(p % PAIR_BUFFERS), act_buffers.index(p % 2),
-                                     bars.index(p % PAIR_BUFFERS), phase, grad_preact_desc, act_desc, pid_m, pid_n, p)
+    partial = _swiglu_backward_piece(piece, pair_buffers.index(p % PAIR_BUFFERS),
+                                     act_buffers.index(0 if ACT_IN_REGISTERS else p % 2),
+                                     bars.index(p % PAIR_BUFFERS), phase, grad_preact_desc, act_desc, act_ptr, M, N,
+                                     pid_m, pid_n, p)
     if p >= 1 and p - 1 + PAIR_BUFFERS < 4:
-        tma.store_wait(pendings=2)  # piece p - 1's two stores are done
+        tma.store_wait(pendings=STORES_PER_PIECE)  # piece p - 1's stores are done
         _issue_piece_load(preact_desc, pair_buffers.index((p - 1) % PAIR_BUFFERS), bars.index((p - 1) % PAIR_BUFFERS),
                           pid_m, pid_n, p - 1 + PAIR_BUFFERS)
     return partial
 
 
 @gluon.jit
-def _swiglu_backward_epilogue(acc, iteration, pid_m, pid_n, M, N, preact_desc, grad_preact_desc, act_desc,
+def _swiglu_backward_epilogue(acc, iteration, pid_m, pid_n, M, N, preact_desc, grad_preact_desc, act_desc, act_ptr,
                               partial_ptr, pair_buffers, act_buffers, bars):
     """Pieces 0 .. PAIR_BUFFERS - 1 were prefetched at the tile's start; the others reuse their buffers."""
     row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     left, right = _halves(acc)
     q0, q1 = _halves(left)
     q2, q3 = _halves(right)
-    args = (iteration, pid_m, pid_n, preact_desc, grad_preact_desc, act_desc, pair_buffers, act_buffers, bars)
+    args = (iteration, pid_m, pid_n, preact_desc, grad_preact_desc, act_desc, act_ptr, M, N, pair_buffers,
+            act_buffers, bars)
     partial = gl.convert_layout(_epilogue_step(q0, 0, *args), row_layout)
     partial += gl.convert_layout(_epilogue_step(q1, 1, *args), row_layout)
     partial += gl.convert_layout(_epilogue_step(q2, 2, *args), row_layout)
@@ -182,7 +196,7 @@ def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_des
             gl.store(out_ptr + row * N + col, acc.to(out_ptr.dtype.element_ty), mask=(row < M) & (col < N))
         else:
             _swiglu_backward_epilogue(acc, local // 2, pid_m, pid_n, M, N, preact_desc, grad_preact_desc, act_desc,
-                                      partial_ptr, my_pairs, my_acts, my_bars)
+                                      out_ptr, partial_ptr, my_pairs, my_acts, my_bars)
     tma.store_wait(pendings=0)
 
 
@@ -194,8 +208,9 @@ def pingpong_gemm_kernel(a_desc, b_desc, out_ptr, preact_desc, grad_preact_desc,
     # per consumer: PAIR_BUFFERS [BM, 2 QUARTER] pre-activation / gradient pair buffers and two act buffers
     pairs0 = gl.allocate_shared_memory(preact_desc.dtype, [PAIR_BUFFERS, BM, 2 * QUARTER], preact_desc.layout)
     pairs1 = gl.allocate_shared_memory(preact_desc.dtype, [PAIR_BUFFERS, BM, 2 * QUARTER], preact_desc.layout)
-    acts0 = gl.allocate_shared_memory(act_desc.dtype, [2, BM, QUARTER], act_desc.layout)
-    acts1 = gl.allocate_shared_memory(act_desc.dtype, [2, BM, QUARTER], act_desc.layout)
+    act_buffers: gl.constexpr = 1 if ACT_IN_REGISTERS else 2  # one unused placeholder when act skips them
+    acts0 = gl.allocate_shared_memory(act_desc.dtype, [act_buffers, BM, QUARTER], act_desc.layout)
+    acts1 = gl.allocate_shared_memory(act_desc.dtype, [act_buffers, BM, QUARTER], act_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
