@@ -4,9 +4,10 @@ Forward: ``out[t] = weight[ids[t]]`` (PyTorch's gather). Backward: ``grad_weight
 grad_out[t]`` (zero for ``padding_idx``), by :func:`codagen.ops.kernels.embedding_backward`: a stable sort of
 the ids, then one kernel that sums each vocabulary row's tokens in token order, in fp32.
 
-Why not PyTorch's: its deterministic CUDA backward (sort, partial segments, scatter) took 0.49 ms for
-16384 tokens x 2048 features on the H200, the atomic one torch.compile emits 0.15 ms but is not
-bitwise reproducible. This one reads each gradient row once and writes the table once.
+Why not PyTorch's: for 16384 tokens x 2048 features, vocabulary 32768 (H200, bf16) its deterministic CUDA
+backward (sort, partial segments, scatter) took 0.55 ms, and the atomic one torch.compile generates 0.15 ms
+but is not bitwise reproducible. This one reads each gradient row once and writes the table once:
+0.14 ms with the sort.
 """
 from __future__ import annotations
 
