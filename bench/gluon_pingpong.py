@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/gluon_pingpong.py [--out DIR]            # check + time on the GPU
     PYTHONPATH=. python bench/gluon_pingpong.py --compile-only         # compile for sm_90 here (no GPU)
+    CODAGEN_GLUON_SCHEDULE=4,2 CODAGEN_GLUON_TIMELINE=1 ...            # another split; in-kernel phase times
 
 The ``tl`` template runs each tile's epilogue after its mainloop on the same warps (docs/triton.md), so
 the SwiGLU backward (``grad_act = grad_out @ W_down`` [M, F], reading the interleaved pre-activation
@@ -48,6 +49,19 @@ STORES_PER_PIECE = gl.constexpr(1 if ACT_IN_REGISTERS else 2)  # TMA stores
 QUARTER = gl.constexpr(32)  # the epilogue works on [BM, BN / 4] column pieces
 GROUP = gl.constexpr(8)
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup per consumer
+# CODAGEN_GLUON_TIMELINE=1: CTA 0's consumers write %globaltimer stamps for their first TIMELINE_TILES tiles
+# (tile start, turn granted, mainloop done, each epilogue piece done) and the run prints the phase times
+TIMELINE = gl.constexpr(os.environ.get("CODAGEN_GLUON_TIMELINE", "0") == "1")
+TIMELINE_TILES = gl.constexpr(16)
+STAMPS = gl.constexpr(8)
+
+
+@gluon.jit
+def _stamp(timeline_ptr, slot, dep):
+    """Write %globaltimer (ns) to ``timeline_ptr[slot]``; ``dep`` (any int32 value) orders the read."""
+    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep], dtype=gl.int64,
+                                    is_pure=False, pack=1)
+    gl.store(timeline_ptr + slot, now)
 
 
 @gluon.jit
@@ -126,7 +140,7 @@ def _swiglu_backward_piece(acc, pair_buffer, act_buffer, bar, phase, grad_preact
 
 @gluon.jit
 def _epilogue_step(piece, p: gl.constexpr, iteration, pid_m, pid_n, preact_desc, grad_preact_desc, act_desc,
-                   act_ptr, M, N, pair_buffers, act_buffers, bars):
+                   act_ptr, M, N, pair_buffers, act_buffers, bars, timeline_ptr, stamp_base, stamping):
     """Piece p, then the load of piece p - 1 + PAIR_BUFFERS into piece p - 1's buffer once piece p - 1's
     stores have drained (piece p's are issued by then, so the wait rarely waits)."""
     loads_per_tile: gl.constexpr = (4 - p % PAIR_BUFFERS + PAIR_BUFFERS - 1) // PAIR_BUFFERS  # into p's buffer
@@ -135,6 +149,9 @@ def _epilogue_step(piece, p: gl.constexpr, iteration, pid_m, pid_n, preact_desc,
                                      act_buffers.index(0 if ACT_IN_REGISTERS else p % 2),
                                      bars.index(p % PAIR_BUFFERS), phase, grad_preact_desc, act_desc, act_ptr, M, N,
                                      pid_m, pid_n, p)
+    if TIMELINE:
+        if stamping:
+            _stamp(timeline_ptr, stamp_base + 3 + p, pid_n)
     if p >= 1 and p - 1 + PAIR_BUFFERS < 4:
         tma.store_wait(pendings=STORES_PER_PIECE)  # piece p - 1's stores are done
         _issue_piece_load(preact_desc, pair_buffers.index((p - 1) % PAIR_BUFFERS), bars.index((p - 1) % PAIR_BUFFERS),
@@ -144,14 +161,14 @@ def _epilogue_step(piece, p: gl.constexpr, iteration, pid_m, pid_n, preact_desc,
 
 @gluon.jit
 def _swiglu_backward_epilogue(acc, iteration, pid_m, pid_n, M, N, preact_desc, grad_preact_desc, act_desc, act_ptr,
-                              partial_ptr, pair_buffers, act_buffers, bars):
+                              partial_ptr, pair_buffers, act_buffers, bars, timeline_ptr, stamp_base, stamping):
     """Pieces 0 .. PAIR_BUFFERS - 1 were prefetched at the tile's start; the others reuse their buffers."""
     row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     left, right = _halves(acc)
     q0, q1 = _halves(left)
     q2, q3 = _halves(right)
     args = (iteration, pid_m, pid_n, preact_desc, grad_preact_desc, act_desc, act_ptr, M, N, pair_buffers,
-            act_buffers, bars)
+            act_buffers, bars, timeline_ptr, stamp_base, stamping)
     partial = gl.convert_layout(_epilogue_step(q0, 0, *args), row_layout)
     partial += gl.convert_layout(_epilogue_step(q1, 1, *args), row_layout)
     partial += gl.convert_layout(_epilogue_step(q2, 2, *args), row_layout)
@@ -162,7 +179,7 @@ def _swiglu_backward_epilogue(acc, iteration, pid_m, pid_n, M, N, preact_desc, g
 
 @gluon.jit
 def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_desc, grad_preact_desc, act_desc,
-              partial_ptr, my_pairs, my_acts, my_bars, WHICH: gl.constexpr, EPILOGUE: gl.constexpr):
+              partial_ptr, my_pairs, my_acts, my_bars, timeline_ptr, WHICH: gl.constexpr, EPILOGUE: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     num_pid_m, num_pid_n = gl.cdiv(M, BM), gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
@@ -177,7 +194,15 @@ def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_des
             for p in gl.static_range(PAIR_BUFFERS):
                 _issue_piece_load(preact_desc, my_pairs.index(p), my_bars.index(p), pid_m, pid_n, p)
         base = local * k_steps  # ring position of this tile's first k-slice (the producer's order)
+        stamping = (gl.program_id(0) == 0) & (local // 2 < TIMELINE_TILES)
+        stamp_base = (WHICH * TIMELINE_TILES + local // 2) * STAMPS
+        if TIMELINE:
+            if stamping:
+                _stamp(timeline_ptr, stamp_base, local)
         mbarrier.wait(turn.index(WHICH), (local // 2) & 1)
+        if TIMELINE:
+            if stamping:
+                _stamp(timeline_ptr, stamp_base + 1, local)
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
         for kk in range(k_steps):
             count = base + kk
@@ -189,6 +214,9 @@ def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_des
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index((base + k_steps - 1) % STAGES))
         mbarrier.arrive(turn.index(1 - WHICH))  # the tensor cores pass to the other consumer
+        if TIMELINE:
+            if stamping:
+                _stamp(timeline_ptr, stamp_base + 2, local)
         if EPILOGUE == 0:
             rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
             cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
@@ -196,13 +224,14 @@ def _consumer(a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_des
             gl.store(out_ptr + row * N + col, acc.to(out_ptr.dtype.element_ty), mask=(row < M) & (col < N))
         else:
             _swiglu_backward_epilogue(acc, local // 2, pid_m, pid_n, M, N, preact_desc, grad_preact_desc, act_desc,
-                                      out_ptr, partial_ptr, my_pairs, my_acts, my_bars)
+                                      out_ptr, partial_ptr, my_pairs, my_acts, my_bars, timeline_ptr, stamp_base,
+                                      stamping)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def pingpong_gemm_kernel(a_desc, b_desc, out_ptr, preact_desc, grad_preact_desc, act_desc, partial_ptr, M, N, K,
-                         EPILOGUE: gl.constexpr):
+def pingpong_gemm_kernel(a_desc, b_desc, out_ptr, preact_desc, grad_preact_desc, act_desc, partial_ptr, timeline_ptr,
+                         M, N, K, EPILOGUE: gl.constexpr):
     a_slots = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_slots = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
     # per consumer: PAIR_BUFFERS [BM, 2 QUARTER] pre-activation / gradient pair buffers and two act buffers
@@ -226,9 +255,9 @@ def pingpong_gemm_kernel(a_desc, b_desc, out_ptr, preact_desc, grad_preact_desc,
         mbarrier.init(bars1.index(i), count=1)
     gl.warp_specialize([
         (_consumer, (a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_desc, grad_preact_desc, act_desc,
-                     partial_ptr, pairs0, acts0, bars0, 0, EPILOGUE)),
+                     partial_ptr, pairs0, acts0, bars0, timeline_ptr, 0, EPILOGUE)),
         (_consumer, (a_slots, b_slots, ready, empty, turn, M, N, K, out_ptr, preact_desc, grad_preact_desc, act_desc,
-                     partial_ptr, pairs1, acts1, bars1, 1, EPILOGUE)),
+                     partial_ptr, pairs1, acts1, bars1, timeline_ptr, 1, EPILOGUE)),
         (_producer, (a_desc, b_desc, a_slots, b_slots, ready, empty, M, N, K)),
     ], [CONSUMER_WARPS, 1], [232, 40])
 
@@ -240,8 +269,9 @@ def _descriptor(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-def pingpong(a, b, preact=None, epilogue=1):
-    """``a`` [M, K] @ ``b`` [K, N]; epilogue 0: the product (bf16); 1: SwiGLU backward outputs."""
+def pingpong(a, b, preact=None, epilogue=1, timeline=None):
+    """``a`` [M, K] @ ``b`` [K, N]; epilogue 0: the product (bf16); 1: SwiGLU backward outputs.
+    ``timeline``: int64 [2, TIMELINE_TILES, STAMPS] for the stamps (with CODAGEN_GLUON_TIMELINE=1)."""
     m, k = a.shape
     n = b.shape[1]
     bm, bn, bk, quarter = BM.value, BN.value, BK.value, QUARTER.value
@@ -256,8 +286,10 @@ def pingpong(a, b, preact=None, epilogue=1):
         epilogue_descs = (_descriptor(out, [bm, 2 * quarter]),) * 2 + (_descriptor(out, [bm, quarter]),)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     grid = (min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count),)
+    if timeline is None:
+        timeline = torch.empty(1, device=a.device, dtype=torch.int64)
     pingpong_gemm_kernel[grid](_descriptor(a, [bm, bk]), _descriptor(b, [bk, bn]), out, *epilogue_descs, partial,
-                               m, n, k, EPILOGUE=epilogue, num_warps=CONSUMER_WARPS.value)
+                               timeline, m, n, k, EPILOGUE=epilogue, num_warps=CONSUMER_WARPS.value)
     return (grad_preact, out, partial.sum(1)) if epilogue else out
 
 
@@ -276,7 +308,8 @@ def compile_only(epilogue: int = 1, dump: str | None = None) -> int:
     bm, bn, bk, quarter = BM.value, BN.value, BK.value, QUARTER.value
     signature = {"a_desc": desc(bm, bk), "b_desc": desc(bk, bn), "out_ptr": "*bf16",
                  "preact_desc": desc(bm, 2 * quarter), "grad_preact_desc": desc(bm, 2 * quarter),
-                 "act_desc": desc(bm, quarter), "partial_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                 "act_desc": desc(bm, quarter), "partial_ptr": "*fp32", "timeline_ptr": "*i64",
+                 "M": "i32", "N": "i32", "K": "i32",
                  "EPILOGUE": "constexpr"}
     source = GluonASTSource(pingpong_gemm_kernel, signature, constexprs={"EPILOGUE": epilogue})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": CONSUMER_WARPS.value})
@@ -294,6 +327,19 @@ def compile_only(epilogue: int = 1, dump: str | None = None) -> int:
             with open(f"{dump}/pingpong_epilogue{epilogue}.{ext}", "w") as f:
                 f.write(kernel.asm[ext])
     return 0
+
+
+def timeline_report(a, b, preact) -> str:
+    """Mean phase times (us) of CTA 0's consumers over tiles 1 .. TIMELINE_TILES - 2 of one SwiGLU-backward run."""
+    stamps = torch.zeros(2, TIMELINE_TILES.value, STAMPS.value, device=a.device, dtype=torch.int64)
+    pingpong(a, b, preact, timeline=stamps)
+    t = stamps.double().cpu() / 1e3  # us
+    phases = {"turn wait": t[..., 1] - t[..., 0], "mainloop": t[..., 2] - t[..., 1],
+              **{f"piece {p}": t[..., 3 + p] - t[..., 2 + p] for p in range(4)},
+              "epilogue": t[..., 6] - t[..., 2]}
+    phases["period"] = torch.cat((t[:, 1:, 0] - t[:, :-1, 0], torch.zeros(2, 1, dtype=t.dtype)), dim=1)
+    inner = slice(1, TIMELINE_TILES.value - 1)
+    return "  ".join(f"{name} {v[:, inner].mean().item():.2f}" for name, v in phases.items())
 
 
 def main(argv=None) -> int:
@@ -340,6 +386,8 @@ def main(argv=None) -> int:
         print(f"{name:10s} M{m} N{n} K{k}  product err {product_err:.3g}  " +
               "  ".join(f"{key} err {v:.3g}" for key, v in errs.items()))
         print(f"{name:10s} " + "  ".join(f"{key} {v:.3f} ms" for key, v in times.items()), flush=True)
+        if TIMELINE:
+            print(f"{name:10s} timeline (us): {timeline_report(a, b, preact)}", flush=True)
     if args.out:
         with open(f"{args.out}/gluon_pingpong.json", "w") as f:
             json.dump({"env": environment(), "records": records}, f, indent=1)
