@@ -24,6 +24,7 @@ from codagen.epilogue import finish, library
 from . import _checks as check
 from . import kernels
 from ._checks import stats_dtype
+from .layouts import kv_heads_of
 
 __all__ = ["rms_norm_stats", "out_proj_residual_rms", "rms_qkv_rope", "rms_gate_up_swiglu",
            "swiglu_mlp_residual_rms", "rms_linear"]
@@ -213,17 +214,13 @@ def _qk_norm_columns(q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: in
     return weight, passthrough
 
 
-def _num_kv_heads(qkv_rows: int, head_dim: int, num_heads: int) -> int:
-    return (qkv_rows // head_dim - num_heads) // 2
-
-
 @torch.library.custom_op("codagen::rms_qkv_rope_qk_norm", mutates_args=())
 def _rms_qkv_rope_qk_norm_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
                              q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
                              eps: float) -> tuple[Tensor, Tensor]:
     head_dim = q_norm_weight.shape[0]
     qk_norm_weight, qk_passthrough = _qk_norm_columns(
-        q_norm_weight, k_norm_weight, num_heads, _num_kv_heads(qkv_weight.shape[0], head_dim, num_heads))
+        q_norm_weight, k_norm_weight, num_heads, kv_heads_of(qkv_weight.shape[0], head_dim, num_heads))
     out = execute(library.rms_qkv_rope(head_dim, eps), normed, qkv_weight, rstd=rstd, positions=positions,
                   frequencies=frequencies, qk_norm_weight=qk_norm_weight, qk_passthrough=qk_passthrough)
     return out["qkv"], out["preact"]

@@ -27,6 +27,7 @@ import torch
 from codagen.backends import reference, resolve_backend_name
 
 from ._checks import stats_dtype
+from .layouts import kv_heads_of
 
 try:  # the package must import without Triton (or without a GPU)
     import triton
@@ -365,7 +366,7 @@ def rope_qk_norm_backward_ref(grad_qkv: torch.Tensor, preact: torch.Tensor, posi
     cd = stats_dtype(grad_qkv.dtype)
     m, n = grad_qkv.shape
     hd = q_norm_weight.shape[0]
-    num_kv_heads = (n // hd - num_heads) // 2
+    num_kv_heads = kv_heads_of(n, hd, num_heads)
     qk_cols = (num_heads + num_kv_heads) * hd
     theta = positions.to(cd)[:, None] * frequencies.to(cd)[None, :]
     g = reference.rope_ref(grad_qkv.to(cd), -theta)
@@ -397,7 +398,7 @@ def rope_qk_norm_backward_triton(grad_qkv: torch.Tensor, preact: torch.Tensor, p
     per-program norm-weight gradient partials ``[cdiv(M, 16), 2 head_dim]``."""
     m, n = grad_qkv.shape
     hd = q_norm_weight.shape[0]
-    num_kv_heads = (n // hd - num_heads) // 2
+    num_kv_heads = kv_heads_of(n, hd, num_heads)
     grad_z = torch.empty_like(grad_qkv)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_qkv.device)
     blocks = -(-m // _QK_NORM_ROWS)

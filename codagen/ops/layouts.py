@@ -61,6 +61,12 @@ def rope_half_split_from_pairs(weight: torch.Tensor, head_dim: int) -> torch.Ten
     return out.contiguous()
 
 
+def kv_heads_of(qkv_features: int, head_dim: int, num_heads: int) -> int:
+    """The K (= V) head count of a fused ``[Q | K | V]`` projection of ``qkv_features`` columns with
+    ``num_heads`` Q heads of ``head_dim`` (callers have checked that it divides)."""
+    return (qkv_features // head_dim - num_heads) // 2
+
+
 def rope_frequencies(num_heads: int, num_kv_heads: int, head_dim: int, base: float = 10000.0,
                      inv_freq: torch.Tensor | None = None, device: torch.device | str | None = None) -> torch.Tensor:
     """Per-pair inverse frequencies of a fused QKV output, float32 ``[(h + 2 kv) * hd / 2]``.
