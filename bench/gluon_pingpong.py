@@ -54,6 +54,15 @@ CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup per consumer
 TIMELINE = gl.constexpr(os.environ.get("CODAGEN_GLUON_TIMELINE", "0") == "1")
 TIMELINE_TILES = gl.constexpr(16)
 STAMPS = gl.constexpr(8)
+# CODAGEN_GLUON_ABLATE="loads+stores+math+smem" (any subset) drops epilogue stages to time what is left;
+# outputs are then wrong (timing only): loads: no (g, u) TMA loads (the buffers' stale contents are used);
+# stores: no TMA stores; math: d_gate = acc * up, no exp/divide; smem: no shared-memory load/store of pairs
+_ablate = set(filter(None, os.environ.get("CODAGEN_GLUON_ABLATE", "").split("+")))
+assert _ablate <= {"loads", "stores", "math", "smem"}, _ablate
+NO_LOADS = gl.constexpr("loads" in _ablate)
+NO_STORES = gl.constexpr("stores" in _ablate)
+CHEAP_MATH = gl.constexpr("math" in _ablate)
+NO_SMEM = gl.constexpr("smem" in _ablate)
 
 
 @gluon.jit
@@ -101,6 +110,8 @@ def _halves(t):
 
 @gluon.jit
 def _issue_piece_load(preact_desc, buffer, bar, pid_m, pid_n, piece: gl.constexpr):
+    if NO_LOADS:
+        return
     mbarrier.expect(bar, preact_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(preact_desc, [pid_m * BM, pid_n * 2 * BN + piece * 2 * QUARTER], bar, buffer)
 
@@ -112,28 +123,39 @@ def _swiglu_backward_piece(acc, pair_buffer, act_buffer, bar, phase, grad_preact
     (dg, du) go back over them in place and leave by TMA, as ``act`` does from ``act_buffer``."""
     layout: gl.constexpr = acc.type.layout
     pair_layout: gl.constexpr = gl.join(acc, acc).type.layout
-    mbarrier.wait(bar, phase)
+    if not NO_LOADS:
+        mbarrier.wait(bar, phase)
     pairs = pair_buffer.reshape([BM, QUARTER, 2])
-    gate, up = gl.split(pairs.load(pair_layout).to(gl.float32))
-    # split's result layout is the piece's written as a linear layout: the conversion is a no-op
-    gate, up = gl.convert_layout(gate, layout), gl.convert_layout(up, layout)
-    sig = 1.0 / (1.0 + gl.exp(-gate))
-    silu = gate * sig
-    d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
+    if NO_SMEM:
+        gate, up = acc + 1.0, acc - 1.0
+    else:
+        gate, up = gl.split(pairs.load(pair_layout).to(gl.float32))
+        # split's result layout is the piece's written as a linear layout: the conversion is a no-op
+        gate, up = gl.convert_layout(gate, layout), gl.convert_layout(up, layout)
+    if CHEAP_MATH:
+        sig = gate
+        silu = gate * up
+        d_gate = acc * up
+    else:
+        sig = 1.0 / (1.0 + gl.exp(-gate))
+        silu = gate * sig
+        d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = acc * silu
-    pairs.store(gl.join(d_gate, d_up).to(pair_buffer.dtype))
     act = (silu * up).to(act_ptr.dtype.element_ty)
-    if not ACT_IN_REGISTERS:
-        act_buffer.store(act)
+    if not NO_SMEM:
+        pairs.store(gl.join(d_gate, d_up).to(pair_buffer.dtype))
+        if not ACT_IN_REGISTERS:
+            act_buffer.store(act)
     fence_async_shared()
-    tma.async_copy_shared_to_global(grad_preact_desc, [pid_m * BM, pid_n * 2 * BN + piece * 2 * QUARTER],
-                                    pair_buffer)
+    if not NO_STORES:
+        tma.async_copy_shared_to_global(grad_preact_desc, [pid_m * BM, pid_n * 2 * BN + piece * 2 * QUARTER],
+                                        pair_buffer)
     if ACT_IN_REGISTERS:
         row = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, layout)), 1)
         col = gl.expand_dims(piece * QUARTER + gl.arange(0, QUARTER, layout=gl.SliceLayout(0, layout)), 0)
         corner = act_ptr + (pid_m * BM).to(gl.int64) * N + pid_n * BN
         gl.store(corner + row * N + col, act, mask=(row < M - pid_m * BM) & (col < N - pid_n * BN))
-    else:
+    elif not NO_STORES:
         tma.async_copy_shared_to_global(act_desc, [pid_m * BM, pid_n * BN + piece * QUARTER], act_buffer)
     return gl.sum(gate * d_gate + up * d_up, axis=1)
 
@@ -329,7 +351,7 @@ def compile_only(epilogue: int = 1, dump: str | None = None) -> int:
     return 0
 
 
-def timeline_report(a, b, preact) -> str:
+def timeline_report(a, b, preact) -> dict:
     """Mean phase times (us) of CTA 0's consumers over tiles 1 .. TIMELINE_TILES - 2 of one SwiGLU-backward run."""
     stamps = torch.zeros(2, TIMELINE_TILES.value, STAMPS.value, device=a.device, dtype=torch.int64)
     pingpong(a, b, preact, timeline=stamps)
@@ -339,12 +361,13 @@ def timeline_report(a, b, preact) -> str:
               "epilogue": t[..., 6] - t[..., 2]}
     phases["period"] = torch.cat((t[:, 1:, 0] - t[:, :-1, 0], torch.zeros(2, 1, dtype=t.dtype)), dim=1)
     inner = slice(1, TIMELINE_TILES.value - 1)
-    return "  ".join(f"{name} {v[:, inner].mean().item():.2f}" for name, v in phases.items())
+    return {name: round(v[:, inner].mean().item(), 3) for name, v in phases.items()}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
+    p.add_argument("--shapes", nargs="+", default=["d2048", "llama3-1b", "llama3-8b"])
     args = p.parse_args(argv)
     from codagen.backends import execute
     from codagen.bench.common import environment, median_ms
@@ -362,7 +385,9 @@ def main(argv=None) -> int:
           "grad_preact err", (grad_preact.float() - ref["grad_preact"].float()).abs().max().item(),
           "act err", (act.float() - ref["act"].float()).abs().max().item(), flush=True)
     shapes = {"d2048": (16384, 5632, 2048), "llama3-1b": (16384, 8192, 2048), "llama3-8b": (16384, 14336, 4096)}
-    for name, (m, n, k) in shapes.items():
+    variant = {"schedule": ",".join(_schedule), "ablate": "+".join(sorted(_ablate))}
+    for name in args.shapes:
+        m, n, k = shapes[name]
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         preact = torch.randn(m, 2 * n, device="cuda", dtype=torch.bfloat16)
@@ -382,12 +407,17 @@ def main(argv=None) -> int:
                                                  25, 200)}
         for provider, ms in times.items():
             records.append({"suite": "gluon_pingpong", "name": "swiglu_backward", "pass": "bwd",
-                            "shape": {"M": m, "N": n, "K": k, "model": name}, "provider": provider, "median_ms": ms})
+                            "shape": {"M": m, "N": n, "K": k, "model": name}, "provider": provider, "median_ms": ms,
+                            **variant})
         print(f"{name:10s} M{m} N{n} K{k}  product err {product_err:.3g}  " +
               "  ".join(f"{key} err {v:.3g}" for key, v in errs.items()))
         print(f"{name:10s} " + "  ".join(f"{key} {v:.3f} ms" for key, v in times.items()), flush=True)
         if TIMELINE:
-            print(f"{name:10s} timeline (us): {timeline_report(a, b, preact)}", flush=True)
+            phases = timeline_report(a, b, preact)
+            records.append({"suite": "gluon_pingpong", "name": "swiglu_backward_timeline_us",
+                            "shape": {"M": m, "N": n, "K": k, "model": name}, "phases": phases, **variant})
+            print(f"{name:10s} timeline (us): " + "  ".join(f"{key} {v:.2f}" for key, v in phases.items()),
+                  flush=True)
     if args.out:
         with open(f"{args.out}/gluon_pingpong.json", "w") as f:
             json.dump({"env": environment(), "records": records}, f, indent=1)
