@@ -33,7 +33,7 @@ try:  # the package must import without Triton (or without a GPU)
     import triton
     import triton.language as tl
 
-    from codagen.backends.triton.trig import cos_sin
+    from codagen.backends.triton.device_math import cos_sin, sigmoid
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
@@ -187,7 +187,7 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_backward_kernel(grad_ptr, preact_ptr, grad_preact_ptr, mean_z_dz_ptr, n_out, inv_width,
-                                BLOCK: tl.constexpr):
+                                BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         z_dz = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_out, BLOCK):
@@ -197,7 +197,7 @@ if triton is not None:
             gate_at, up_at = row * 2 * n_out + 2 * j, row * 2 * n_out + 2 * j + 1
             gate = tl.load(preact_ptr + gate_at, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(preact_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(gate)
+            sig = sigmoid(gate, INTERPRETER)
             d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
             d_up = dy * gate * sig
             z_dz += gate * d_gate + up * d_up
@@ -434,7 +434,8 @@ def swiglu_backward_triton(grad_act: torch.Tensor, preact: torch.Tensor, width: 
     grad_preact = torch.empty_like(preact)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_act.device)
     if m:
-        _swiglu_backward_kernel[(m,)](grad_act, preact, grad_preact, mean_z_dz, f, 1.0 / width, BLOCK=_block(f))
+        _swiglu_backward_kernel[(m,)](grad_act, preact, grad_preact, mean_z_dz, f, 1.0 / width, BLOCK=_block(f),
+                                      INTERPRETER=_interpreting())
     return grad_preact, mean_z_dz
 
 

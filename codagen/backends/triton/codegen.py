@@ -35,7 +35,7 @@ from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Con
 __all__ = ["generate", "program_key", "GENERATOR_VERSION"]
 
 #: bump when the generated code changes meaning (it keys the on-disk source cache)
-GENERATOR_VERSION = "2"
+GENERATOR_VERSION = "3"
 
 _WIDTH_SUFFIX = {Width.HALF: "_half", Width.FULL: "", Width.DOUBLE: "_double"}
 # Triton expressions for a width's number of columns: of the matrix (N*w) and of a sub-tile (SUB_N*w)
@@ -49,8 +49,6 @@ _UNARY = {
     "neg": "-{x}",
     "exp": "tl.exp({x})",
     "log": "tl.log({x})",
-    "sigmoid": "tl.sigmoid({x})",
-    "silu": "{x} * tl.sigmoid({x})",
     "square": "{x} * {x}",
     "rsqrt": "tl.rsqrt({x})",
 }
@@ -154,7 +152,7 @@ class _Epilogue:
         key = ("sigmoid", var)
         if key not in self.memo:
             name = f"{var}_sigmoid"
-            self.emit(f"{name} = tl.sigmoid({var})")
+            self.emit(f"{name} = sigmoid({var}, INTERPRETER)")
             self.memo[key] = name
         return self.memo[key]
 
@@ -498,7 +496,7 @@ def generate(program: Program, header: str = "") -> str:
 import triton
 import triton.language as tl
 
-from codagen.backends.triton.trig import cos_sin  # shared with the B1 row kernel
+from codagen.backends.triton.device_math import cos_sin, sigmoid  # shared with the row kernels
 
 
 @triton.jit
