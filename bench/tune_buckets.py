@@ -1,0 +1,72 @@
+"""Tune a bucket for every benchmark shape in it, not for whichever shape came first (GPU).
+
+The backend tunes once per (program, dtypes, shape bucket): the first shape it meets in a bucket picks
+the configuration for all of them (``M, N, K`` rounded up to powers of two). The paper's d 2048 and
+LLaMA-3 1B share buckets (gate/up N = 11264 and 16384; SwiGLU backward N = 5632 and 8192), as do d 4096
+and LLaMA-3 8B. This times every candidate on every block shape of a bucket and keeps the one with the
+smallest mean slowdown over the bucket's best per shape; the choices go to the tuning cache
+(``$CODAGEN_CACHE_DIR/triton/tuning.json``), from which ``codagen/backends/triton/tuned.json`` is refreshed.
+
+    PYTHONPATH=. python bench/tune_buckets.py [--programs rms_gate_up_swiglu swiglu_backward]
+"""
+import argparse
+import collections
+
+import torch
+
+from codagen.backends.triton.backend import TritonBackend
+from codagen.backends.triton.configs import candidates
+from codagen.bench.common import median_ms
+from codagen.bench.kernels import MODELS, Model, kernel_cases, random_inputs
+from codagen.epilogue.bind import BoundProgram, bind
+
+# LLaMA-3 1B: head_dim 64 (32/8 heads); Model assumes head_dim 128, and 16/4 heads of it give the same
+# QKV width (3072)
+SHAPES = {**MODELS, "llama3_1b": Model("llama3_1b", 2048, 8192, 16, 4)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--programs", nargs="+", default=["rms_gate_up_swiglu", "swiglu_backward"])
+    args = parser.parse_args()
+    backend = TritonBackend(autotune=False, verbose=False)
+    device = torch.device("cuda")
+    buckets = collections.defaultdict(list)  # tuning key -> [(shape name, bound, launch)]
+    for model in SHAPES.values():
+        for case in kernel_cases(model):
+            if case.program.name not in args.programs:
+                continue
+            a, b, tensors = random_inputs(case.program, case.m, case.n, case.k, torch.bfloat16, device)
+            bound = bind(case.program, a, b, tensors)
+            launch = backend._prepare(bound, False, 9)
+            buckets[backend._tuning_key(bound, launch)].append((f"{model.name} {case.name}", bound, launch))
+    smem_limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 232448)
+    for key, members in buckets.items():
+        bound0, launch0 = members[0][1], members[0][2]
+        pool = candidates(bound0.program, major=9, operand_bytes=2, smem_limit=smem_limit, tma=launch0.tma_mainloop)
+        times = {}  # (config, shape) -> ms
+        for cfg in pool:
+            for name, bound, launch in members:
+                scratch = {**bound.tensors, **{n: bound.tensors[n].clone() for n in bound.program.accumulated_outputs()}}
+                sb = BoundProgram(bound.program, bound.a, bound.b, bound.m, bound.n, bound.k, scratch)
+                outs = sb.allocate_outputs(cfg.block_m, cfg.block_n)
+                try:
+                    times[cfg.short(), name] = median_ms(lambda: backend._launch(sb, launch, cfg, outs), 25, 150)
+                except Exception:  # noqa: BLE001 - out of resources: not a candidate here
+                    times[cfg.short(), name] = float("inf")
+        names = [name for name, _, _ in members]
+        best_at = {name: min(times[cfg.short(), name] for cfg in pool) for name in names}
+        slowdown = {cfg.short(): sum(times[cfg.short(), n] / best_at[n] for n in names) / len(names) for cfg in pool}
+        chosen = min(pool, key=lambda c: slowdown[c.short()])
+        print(f"\n{key.split('|')[2]} {key.split('|')[-1]}: " + ", ".join(names))
+        for cfg in pool:
+            mark = " <-" if cfg is chosen else ""
+            print(f"  {cfg.short():28s} " + "  ".join(f"{times[cfg.short(), n]:7.3f}" for n in names) +
+                  f"   mean slowdown {slowdown[cfg.short()]:.3f}{mark}")
+        backend.tuning.put(key, chosen, {f"{cfg.short()} (mean slowdown over {len(names)} shapes)": slowdown[cfg.short()]
+                                         for cfg in pool})
+    print(f"\nwrote {backend.tuning.path}")
+
+
+if __name__ == "__main__":
+    main()
