@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -61,6 +62,9 @@ def resources(cubin: bytes) -> tuple[int, int]:
 
 
 def compile_one(program, cfg, dtype: str, arch: int):
+    if cfg.schedule == "pingpong":  # the hand-scheduled Gluon kernel (codagen.backends.triton.pingpong)
+        from codagen.backends.triton import pingpong
+        return pingpong.compile_sm90({"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     kernel = load_kernel(program, dtypes=f"report:{dtype}", arch=f"sm_{arch}", interpret=False)
     sig = signature(program, dtype)
     n_ptr = sum(1 for v in sig.values() if v.startswith("*"))
@@ -84,7 +88,8 @@ def main(argv=None) -> int:
     print(f"{'program':36s} {'config':34s} {'est KiB':>7s} {'smem KiB':>8s} {'regs':>4s} {'stack':>5s} wgmma")
     for name in names:
         program = library.PROGRAMS[name]()
-        pool = list(_SM90) if args.all else candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True)
+        pool = list(_SM90) if args.all else candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True,
+                                                                        tma_epilogue=True)
         for cfg in pool:
             est = smem_estimate(program, cfg, 2) / 1024
             try:

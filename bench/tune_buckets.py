@@ -4,13 +4,14 @@ The backend tunes once per (program, dtypes, shape bucket): the first shape it m
 the configuration for all of them (``M, N, K`` rounded up to powers of two). The paper's d 2048 and
 LLaMA-3 1B share buckets (gate/up N = 11264 and 16384; SwiGLU backward N = 5632 and 8192), as do d 4096
 and LLaMA-3 8B. This times every candidate on every block shape of a bucket and keeps the one with the
-smallest mean slowdown over the bucket's best per shape; the choices go to the tuning cache
+smallest total time over them (recorded as the entry's ``timings_ms``); the choices go to the tuning cache
 (``$CODAGEN_CACHE_DIR/triton/tuning.json``), from which ``codagen/backends/triton/tuned.json`` is refreshed.
 
     PYTHONPATH=. python bench/tune_buckets.py [--programs rms_gate_up_swiglu swiglu_backward]
 """
 import argparse
 import collections
+import math
 
 import torch
 
@@ -43,7 +44,8 @@ def main():
     smem_limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 232448)
     for key, members in buckets.items():
         bound0, launch0 = members[0][1], members[0][2]
-        pool = candidates(bound0.program, major=9, operand_bytes=2, smem_limit=smem_limit, tma=launch0.tma_mainloop)
+        pool = candidates(bound0.program, major=9, operand_bytes=2, smem_limit=smem_limit, tma=launch0.tma_mainloop,
+                          tma_epilogue=launch0.tma_epilogue_ok)
         times = {}  # (config, shape) -> ms
         for cfg in pool:
             for name, bound, launch in members:
@@ -55,16 +57,14 @@ def main():
                 except Exception:  # noqa: BLE001 - out of resources: not a candidate here
                     times[cfg.short(), name] = float("inf")
         names = [name for name, _, _ in members]
-        best_at = {name: min(times[cfg.short(), name] for cfg in pool) for name in names}
-        slowdown = {cfg.short(): sum(times[cfg.short(), n] / best_at[n] for n in names) / len(names) for cfg in pool}
-        chosen = min(pool, key=lambda c: slowdown[c.short()])
+        total = {cfg.short(): sum(times[cfg.short(), n] for n in names) for cfg in pool}
+        chosen = min(pool, key=lambda c: total[c.short()])
         print(f"\n{key.split('|')[2]} {key.split('|')[-1]}: " + ", ".join(names))
         for cfg in pool:
             mark = " <-" if cfg is chosen else ""
             print(f"  {cfg.short():28s} " + "  ".join(f"{times[cfg.short(), n]:7.3f}" for n in names) +
-                  f"   mean slowdown {slowdown[cfg.short()]:.3f}{mark}")
-        backend.tuning.put(key, chosen, {f"{cfg.short()} (mean slowdown over {len(names)} shapes)": slowdown[cfg.short()]
-                                         for cfg in pool})
+                  f"   total {total[cfg.short()]:7.3f}{mark}")
+        backend.tuning.put(key, chosen, {s: (ms if math.isfinite(ms) else float("nan")) for s, ms in total.items()})
     print(f"\nwrote {backend.tuning.path}")
 
 

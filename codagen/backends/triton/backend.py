@@ -217,6 +217,15 @@ class TritonBackend:
     # -- launching ---------------------------------------------------------------------------------
     def _launch(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
         program = bound.program
+        if cfg.schedule == "pingpong":
+            if launch.interpret or not (launch.tma_mainloop and launch.tma_epilogue_ok):
+                raise ProgramError(f"{program.name}: the ping-pong kernel runs on sm_90 with every operand "
+                                   "TMA-aligned (row strides and base addresses multiples of 16 bytes)")
+            from . import pingpong
+            pingpong.launch(bound.a, bound.b, bound.tensors["preact"], outs["grad_preact"], outs["act"],
+                            outs["partial_z_dz"], _num_sms(bound.device))
+            self.launches += 1
+            return
         args = [bound.a, bound.b]
         args += [bound.tensors[name] for name in program.inputs]
         args += [outs[o.name] for o in program.outputs]
@@ -279,6 +288,11 @@ class TritonBackend:
     # -- tuning ------------------------------------------------------------------------------------
     def _choose(self, bound: BoundProgram, launch: _Launch, interpret: bool) -> KernelConfig:
         if self.config is not None:
+            if self.config.schedule == "pingpong":
+                from . import pingpong
+                if not pingpong.implements(bound.program):
+                    raise ProgramError(f"{bound.program.name}: the ping-pong kernel computes only the library's "
+                                       f"swiglu_backward program; use a persistent configuration")
             return self.config
         if interpret:
             return INTERPRETER_CONFIG
@@ -286,13 +300,16 @@ class TritonBackend:
         props = torch.cuda.get_device_properties(dev)
         smem_limit = getattr(props, "shared_memory_per_block_optin", 232448)
         pool = candidates(bound.program, major=torch.cuda.get_device_capability(dev)[0],
-                          operand_bytes=bound.a.element_size(), smem_limit=smem_limit, tma=launch.tma_mainloop)
+                          operand_bytes=bound.a.element_size(), smem_limit=smem_limit, tma=launch.tma_mainloop,
+                          tma_epilogue=launch.tma_epilogue_ok)
         autotune = self.autotune
         if autotune is None:
             autotune = os.environ.get("CODAGEN_TRITON_AUTOTUNE", "1").strip() not in ("0", "false", "no", "")
         key = self._tuning_key(bound, launch)
         retune = autotune and os.environ.get("CODAGEN_TRITON_RETUNE", "0").strip() in ("1", "true", "yes")
         cached = None if retune else self.tuning.get(key)
+        if cached is not None and cached not in pool:  # the bucket's choice cannot run these operands
+            cached = self.tuning.fastest(key, pool) or pool[0]
         if cached is not None:  # a choice measured earlier (or shipped) stands, tuning on or off
             return cached
         if len(pool) == 1 or not autotune:

@@ -16,11 +16,16 @@ Candidates are pruned *before* compiling by two estimates:
   128 leaves the epilogue too little of the 255 a thread can have and it spills.
 
 A compile that still runs out of resources (``OutOfResources``) drops the candidate at tuning time.
+
+``schedule``: ``"persistent"`` is the generated kernel (one warp group does a tile's mainloop, then its
+epilogue); ``"pingpong"`` is the hand-scheduled warp-specialized kernel of :mod:`.pingpong`, a candidate
+only for the program it implements, on sm_90, with every operand TMA-aligned.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 import threading
@@ -29,7 +34,7 @@ from pathlib import Path
 
 from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
-__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG"]
+__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG", "PINGPONG"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,11 @@ class KernelConfig:
     epilogue_split: int = 1
     tma_epilogue: bool = False
     group_m: int = 8
+    schedule: str = "persistent"
 
     def __post_init__(self):
+        if self.schedule not in ("persistent", "pingpong"):
+            raise ValueError(f"schedule must be 'persistent' or 'pingpong', got {self.schedule!r}")
         if self.epilogue_split not in (1, 2, 4):
             raise ValueError(f"epilogue_split must be 1, 2 or 4, got {self.epilogue_split}")
         if (self.block_n // self.epilogue_split) % 2:
@@ -54,9 +62,10 @@ class KernelConfig:
         return self.block_n // self.epilogue_split
 
     def short(self) -> str:
-        epi = "tma" if self.tma_epilogue else "ptr"
-        return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps} "
-                f"split{self.epilogue_split} {epi}")
+        tile = f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps}"
+        if self.schedule == "pingpong":
+            return f"{tile} pingpong"
+        return f"{tile} split{self.epilogue_split} {'tma' if self.tma_epilogue else 'ptr'}"
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -80,6 +89,9 @@ _SM90 = (
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=False),
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=True),
 )
+# the warp-specialized kernel (.pingpong): 128x128 tiles, a 4-slot ring, two consumer warpgroups of 4 warps
+# (num_warps counts one), the epilogue in four TMA-staged column pieces
+PINGPONG = KernelConfig(128, 128, 64, 4, 4, epilogue_split=4, tma_epilogue=True, schedule="pingpong")
 # Ampere/Ada (pointer loads, cp.async pipelining)
 _SM80 = (
     KernelConfig(128, 128, 32, 4, 8, epilogue_split=1),
@@ -103,6 +115,9 @@ def _tile_io(program: Program):
 
 def smem_estimate(program: Program, cfg: KernelConfig, operand_bytes: int, io_bytes: int = 2) -> int:
     """Bytes of shared memory the configuration needs (see the module docstring)."""
+    if cfg.schedule == "pingpong":  # a fixed kernel: its compiled size
+        from .pingpong import SHARED_MEMORY
+        return SHARED_MEMORY
     ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * operand_bytes
     # layout conversions of a sub-tile go through shared memory (measured: BM * SUB_N * 2 bytes on sm_90)
     scratch = cfg.block_m * cfg.sub_n * 2
@@ -111,8 +126,12 @@ def smem_estimate(program: Program, cfg: KernelConfig, operand_bytes: int, io_by
     return ring + scratch + 1024  # + barriers
 
 
-def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: int, tma: bool) -> list[KernelConfig]:
-    """Configurations worth compiling for this program on this GPU, best guess first."""
+def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: int, tma: bool,
+               tma_epilogue: bool = False) -> list[KernelConfig]:
+    """Configurations worth compiling for this program on this GPU, best guess first.
+
+    ``tma``: A and B are TMA-aligned; ``tma_epilogue``: so are the tile operands and outputs (the
+    ping-pong kernel has no pointer fallback)."""
     if operand_bytes == 4:
         pool = _FP32
     elif tma:
@@ -147,6 +166,10 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         keep.append(cfg)
     if not keep:  # the smallest one always fits
         keep.append(min(pool, key=lambda c: smem_estimate(program, c, operand_bytes)))
+    if major == 9 and operand_bytes == 2 and tma and tma_epilogue:
+        from . import pingpong
+        if pingpong.implements(program) and pingpong.SHARED_MEMORY <= smem_limit:
+            keep.append(PINGPONG)
     return keep
 
 
@@ -200,6 +223,15 @@ class TuningCache:
             return KernelConfig.from_json(d["config"])
         except (KeyError, TypeError, ValueError):
             return None
+
+    def fastest(self, key: str, pool: list[KernelConfig]) -> KernelConfig | None:
+        """The config of ``pool`` with the shortest time recorded under ``key`` (None if none was): for a
+        call that cannot run the bucket's choice (the ping-pong kernel, with operands TMA cannot take)."""
+        with self._lock:
+            timings = self._load().get(key, {}).get("timings_ms", {})
+        timed = [(ms, i) for i, cfg in enumerate(pool)
+                 if (ms := timings.get(cfg.short())) is not None and not math.isnan(ms)]
+        return pool[min(timed)[1]] if timed else None
 
     def put(self, key: str, cfg: KernelConfig, timings: dict[str, float]) -> None:
         with self._lock:
