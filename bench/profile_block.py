@@ -15,6 +15,21 @@ from torch.profiler import ProfilerActivity, profile
 from codagen.bench.block import SHAPES, block_providers, model_providers
 
 
+def back_to_back(step, steps: int = 10) -> tuple[float, float]:
+    """(GPU ms per step over ``steps`` back-to-back steps, median host ms to enqueue one step)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cpu = []
+    start.record()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        cpu.append(time.perf_counter() - t0)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps, 1e3 * sorted(cpu)[steps // 2]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama3-1b", choices=sorted(SHAPES))
@@ -33,17 +48,7 @@ def main():
         step = factories[name]()
         for _ in range(3):
             step()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        cpu = []
-        start.record()
-        for _ in range(10):
-            t0 = time.perf_counter()
-            step()
-            cpu.append(time.perf_counter() - t0)
-        end.record()
-        torch.cuda.synchronize()
-        wall = start.elapsed_time(end) / 10
+        wall, cpu_ms = back_to_back(step)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 step()
@@ -51,7 +56,7 @@ def main():
         events = [e for e in prof.key_averages() if e.device_time_total > 0]
         kernel_ms = sum(e.device_time_total for e in events) / 3 / 1e3
         launches = sum(e.count for e in events) / 3
-        print(f"\n== {name} {args.shape}: wall {wall:.3f} ms/step, CPU enqueue {1e3 * sorted(cpu)[5]:.3f} ms/step, "
+        print(f"\n== {name} {args.shape}: wall {wall:.3f} ms/step, CPU enqueue {cpu_ms:.3f} ms/step, "
               f"kernels {kernel_ms:.3f} ms/step in {launches:.0f} launches")
         for e in sorted(events, key=lambda e: -e.device_time_total)[:args.top]:
             print(f"  {e.device_time_total / 3 / 1e3:8.3f} ms  x{e.count // 3:<3d} {e.key[:110]}")

@@ -10,10 +10,10 @@ to back, torch.compile's 0.3 ms (two machines). This script times both ways on o
     PYTHONPATH=. python bench/step_timing.py [--providers compile codagen] [--layers 2]
 """
 import argparse
-import time
 import warnings
 
 import torch
+from profile_block import back_to_back  # bench/ is on the path when run as a script
 
 from codagen.bench.block import SHAPES, model_providers
 from codagen.bench.common import median_ms
@@ -52,20 +52,12 @@ def main():
             torch.cuda.set_sync_debug_mode("warn")
             step()
             torch.cuda.set_sync_debug_mode("default")
-        syncs = sorted({str(w.message).splitlines()[0][:100] for w in caught if "synchroniz" in str(w.message)})
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        cpu = []
-        start.record()
-        for _ in range(10):
-            t0 = time.perf_counter()
-            step()
-            cpu.append(time.perf_counter() - t0)
-        end.record()
-        torch.cuda.synchronize()
-        row = {"provider": name, "back_to_back": start.elapsed_time(end) / 10,
+        syncs = sorted({str(w.message).splitlines()[0][:100] for w in caught
+                        if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)})
+        wall, cpu_ms = back_to_back(step)
+        row = {"provider": name, "back_to_back": wall,
                "events_no_flush": events_per_step(step, 20, None), "events_flush": events_per_step(step, 20, flush),
-               "do_bench": median_ms(step), "cpu_enqueue": 1e3 * sorted(cpu)[5]}
+               "do_bench": median_ms(step), "cpu_enqueue": cpu_ms}
         rows.append(row)
         print(f"{name}: syncs inside a step: {syncs or 'none'}", flush=True)
     keys = ["back_to_back", "events_no_flush", "events_flush", "do_bench", "cpu_enqueue"]

@@ -27,7 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from codagen.backends.triton.backend import load_kernel  # noqa: E402
 from codagen.backends.triton.configs import _SM90, candidates, smem_estimate  # noqa: E402
 from codagen.epilogue import library  # noqa: E402
-from codagen.epilogue.ir import ColVector, RowVector, ScalarInput, Store, TileInput  # noqa: E402
+from codagen.epilogue.ir import RowVector, Store, TileInput  # noqa: E402
 
 
 def signature(program, dtype: str) -> dict[str, str]:
