@@ -72,6 +72,16 @@ def test_fastest_of_a_pool_from_recorded_timings(tmp_path, monkeypatch):
     assert cache.fastest("missing", pool) is None
 
 
+def test_refuses_a_preact_of_another_dtype():
+    program = library.swiglu_backward()
+    a, b, tensors = random_inputs(program, 8, 16, 16, torch.float16, "cpu")
+    assert pingpong.refuses(bind(program, a, b, tensors)) is None
+    tensors["preact"] = tensors["preact"].float()
+    assert "preact must have the operands' dtype" in pingpong.refuses(bind(program, a, b, tensors))
+    a, b, tensors = random_inputs(program, 8, 16, 16, torch.float32, "cpu")
+    assert "bfloat16 or float16" in pingpong.refuses(bind(program, a, b, tensors))
+
+
 def test_forcing_it_where_it_cannot_run_is_refused():
     program = library.swiglu_backward()
     a, b, tensors = random_inputs(program, 8, 16, 16, torch.float16, "cpu")
@@ -115,6 +125,20 @@ def test_gpu_one_launch_and_bitwise_deterministic():
     assert [k for k in kernels if "fill" not in k.lower()] == ["swiglu_backward_pingpong_kernel"], kernels
     for key in first:
         assert torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)), key
+
+
+@pytest.mark.gpu
+def test_gpu_preact_of_another_dtype_takes_a_generated_kernel():
+    """fp32 preact with bf16 operands: the tuner leaves the ping-pong kernel out; forcing it is refused."""
+    _need_hopper()
+    program = library.swiglu_backward()
+    a, b, tensors = random_inputs(program, 256, 512, 256, torch.bfloat16, "cuda")
+    tensors["preact"] = tensors["preact"].float()
+    backend = TritonBackend(autotune=False)
+    backend.run(bind(program, a, b, _clone(tensors)))
+    assert backend.last_config.schedule == "persistent"
+    with pytest.raises(ProgramError, match="preact must have the operands' dtype"):
+        TritonBackend(config=PINGPONG).run(bind(program, a, b, tensors))
 
 
 @pytest.mark.gpu

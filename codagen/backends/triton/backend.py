@@ -218,10 +218,13 @@ class TritonBackend:
     def _launch(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
         program = bound.program
         if cfg.schedule == "pingpong":
+            from . import pingpong
             if launch.interpret or not (launch.tma_mainloop and launch.tma_epilogue_ok):
                 raise ProgramError(f"{program.name}: the ping-pong kernel runs on sm_90 with every operand "
                                    "TMA-aligned (row strides and base addresses multiples of 16 bytes)")
-            from . import pingpong
+            reason = pingpong.refuses(bound)
+            if reason:
+                raise ProgramError(f"{program.name}: the ping-pong kernel cannot run these tensors: {reason}")
             pingpong.launch(bound.a, bound.b, bound.tensors["preact"], outs["grad_preact"], outs["act"],
                             outs["partial_z_dz"], _num_sms(bound.device))
             self.launches += 1
@@ -302,6 +305,10 @@ class TritonBackend:
         pool = candidates(bound.program, major=torch.cuda.get_device_capability(dev)[0],
                           operand_bytes=bound.a.element_size(), smem_limit=smem_limit, tma=launch.tma_mainloop,
                           tma_epilogue=launch.tma_epilogue_ok)
+        if any(cfg.schedule == "pingpong" for cfg in pool):
+            from . import pingpong
+            if pingpong.refuses(bound):
+                pool = [cfg for cfg in pool if cfg.schedule != "pingpong"]
         autotune = self.autotune
         if autotune is None:
             autotune = os.environ.get("CODAGEN_TRITON_AUTOTUNE", "1").strip() not in ("0", "false", "no", "")

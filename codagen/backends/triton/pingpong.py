@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from codagen.epilogue import library
 from codagen.epilogue.ir import Program
 
-__all__ = ["implements", "launch", "compile_sm90", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "CONSUMER_WARPS",
+__all__ = ["implements", "refuses", "launch", "compile_sm90", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "CONSUMER_WARPS",
            "SHARED_MEMORY"]
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
@@ -54,6 +54,17 @@ def implements(program: Program) -> bool:
     """Whether ``program`` is the one this kernel computes (the library's SwiGLU backward)."""
     from .codegen import program_key
     return program_key(program) == program_key(library.swiglu_backward())
+
+
+def refuses(bound) -> str | None:
+    """Why this kernel cannot take these tensors (None if it can): the pre-activation must have the
+    operands' dtype (one TMA layout for all; the generated kernels take any float dtype there)."""
+    preact = bound.tensors["preact"]
+    if bound.dtype not in _GL_DTYPE:
+        return f"operands must be bfloat16 or float16, got {bound.dtype}"
+    if preact.dtype != bound.dtype:
+        return f"preact must have the operands' dtype {bound.dtype}, got {preact.dtype}"
+    return None
 
 
 @gluon.jit
