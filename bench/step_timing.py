@@ -4,12 +4,16 @@ The block benchmark times a step with ``codagen.bench.common.median_ms`` (``trit
 an L2 flush before every step, CUDA events around each step). ``bench/profile_block.py`` times 10 steps
 back to back. On 2026-11-30 codagen's 2-layer 1B step read 1.0 ms slower under ``do_bench`` than back
 to back, torch.compile's 0.3 ms (two machines). This script times both ways on one machine, plus
-``do_bench``'s loop without the flush, and looks for host-device synchronizations inside a step
-(``torch.cuda.set_sync_debug_mode``: a sync stalls the GPU while the host enqueues what follows).
+``do_bench``'s loop without the flush, in rounds of rotated order (the first run of this script,
+2026-11-30, took the methods in a fixed order and every later one read slower for both providers, so
+method and elapsed time were confounded), and looks for
+host-device synchronizations inside a step (``torch.cuda.set_sync_debug_mode``: a sync stalls the GPU
+while the host enqueues what follows).
 
-    PYTHONPATH=. python bench/step_timing.py [--providers compile codagen] [--layers 2]
+    PYTHONPATH=. python bench/step_timing.py [--providers compile codagen] [--layers 2] [--rounds 3]
 """
 import argparse
+import statistics
 import warnings
 
 import torch
@@ -38,12 +42,13 @@ def main():
     parser.add_argument("--shape", default="llama3-1b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--providers", nargs="+", default=["compile", "codagen"])
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     factories = model_providers(SHAPES[args.shape], args.layers, 32768, 2, 8192, torch.device("cuda"), torch.bfloat16)
     flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")  # as do_bench's
-    rows = []
+    steps = {}
     for name in args.providers:
-        step = factories[name]()
+        step = steps[name] = factories[name]()
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -54,16 +59,26 @@ def main():
             torch.cuda.set_sync_debug_mode("default")
         syncs = sorted({str(w.message).splitlines()[0][:100] for w in caught
                         if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)})
-        wall, cpu_ms = back_to_back(step)
-        row = {"provider": name, "back_to_back": wall,
-               "events_no_flush": events_per_step(step, 20, None), "events_flush": events_per_step(step, 20, flush),
-               "do_bench": median_ms(step), "cpu_enqueue": cpu_ms}
-        rows.append(row)
         print(f"{name}: syncs inside a step: {syncs or 'none'}", flush=True)
-    keys = ["back_to_back", "events_no_flush", "events_flush", "do_bench", "cpu_enqueue"]
-    print(f"\n{'ms per step':12s} " + " ".join(f"{k:>16s}" for k in keys))
-    for row in rows:
-        print(f"{row['provider']:12s} " + " ".join(f"{row[k]:16.3f}" for k in keys))
+    methods = {"back_to_back": lambda step: back_to_back(step)[0],
+               "events_no_flush": lambda step: events_per_step(step, 20, None),
+               "events_flush": lambda step: events_per_step(step, 20, flush),
+               "do_bench": median_ms}
+    # the GPU's speed can drift over a run: every round takes the providers and the methods in a rotated
+    # order, so neither a provider nor a method always comes first
+    times = {(name, method): [] for name in steps for method in methods}
+    names, keys = list(steps), list(methods)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            for method in keys[r % len(keys):] + keys[:r % len(keys)]:
+                times[name, method].append(methods[method](steps[name]))
+    cpu = {name: back_to_back(step)[1] for name, step in steps.items()}
+    print(f"\n{'ms per step':12s} " + " ".join(f"{k:>16s}" for k in keys) + f" {'cpu_enqueue':>16s}")
+    for name in names:
+        print(f"{name:12s} " + " ".join(f"{statistics.median(times[name, k]):16.3f}" for k in keys) +
+              f" {cpu[name]:16.3f}")
+    print("(medians over rounds; all rounds: " +
+          "; ".join(f"{n} {k} " + "/".join(f"{t:.2f}" for t in times[n, k]) for n in names for k in keys) + ")")
 
 
 if __name__ == "__main__":
