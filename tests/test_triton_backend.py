@@ -316,6 +316,32 @@ def test_interpreter_config_is_small():
     assert INTERPRETER_CONFIG.block_m * INTERPRETER_CONFIG.block_n <= 32 * 32
 
 
+def test_shipped_tuning_covers_the_kernel_benchmark():
+    """tuned.json has a choice for every fused kernel of ``codagen bench kernels`` (bf16, the H200). Its
+    keys hash each kernel's code (``kernel_hash``): a change to a kernel's generated source, to
+    ``device_math.py`` or to ``pingpong.py`` drops that program's entries, and this test names them; retune
+    on the GPU (``bench/tune_buckets.py``, or ``CODAGEN_TRITON_RETUNE=1 codagen bench kernels``) and merge."""
+    import json
+
+    from codagen.backends.triton.backend import tuning_key
+    from codagen.backends.triton.configs import TuningCache
+    from codagen.bench.kernels import MODELS, kernel_cases
+    shipped = json.loads(TuningCache.SHIPPED.read_text())
+    versions = {key.split("|")[1] for key in shipped if key.startswith("NVIDIA H200|")}
+    assert len(versions) == 1, f"the shipped table mixes versions: {versions}"
+    (measured_with,) = versions
+    backend, missing = TritonBackend(), []
+    for model in MODELS.values():
+        for case in kernel_cases(model):
+            a, b, tensors = random_inputs(case.program, case.m, case.n, case.k, torch.bfloat16, "meta")
+            bound = bind(case.program, a, b, tensors)
+            launch = backend._prepare(bound, False, 9)
+            key = tuning_key("NVIDIA H200", bound, launch.tma_mainloop, launch.tma_epilogue_ok, measured_with)
+            if key not in shipped:
+                missing.append(f"{model.name} {case.name}: {key.split('|', 2)[2]}")
+    assert not missing, "no shipped choice for:\n" + "\n".join(missing)
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU: compiled kernels at realistic sizes (run on the H200: bench/gpu_kernels.sh)
 # --------------------------------------------------------------------------------------------------

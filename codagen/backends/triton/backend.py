@@ -9,6 +9,7 @@ way (:func:`_interpreting`). Nothing needs exporting before import and GPU kerne
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import importlib.util
@@ -17,18 +18,20 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 import codagen
+from codagen.epilogue import library
 from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
 from . import codegen
 from .configs import INTERPRETER_CONFIG, KernelConfig, TuningCache, cache_dir, candidates
 
-__all__ = ["TritonBackend", "program_source", "load_kernel", "SUPPORTED_DTYPES"]
+__all__ = ["TritonBackend", "program_source", "load_kernel", "tuning_key", "kernel_hash", "SUPPORTED_DTYPES"]
 
 #: operand dtypes the Triton backend multiplies (float64 stays with the reference backend)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,6 +42,52 @@ _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "
 def _versions() -> str:
     import triton
     return f"codagen {codagen.__version__}, generator {codegen.GENERATOR_VERSION}, triton {triton.__version__}, torch {torch.__version__.split('+')[0]}"
+
+
+_kernel_hashes: dict[str, str] = {}
+
+
+def kernel_hash(program: Program) -> str:
+    """Hash of the code a tuned choice is measured on: the generated kernel (without its version line),
+    the device math it imports and, for a program with a hand-scheduled kernel, that kernel's module.
+    A choice stays valid until one of them changes, whatever else changes in the generator."""
+    key = codegen.program_key(program)
+    if key not in _kernel_hashes:
+        here = Path(__file__).parent
+        parts = [line for line in codegen.generate(program).splitlines() if "generator version" not in line]
+        parts.append(_code_of(here / "device_math.py"))
+        if key == codegen.program_key(library.swiglu_backward()):  # pingpong.implements, without importing Gluon
+            parts.append(_code_of(here / "pingpong.py"))
+        _kernel_hashes[key] = codegen.source_hash(*parts)
+    return _kernel_hashes[key]
+
+
+def _code_of(path: Path) -> str:
+    """A module's code without its comments and docstrings (editing those keeps tuned choices)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def tuning_key(gpu: str, bound: BoundProgram, tma_mainloop: bool, tma_epilogue_ok: bool,
+               versions: str | None = None) -> str:
+    """What a tuned choice is cached under: GPU name, Triton and torch versions (``versions``: these
+    instead of the installed ones), the program and its kernel's code (:func:`kernel_hash`), operand and
+    input dtypes, TMA eligibility and the shape bucket (M, N, K rounded up to powers of two)."""
+    if versions is None:
+        import triton
+        versions = f"triton {triton.__version__}, torch {torch.__version__.split('+')[0]}"
+
+    def bucket(x: int) -> int:
+        return 1 << max(0, (x - 1).bit_length())
+    tensors = ",".join(f"{n}:{_TRITON_DTYPE.get(t.dtype, t.dtype)}" for n, t in sorted(bound.tensors.items()))
+    return (f"{gpu}|{versions}|"
+            f"{bound.program.name}:{kernel_hash(bound.program)}|a:{_TRITON_DTYPE[bound.dtype]},{tensors}|"
+            f"tma:{int(tma_mainloop)}{int(tma_epilogue_ok)}|M{bucket(bound.m)} N{bucket(bound.n)} K{bucket(bound.k)}")
 
 
 def program_source(program: Program, dtypes: str = "any", arch: str = "any") -> str:
@@ -324,13 +373,7 @@ class TritonBackend:
         return self._tune(bound, launch, pool, key)
 
     def _tuning_key(self, bound: BoundProgram, launch: _Launch) -> str:
-        def bucket(x: int) -> int:
-            return 1 << max(0, (x - 1).bit_length())
-        tensors = ",".join(f"{n}:{_TRITON_DTYPE.get(t.dtype, t.dtype)}" for n, t in sorted(bound.tensors.items()))
-        program_hash = codegen.source_hash(codegen.program_key(bound.program))
-        return (f"{torch.cuda.get_device_name(bound.device)}|{_versions()}|{bound.program.name}:{program_hash}|"
-                f"a:{_TRITON_DTYPE[bound.dtype]},{tensors}|tma:{int(launch.tma_mainloop)}{int(launch.tma_epilogue_ok)}|"
-                f"M{bucket(bound.m)} N{bucket(bound.n)} K{bucket(bound.k)}")
+        return tuning_key(torch.cuda.get_device_name(bound.device), bound, launch.tma_mainloop, launch.tma_epilogue_ok)
 
     def _tune(self, bound: BoundProgram, launch: _Launch, pool: list[KernelConfig], key: str) -> KernelConfig:
         import triton.testing
