@@ -316,6 +316,17 @@ def test_interpreter_config_is_small():
     assert INTERPRETER_CONFIG.block_m * INTERPRETER_CONFIG.block_n <= 32 * 32
 
 
+def test_kernel_code_hash_ignores_docstrings_and_comment_lines(tmp_path):
+    from codagen.backends.triton.backend import _code_of
+    module = tmp_path / "m.py"
+    module.write_text('"""Module doc."""\nimport math\n\n\ndef f(x):\n    """Doc."""\n    # why\n    return math.exp(x)\n')
+    code = _code_of(module)
+    module.write_text('"""Another\ndoc."""\nimport math\n# new comment\n\ndef f(x):\n    """Other doc."""\n    return math.exp(x)\n')
+    assert _code_of(module) == code
+    module.write_text('"""Module doc."""\nimport math\n\n\ndef f(x):\n    """Doc."""\n    return math.exp(-x)\n')
+    assert _code_of(module) != code
+
+
 def test_shipped_tuning_covers_the_kernel_benchmark():
     """tuned.json has a choice for every fused kernel of ``codagen bench kernels`` (bf16, the H200). Its
     keys hash each kernel's code (``kernel_hash``): a change to a kernel's generated source, to

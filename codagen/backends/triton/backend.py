@@ -63,14 +63,19 @@ def kernel_hash(program: Program) -> str:
 
 
 def _code_of(path: Path) -> str:
-    """A module's code without its comments and docstrings (editing those keeps tuned choices)."""
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+    """A module's lines without docstrings, comment lines and blank lines, so editing those keeps tuned
+    choices (a trailing comment still counts). Line-based, not ``ast.dump``: that differs between Python
+    versions, and the shipped table must match on every one."""
+    source = path.read_text()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and body and isinstance(body[0], ast.Expr)
-                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree)
+        if (isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return "\n".join(line.strip() for number, line in enumerate(source.splitlines(), 1)
+                     if number not in docstrings and line.strip() and not line.strip().startswith("#"))
 
 
 def tuning_key(gpu: str, bound: BoundProgram, tma_mainloop: bool, tma_epilogue_ok: bool,
