@@ -7,7 +7,8 @@
 * Epilogue: generated from the IR (:mod:`.codegen`), run on the fp32 accumulator in registers;
   ``program.triton_source()`` prints it.
 * Tuning: a few configurations pruned by shared memory and registers, timed on first use, cached on
-  disk per GPU, versions and shape bucket (:mod:`.configs`).
+  disk per GPU, versions, kernel code and shape bucket (:mod:`.configs`). For the SwiGLU backward on
+  Hopper the candidates include a hand-scheduled warp-specialized kernel (:mod:`.pingpong`, Gluon).
 * CPU tensors run the same kernels in the Triton interpreter (no ``TRITON_INTERPRET`` needed).
 """
 from .backend import SUPPORTED_DTYPES, TritonBackend, load_kernel, program_source
