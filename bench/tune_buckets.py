@@ -16,10 +16,9 @@ import math
 import torch
 
 from codagen.backends.triton.backend import TritonBackend
-from codagen.backends.triton.configs import candidates
 from codagen.bench.common import median_ms
 from codagen.bench.kernels import MODELS, Model, kernel_cases, random_inputs
-from codagen.epilogue.bind import BoundProgram, bind
+from codagen.epilogue.bind import bind
 
 # LLaMA-3 1B: head_dim 64 (32/8 heads); Model assumes head_dim 128, and 16/4 heads of it give the same
 # QKV width (3072)
@@ -41,19 +40,13 @@ def main():
             bound = bind(case.program, a, b, tensors)
             launch = backend._prepare(bound, False, 9)
             buckets[backend._tuning_key(bound, launch)].append((f"{model.name} {case.name}", bound, launch))
-    smem_limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 232448)
     for key, members in buckets.items():
-        bound0, launch0 = members[0][1], members[0][2]
-        pool = candidates(bound0.program, major=9, operand_bytes=2, smem_limit=smem_limit, tma=launch0.tma_mainloop,
-                          tma_epilogue=launch0.tma_epilogue_ok)
+        pool = backend._candidates(members[0][1], members[0][2])
         times = {}  # (config, shape) -> ms
         for cfg in pool:
             for name, bound, launch in members:
-                scratch = {**bound.tensors, **{n: bound.tensors[n].clone() for n in bound.program.accumulated_outputs()}}
-                sb = BoundProgram(bound.program, bound.a, bound.b, bound.m, bound.n, bound.k, scratch)
-                outs = sb.allocate_outputs(cfg.block_m, cfg.block_n)
                 try:
-                    times[cfg.short(), name] = median_ms(lambda: backend._launch(sb, launch, cfg, outs), 25, 150)
+                    times[cfg.short(), name] = median_ms(backend._trial(bound, launch, cfg), 25, 150)
                 except Exception:  # noqa: BLE001 - out of resources: not a candidate here
                     times[cfg.short(), name] = float("inf")
         names = [name for name, _, _ in members]

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 import codagen
-from codagen.epilogue import library
 from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
@@ -56,7 +55,8 @@ def kernel_hash(program: Program) -> str:
         here = Path(__file__).parent
         parts = [line for line in codegen.generate(program).splitlines() if "generator version" not in line]
         parts.append(_code_of(here / "device_math.py"))
-        if key == codegen.program_key(library.swiglu_backward()):  # pingpong.implements, without importing Gluon
+        from . import pingpong
+        if pingpong.implements(program):
             parts.append(_code_of(here / "pingpong.py"))
         _kernel_hashes[key] = codegen.source_hash(*parts)
     return _kernel_hashes[key]
@@ -353,16 +353,7 @@ class TritonBackend:
             return self.config
         if interpret:
             return INTERPRETER_CONFIG
-        dev = bound.device
-        props = torch.cuda.get_device_properties(dev)
-        smem_limit = getattr(props, "shared_memory_per_block_optin", 232448)
-        pool = candidates(bound.program, major=torch.cuda.get_device_capability(dev)[0],
-                          operand_bytes=bound.a.element_size(), smem_limit=smem_limit, tma=launch.tma_mainloop,
-                          tma_epilogue=launch.tma_epilogue_ok)
-        if any(cfg.schedule == "pingpong" for cfg in pool):
-            from . import pingpong
-            if pingpong.refuses(bound):
-                pool = [cfg for cfg in pool if cfg.schedule != "pingpong"]
+        pool = self._candidates(bound, launch)
         autotune = self.autotune
         if autotune is None:
             autotune = os.environ.get("CODAGEN_TRITON_AUTOTUNE", "1").strip() not in ("0", "false", "no", "")
@@ -377,6 +368,27 @@ class TritonBackend:
             return pool[0]
         return self._tune(bound, launch, pool, key)
 
+    def _candidates(self, bound: BoundProgram, launch: _Launch) -> list[KernelConfig]:
+        """The configurations this GPU can run for these tensors, best guess first."""
+        dev = bound.device
+        smem_limit = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", 232448)
+        pool = candidates(bound.program, major=torch.cuda.get_device_capability(dev)[0],
+                          operand_bytes=bound.a.element_size(), smem_limit=smem_limit, tma=launch.tma_mainloop,
+                          tma_epilogue=launch.tma_epilogue_ok)
+        if any(cfg.schedule == "pingpong" for cfg in pool):
+            from . import pingpong
+            if pingpong.refuses(bound):
+                pool = [cfg for cfg in pool if cfg.schedule != "pingpong"]
+        return pool
+
+    def _trial(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig):
+        """A zero-argument function that runs ``cfg`` into scratch outputs (accumulated outputs are
+        cloned, so timing never changes the caller's tensors)."""
+        scratch = {**bound.tensors, **{n: bound.tensors[n].clone() for n in bound.program.accumulated_outputs()}}
+        sb = BoundProgram(bound.program, bound.a, bound.b, bound.m, bound.n, bound.k, scratch)
+        outs = sb.allocate_outputs(cfg.block_m, cfg.block_n)
+        return lambda: self._launch(sb, launch, cfg, outs)
+
     def _tuning_key(self, bound: BoundProgram, launch: _Launch) -> str:
         return tuning_key(torch.cuda.get_device_name(bound.device), bound, launch.tma_mainloop, launch.tma_epilogue_ok)
 
@@ -389,14 +401,10 @@ class TritonBackend:
         timings: dict[str, float] = {}
         best, best_ms = None, float("inf")
         for i, cfg in enumerate(pool):
-            # scratch outputs; accumulated outputs are cloned so tuning never changes the caller's tensors
-            scratch = {**bound.tensors, **{n: bound.tensors[n].clone() for n in bound.program.accumulated_outputs()}}
-            sb = BoundProgram(bound.program, bound.a, bound.b, bound.m, bound.n, bound.k, scratch)
-            outs = sb.allocate_outputs(cfg.block_m, cfg.block_n)
+            run = self._trial(bound, launch, cfg)
             try:
-                self._launch(sb, launch, cfg, outs)
-                ms = triton.testing.do_bench(lambda: self._launch(sb, launch, cfg, outs), warmup=10, rep=40,
-                                             return_mode="median")
+                run()
+                ms = triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
             except OutOfResources as e:
                 timings[cfg.short()] = float("nan")
                 if verbose and announced:

@@ -136,6 +136,10 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         pool = _FP32
     elif tma:
         pool = _SM90
+        if major == 9 and tma_epilogue:
+            from . import pingpong
+            if pingpong.implements(program):
+                pool += (PINGPONG,)
     else:
         pool = _SM80
     # A SegmentSum group (a head, for QK-norm) must lie inside one epilogue sub-tile: a hard constraint,
@@ -166,10 +170,6 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         keep.append(cfg)
     if not keep:  # the smallest one always fits
         keep.append(min(pool, key=lambda c: smem_estimate(program, c, operand_bytes)))
-    if major == 9 and operand_bytes == 2 and tma and tma_epilogue:
-        from . import pingpong
-        if pingpong.implements(program) and pingpong.SHARED_MEMORY <= smem_limit:
-            keep.append(PINGPONG)
     return keep
 
 

@@ -20,7 +20,7 @@ angle the forward used.
 import triton
 import triton.language as tl
 
-__all__ = ["cos_sin", "sigmoid"]
+__all__ = ["cos_sin", "sigmoid", "SIGMOID_PTX"]
 
 
 @triton.jit
@@ -41,12 +41,15 @@ def cos_sin(theta, INTERPRETER: tl.constexpr):
     return c, s
 
 
+#: the PTX of ``sigmoid`` (also the Gluon kernels', which cannot call a ``tl`` function): t = -x log2 e,
+#: t = 2**t, t = 1 + t, 1 / t; 0fBFB8AA3B is -log2(e) as fp32
+SIGMOID_PTX = tl.constexpr("{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
+                           "add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }")
+
+
 @triton.jit
 def sigmoid(x, INTERPRETER: tl.constexpr):
     """1 / (1 + 2**(-x log2 e)) on fp32, in four instructions (see the module docstring)."""
     if INTERPRETER:
         return 1.0 / (1.0 + tl.exp(-x))
-    return tl.inline_asm_elementwise(
-        "{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
-        "add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }",
-        "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(SIGMOID_PTX, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)

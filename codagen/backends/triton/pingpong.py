@@ -33,6 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from codagen.epilogue import library
 from codagen.epilogue.ir import Program
 
+from .device_math import SIGMOID_PTX
+
 __all__ = ["implements", "refuses", "launch", "compile_sm90", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "CONSUMER_WARPS",
            "SHARED_MEMORY"]
 
@@ -69,12 +71,8 @@ def refuses(bound) -> str | None:
 
 @gluon.jit
 def _sigmoid(x):
-    # as codagen.backends.triton.device_math.sigmoid (ex2.approx.ftz + rcp.approx.ftz): a Gluon kernel
-    # cannot call a tl function
-    return gl.inline_asm_elementwise(
-        "{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
-        "add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }",
-        "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+    # codagen.backends.triton.device_math.sigmoid's PTX: a Gluon kernel cannot call a tl function
+    return gl.inline_asm_elementwise(SIGMOID_PTX, "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
