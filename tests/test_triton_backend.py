@@ -312,6 +312,19 @@ def test_float64_is_refused_clearly():
         TritonBackend().run(bind(program, a, b, {}))
 
 
+def test_interpreter_leaves_triton_language_as_it_found_it():
+    """An interpreted launch swaps triton.language builtins for numpy ones; all must be back afterwards,
+    or a later compile for the GPU in the same process fails (seen: the ping-pong kernel's sm_90 compile
+    inside ``tl.cdiv`` after the interpreter tests)."""
+    import triton.language as tl
+
+    namespaces = (tl, tl.core, tl.math, tl.tensor, tl.core.tensor_descriptor_base)
+    before = {(ns, name): value for ns in namespaces for name, value in vars(ns).items()}
+    check(library.rms_linear(), 7, 69, 45, torch.float16)  # its kernel calls tl.cdiv, a jit helper of tl.core
+    changed = sorted(f"{ns.__name__}.{name}" for (ns, name), value in before.items() if vars(ns).get(name) is not value)
+    assert not changed, f"left swapped by the interpreter: {changed}"
+
+
 def test_interpreter_config_is_small():
     assert INTERPRETER_CONFIG.block_m * INTERPRETER_CONFIG.block_n <= 32 * 32
 

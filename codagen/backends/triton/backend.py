@@ -145,23 +145,44 @@ _interpreted_wrappers: dict = {}
 
 @contextlib.contextmanager
 def _interpreting():
-    """Run ``triton.language``'s own ``@triton.jit`` helpers the interpreter's way, for one launch."""
-    from triton.runtime.interpreter import InterpretedFunction
+    """Run ``triton.language``'s own ``@triton.jit`` helpers the interpreter's way, for one launch.
+
+    The interpreter swaps ``triton.language`` builtins for numpy ones while it runs. Triton 3.6 puts
+    back what a kernel launch swapped but not what an interpreted helper call swapped (e.g. ``tl.cdiv``'s
+    module ``triton.language.core``); left so, a later compile in the same process (a real kernel for
+    the GPU) fails inside ``tl.cdiv``. Every attribute swapped during the launch is restored here to
+    the value it had before the launch."""
+    from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
     def call_interpreted(self, *args, **kwargs):
         wrapper = _interpreted_wrappers.get(self.fn)
         if wrapper is None:
-            wrapper = _interpreted_wrappers[self.fn] = InterpretedFunction(self.fn)
+            wrapper = _interpreted_wrappers[self.fn] = interpreter.InterpretedFunction(self.fn)
         return wrapper(*args, **kwargs)
+
+    before: dict[tuple[int, str], tuple[object, str, object]] = {}
+    set_attr = interpreter._LangPatchScope.set_attr
+
+    def recording_set_attr(scope, obj, name, value):
+        before.setdefault((id(obj), name), (obj, name, getattr(obj, name, interpreter._MISSING)))
+        set_attr(scope, obj, name, value)
 
     with _interpret_lock, np.errstate(all="ignore"):  # masked-off lanes are computed too (log 0, x / 0)
         original = JITFunction.__call__
         JITFunction.__call__ = call_interpreted
+        interpreter._LangPatchScope.set_attr = recording_set_attr
         try:
             yield
         finally:
             JITFunction.__call__ = original
+            interpreter._LangPatchScope.set_attr = set_attr
+            for obj, name, value in before.values():
+                if value is interpreter._MISSING:
+                    if name in vars(obj):
+                        delattr(obj, name)
+                else:
+                    setattr(obj, name, value)
 
 
 def _scratch_alloc(size: int, alignment: int, stream):
