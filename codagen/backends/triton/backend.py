@@ -292,14 +292,8 @@ class TritonBackend:
     # -- launching ---------------------------------------------------------------------------------
     def _launch(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
         program = bound.program
-        if cfg.schedule == "pingpong":
+        if cfg.schedule == "pingpong":  # validated once per call signature, in _choose
             from . import pingpong
-            if launch.interpret or not (launch.tma_mainloop and launch.tma_epilogue_ok):
-                raise ProgramError(f"{program.name}: the ping-pong kernel runs on sm_90 with every operand "
-                                   "TMA-aligned (row strides and base addresses multiples of 16 bytes)")
-            reason = pingpong.refuses(bound)
-            if reason:
-                raise ProgramError(f"{program.name}: the ping-pong kernel cannot run these tensors: {reason}")
             pingpong.launch(bound.a, bound.b, bound.tensors["preact"], outs["grad_preact"], outs["act"],
                             outs["partial_z_dz"], _num_sms(bound.device))
             self.launches += 1
@@ -368,9 +362,16 @@ class TritonBackend:
         if self.config is not None:
             if self.config.schedule == "pingpong":
                 from . import pingpong
+                name = bound.program.name
                 if not pingpong.implements(bound.program):
-                    raise ProgramError(f"{bound.program.name}: the ping-pong kernel computes only the library's "
+                    raise ProgramError(f"{name}: the ping-pong kernel computes only the library's "
                                        f"swiglu_backward program; use a persistent configuration")
+                if interpret or not (launch.tma_mainloop and launch.tma_epilogue_ok):
+                    raise ProgramError(f"{name}: the ping-pong kernel runs on sm_90 with every operand "
+                                       "TMA-aligned (row strides and base addresses multiples of 16 bytes)")
+                reason = pingpong.refuses(bound)
+                if reason:
+                    raise ProgramError(f"{name}: the ping-pong kernel cannot run these tensors: {reason}")
             return self.config
         if interpret:
             return INTERPRETER_CONFIG
