@@ -62,9 +62,10 @@ def resources(cubin: bytes) -> tuple[int, int]:
 
 
 def compile_one(program, cfg, dtype: str, arch: int):
-    if cfg.schedule == "pingpong":  # the hand-scheduled Gluon kernel (codagen.backends.triton.pingpong)
+    if cfg.schedule == "pingpong":  # the generated Gluon kernel (codagen.backends.triton.pingpong)
         from codagen.backends.triton import pingpong
-        return pingpong.compile_sm90({"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+        kernel = load_kernel(program, dtypes=f"report:{dtype}", arch=f"sm_{arch}", interpret=False, schedule="pingpong")
+        return pingpong.compile_sm90(kernel, program, cfg.sub_n, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     kernel = load_kernel(program, dtypes=f"report:{dtype}", arch=f"sm_{arch}", interpret=False)
     sig = signature(program, dtype)
     n_ptr = sum(1 for v in sig.values() if v.startswith("*"))

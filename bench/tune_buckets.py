@@ -7,7 +7,9 @@ and LLaMA-3 8B. This times every candidate on every block shape of a bucket and 
 smallest total time over them (recorded as the entry's ``timings_ms``); the choices go to the tuning cache
 (``$CODAGEN_CACHE_DIR/triton/tuning.json``), from which ``codagen/backends/triton/tuned.json`` is refreshed.
 
-    PYTHONPATH=. python bench/tune_buckets.py [--programs rms_gate_up_swiglu swiglu_backward]
+    PYTHONPATH=. python bench/tune_buckets.py [--programs rms_gate_up_swiglu swiglu_backward] [--rep-ms 150]
+
+Default: every program of the kernel benchmark.
 """
 import argparse
 import collections
@@ -27,14 +29,15 @@ SHAPES = {**MODELS, "llama3_1b": Model("llama3_1b", 2048, 8192, 16, 4)}
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--programs", nargs="+", default=["rms_gate_up_swiglu", "swiglu_backward"])
+    parser.add_argument("--programs", nargs="+", default=None, help="program names (default: all benchmarked)")
+    parser.add_argument("--rep-ms", type=float, default=150, help="milliseconds of timed runs per candidate and shape")
     args = parser.parse_args()
     backend = TritonBackend(autotune=False, verbose=False)
     device = torch.device("cuda")
     buckets = collections.defaultdict(list)  # tuning key -> [(shape name, bound, launch)]
     for model in SHAPES.values():
         for case in kernel_cases(model):
-            if case.program.name not in args.programs:
+            if args.programs is not None and case.program.name not in args.programs:
                 continue
             a, b, tensors = random_inputs(case.program, case.m, case.n, case.k, torch.bfloat16, device)
             bound = bind(case.program, a, b, tensors)
@@ -46,7 +49,7 @@ def main():
         for cfg in pool:
             for name, bound, launch in members:
                 try:
-                    times[cfg.short(), name] = median_ms(backend._trial(bound, launch, cfg), 25, 150)
+                    times[cfg.short(), name] = median_ms(backend._trial(bound, launch, cfg), 25, args.rep_ms)
                 except Exception:  # noqa: BLE001 - out of resources: not a candidate here
                     times[cfg.short(), name] = float("inf")
         names = [name for name, _, _ in members]

@@ -1,9 +1,10 @@
-"""The warp-specialized SwiGLU-backward kernel (``codagen.backends.triton.pingpong``).
+"""The warp-specialized ping-pong kernels (``codagen.backends.triton.pingpong`` and ``pingpong_codegen``).
 
-CPU: it compiles for sm_90 (shared memory as pruned, wgmma present), it is offered to the tuner exactly
-where it can run, and forcing it where it cannot gives a clear error. GPU (Hopper): the numerics rule of
-``test_triton_backend`` on ragged and realistic shapes in bf16 and fp16, one launch, bitwise-identical
-repeats.
+CPU: every program the schedule takes compiles for sm_90 (shared memory as estimated, wgmma present),
+the generator refuses what it cannot take, the tuner is offered the kernels exactly where they can run,
+and forcing one where it cannot run gives a clear error. GPU (Hopper): the numerics rule of
+``test_triton_backend`` for every program on ragged and realistic shapes in bf16 and fp16 with both
+piece widths, one launch, bitwise-identical repeats.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import math
 import pytest
 import torch
 
-from codagen.backends.triton import TritonBackend, pingpong
+from codagen.backends.triton import TritonBackend, load_kernel, pingpong, pingpong_codegen
 from codagen.backends.triton.configs import PINGPONG, KernelConfig, TuningCache, candidates, smem_estimate
 from codagen.bench.kernels import random_inputs
 from codagen.epilogue import library
@@ -21,42 +22,89 @@ from codagen.epilogue.ir import ProgramError
 
 from .test_triton_backend import _clone, _is_hopper, check, kernel_cache_dir  # noqa: F401 - fixture
 
+SPLIT4, SPLIT8 = PINGPONG
+H200_SMEM = 232448
+
+#: every program variant the schedule takes (the library's defaults and the other residual-gradient modes)
+PROGRAMS = {name: factory() for name, factory in library.PROGRAMS.items() if pingpong.supports(factory()) is None}
+PROGRAMS.update({"rms_norm_backward_accumulate": library.rms_norm_backward("accumulate"),
+                 "rms_norm_backward_none": library.rms_norm_backward("none")})
+
 
 def _pool(program, **overrides):
-    args = dict(major=9, operand_bytes=2, smem_limit=232448, tma=True, tma_epilogue=True)
+    args = dict(major=9, operand_bytes=2, smem_limit=H200_SMEM, tma=True, tma_epilogue=True)
     return candidates(program, **{**args, **overrides})
+
+
+def _largest_piece(program) -> KernelConfig:
+    return next(cfg for cfg in PINGPONG if smem_estimate(program, cfg, 2) <= H200_SMEM)
 
 
 # --------------------------------------------------------------------------------------------------
 # CPU
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_compiles_for_sm90(dtype):
-    kernel = pingpong.compile_sm90(dtype)
-    assert kernel.metadata.shared == pingpong.SHARED_MEMORY == smem_estimate(library.swiglu_backward(), PINGPONG, 2)
-    assert "wgmma.mma_async" in kernel.asm["ptx"]
+def test_supported_programs():
+    assert set(PROGRAMS) == {"linear", "input_grad", "rms_linear", "residual_rms_stats", "rms_gate_up_swiglu",
+                             "rms_qkv_rope", "rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward",
+                             "rms_norm_backward", "swiglu_backward", "rms_norm_backward_accumulate",
+                             "rms_norm_backward_none"}
+    assert "A must be [M, K]" in pingpong.supports(library.weight_grad())
+    assert "segment sums" in pingpong.supports(library.rms_qkv_rope(qk_norm_head_dim=64))
+    with pytest.raises(ValueError, match="cannot take this program: A must be"):
+        pingpong_codegen.generate(library.weight_grad())
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_compiles_for_sm90(name):
+    program = PROGRAMS[name]
+    cfg = _largest_piece(program)
+    kernel = load_kernel(program, dtypes="test", arch="sm_90", interpret=False, schedule="pingpong")
+    compiled = pingpong.compile_sm90(kernel, program, cfg.sub_n, torch.bfloat16)
+    estimate = smem_estimate(program, cfg, 2)
+    assert estimate - 4096 < compiled.metadata.shared <= estimate   # a tight upper bound
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
     # two consumer warpgroups and the producer's warp, which Triton pads to a warpgroup of its own
-    assert kernel.metadata.num_warps == 3 * pingpong.CONSUMER_WARPS
+    assert compiled.metadata.num_warps == 3 * pingpong.CONSUMER_WARPS
+
+
+def test_compiles_in_fp16_with_eight_pieces():
+    program = library.swiglu_backward()
+    kernel = load_kernel(program, dtypes="test", arch="sm_90", interpret=False, schedule="pingpong")
+    compiled = pingpong.compile_sm90(kernel, program, SPLIT8.sub_n, torch.float16)
+    assert compiled.metadata.shared <= smem_estimate(program, SPLIT8, 2) <= H200_SMEM
+
+
+def test_generated_source_is_readable():
+    source = library.rms_norm_backward().triton_source("pingpong")
+    for text in ("def rms_norm_backward_piece(", "def rms_norm_backward_consumer(", "def rms_norm_backward_kernel(",
+                 "def rms_norm_backward_load_inputs(", "gl.warp_specialize(", "partial_grad_norm_weight"):
+        assert text in source, text
+    compile(source, "<pingpong>", "exec")
 
 
 def test_offered_only_where_it_runs():
-    program = library.swiglu_backward()
-    assert PINGPONG in _pool(program)
+    swiglu_backward = library.swiglu_backward()
+    assert SPLIT4 not in _pool(swiglu_backward)      # its buffers need 8 pieces to fit 227 KiB
+    assert SPLIT8 in _pool(swiglu_backward)
+    residual = library.residual_rms_stats()
+    assert SPLIT4 in _pool(residual) and SPLIT8 in _pool(residual)
     for where in (dict(tma_epilogue=False), dict(tma=False), dict(major=8), dict(major=10), dict(operand_bytes=4),
-                  dict(smem_limit=pingpong.SHARED_MEMORY - 1)):
-        assert PINGPONG not in _pool(program, **where), where
-    for name in sorted(set(library.PROGRAMS) - {"swiglu_backward"}):
-        assert all(cfg.schedule == "persistent" for cfg in _pool(library.PROGRAMS[name]())), name
-    assert pingpong.implements(library.swiglu_backward())
-    assert not pingpong.implements(library.rms_gate_up_swiglu())
+                  dict(smem_limit=smem_estimate(residual, SPLIT8, 2) - 1)):
+        assert not any(cfg.schedule == "pingpong" for cfg in _pool(residual, **where)), where
+    for program in (library.weight_grad(), library.rms_qkv_rope(qk_norm_head_dim=64)):
+        assert all(cfg.schedule == "persistent" for cfg in _pool(program)), program.name
+    # the untuned default (the first viable candidate) stays a persistent kernel
+    assert all(_pool(p)[0].schedule == "persistent" for p in PROGRAMS.values())
 
 
 def test_config_schedule():
-    assert PINGPONG.short() == "128x128x64 s4 w4 pingpong"
-    assert KernelConfig.from_json(PINGPONG.to_json()) == PINGPONG
-    assert KernelConfig.from_json({k: v for k, v in PINGPONG.to_json().items() if k != "schedule"}).schedule == "persistent"
+    assert SPLIT8.short() == "128x128x64 s4 w4 pingpong split8"
+    assert KernelConfig.from_json(SPLIT4.to_json()) == SPLIT4
+    assert KernelConfig.from_json({k: v for k, v in SPLIT4.to_json().items() if k != "schedule"}).schedule == "persistent"
     with pytest.raises(ValueError, match="schedule must be 'persistent' or 'pingpong'"):
         KernelConfig(128, 128, 64, 4, 4, schedule="cooperative")
+    with pytest.raises(ValueError, match="epilogue_split of a persistent configuration must be one of"):
+        KernelConfig(128, 256, 64, 3, 8, epilogue_split=8)
 
 
 def test_fastest_of_a_pool_from_recorded_timings(tmp_path, monkeypatch):
@@ -65,31 +113,33 @@ def test_fastest_of_a_pool_from_recorded_timings(tmp_path, monkeypatch):
     cache = TuningCache()
     pool = _pool(library.swiglu_backward(), tma_epilogue=False)
     timings = {cfg.short(): 1.0 + i for i, cfg in enumerate(reversed(pool))}
-    timings[PINGPONG.short()] = 0.5
+    timings[SPLIT8.short()] = 0.5
     timings[pool[0].short()] = math.nan  # out of resources when tuned
-    cache.put("key", PINGPONG, timings)
+    cache.put("key", SPLIT8, timings)
     assert cache.fastest("key", pool) == pool[-1]
     assert cache.fastest("missing", pool) is None
 
 
-def test_refuses_a_preact_of_another_dtype():
-    program = library.swiglu_backward()
+def test_refusals_by_tensors():
+    program = library.residual_rms_stats()
     a, b, tensors = random_inputs(program, 8, 16, 16, torch.float16, "cpu")
-    assert pingpong.refuses(bind(program, a, b, tensors)) is None
-    tensors["preact"] = tensors["preact"].float()
-    assert "preact must have the operands' dtype" in pingpong.refuses(bind(program, a, b, tensors))
+    assert pingpong.refuses(bind(program, a, b, tensors), 32, H200_SMEM) is None
+    tensors["residual"] = tensors["residual"].float()  # fp32 tile buffers: twice the shared memory
+    assert "bytes of shared memory" in pingpong.refuses(bind(program, a, b, tensors), 32, H200_SMEM)
+    assert pingpong.refuses(bind(program, a, b, tensors), 16, H200_SMEM) is None
     a, b, tensors = random_inputs(program, 8, 16, 16, torch.float32, "cpu")
-    assert "bfloat16 or float16" in pingpong.refuses(bind(program, a, b, tensors))
+    assert "bfloat16 or float16" in pingpong.refuses(bind(program, a, b, tensors), 16, H200_SMEM)
 
 
 def test_forcing_it_where_it_cannot_run_is_refused():
     program = library.swiglu_backward()
     a, b, tensors = random_inputs(program, 8, 16, 16, torch.float16, "cpu")
     with pytest.raises(ProgramError, match="ping-pong kernel runs on sm_90"):
-        TritonBackend(config=PINGPONG).run(bind(program, a, b, tensors))
-    a, b, tensors = random_inputs(library.linear(), 8, 16, 16, torch.float16, "cpu")
-    with pytest.raises(ProgramError, match="computes only the library's swiglu_backward"):
-        TritonBackend(config=PINGPONG).run(bind(library.linear(), a, b, tensors))
+        TritonBackend(config=SPLIT8).run(bind(program, a, b, tensors))
+    program = library.weight_grad()
+    a, b, tensors = random_inputs(program, 8, 16, 16, torch.float16, "cpu")
+    with pytest.raises(ProgramError, match="ping-pong kernel cannot compute this program: A must be"):
+        TritonBackend(config=SPLIT8).run(bind(program, a, b, tensors))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,24 +147,47 @@ def test_forcing_it_where_it_cannot_run_is_refused():
 # --------------------------------------------------------------------------------------------------
 def _need_hopper():
     if not _is_hopper():
-        pytest.skip("the ping-pong kernel is for sm_90")
+        pytest.skip("the ping-pong kernels are for sm_90")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", [(1, 8, 8), (1000, 2000, 512), (515, 1000, 1000), (128, 128, 64), (4096, 8192, 2048)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_gpu_numerics(shape, dtype):
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_gpu_program(name, dtype, split):
     _need_hopper()
-    check(library.swiglu_backward(), *shape, dtype, device="cuda", backend=TritonBackend(config=PINGPONG))
+    program = PROGRAMS[name]
+    cfg = SPLIT4 if split == 4 else SPLIT8
+    if smem_estimate(program, cfg, 2) > H200_SMEM:
+        pytest.skip(f"{name}: {split} pieces do not fit shared memory")
+    backend = TritonBackend(config=cfg)
+    for shape in ((1, 8, 8), (1000, 2000, 512), (515, 1000, 1000), (128, 128, 64)):
+        check(program, *shape, dtype, device="cuda", backend=backend)
 
 
 @pytest.mark.gpu
-def test_gpu_one_launch_and_bitwise_deterministic():
+@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_norm_backward", "swiglu_backward", "rms_lm_head_cross_entropy"])
+def test_gpu_realistic_shape(name):
+    """Many tiles per consumer: every buffer slot and barrier phase turns over many times."""
     _need_hopper()
-    program = library.swiglu_backward()
+    program = PROGRAMS[name]
+    check(program, 4096, 8192, 2048, torch.bfloat16, device="cuda", backend=TritonBackend(config=_largest_piece(program)))
+
+
+@pytest.mark.gpu
+def test_gpu_rope_long_positions():
+    _need_hopper()
+    from .test_triton_backend import test_gpu_rope_long_positions as rope_test
+    rope_test(SPLIT4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["swiglu_backward", "rms_norm_backward", "rms_lm_head_cross_entropy_backward"])
+def test_gpu_one_launch_and_bitwise_deterministic(name):
+    _need_hopper()
+    program = PROGRAMS[name]
     a, b, tensors = random_inputs(program, 2048, 4096, 1024, torch.bfloat16, "cuda")
-    backend = TritonBackend(config=PINGPONG)
+    backend = TritonBackend(config=_largest_piece(program))
     first = backend.run(bind(program, a, b, _clone(tensors)))
     bound = bind(program, a, b, _clone(tensors))
     torch.cuda.synchronize()
@@ -122,23 +195,22 @@ def test_gpu_one_launch_and_bitwise_deterministic():
         second = backend.run(bound)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert [k for k in kernels if "fill" not in k.lower()] == ["swiglu_backward_pingpong_kernel"], kernels
+    assert [k for k in kernels if "fill" not in k.lower()] == [f"{program.name}_kernel"], kernels
     for key in first:
         assert torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)), key
 
 
 @pytest.mark.gpu
-def test_gpu_preact_of_another_dtype_takes_a_generated_kernel():
-    """fp32 preact with bf16 operands: the tuner leaves the ping-pong kernel out; forcing it is refused."""
+def test_gpu_fp32_tile_operand_takes_eight_pieces():
+    """An fp32 residual doubles its buffers: four pieces no longer fit, eight do."""
     _need_hopper()
-    program = library.swiglu_backward()
+    program = library.residual_rms_stats()
     a, b, tensors = random_inputs(program, 256, 512, 256, torch.bfloat16, "cuda")
-    tensors["preact"] = tensors["preact"].float()
-    backend = TritonBackend(autotune=False)
-    backend.run(bind(program, a, b, _clone(tensors)))
-    assert backend.last_config.schedule == "persistent"
-    with pytest.raises(ProgramError, match="preact must have the operands' dtype"):
-        TritonBackend(config=PINGPONG).run(bind(program, a, b, tensors))
+    tensors["residual"] = tensors["residual"].float()
+    with pytest.raises(ProgramError, match="bytes of shared memory"):
+        TritonBackend(config=SPLIT4).run(bind(program, a, b, tensors))
+    check(program, 256, 512, 256, torch.bfloat16, device="cuda", backend=TritonBackend(config=SPLIT8),
+          inputs={"residual": lambda m, device: torch.randn(m, 512, device=device)})
 
 
 @pytest.mark.gpu
@@ -148,4 +220,4 @@ def test_gpu_unaligned_rows_are_refused_when_forced():
     program = library.swiglu_backward()
     a, b, tensors = random_inputs(program, 300, 512, 1001, torch.bfloat16, "cuda")
     with pytest.raises(ProgramError, match="TMA-aligned"):
-        TritonBackend(config=PINGPONG).run(bind(program, a, b, tensors))
+        TritonBackend(config=SPLIT8).run(bind(program, a, b, tensors))

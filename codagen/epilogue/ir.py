@@ -790,7 +790,8 @@ class Program:
     def __repr__(self) -> str:
         return f"<Program {self.name}: {len(self.outputs)} outputs, inputs {list(self.inputs)}>"
 
-    def triton_source(self) -> str:
-        """Triton source of the fused kernel this program compiles to (see ``codagen.backends.triton``)."""
+    def triton_source(self, schedule: str = "persistent") -> str:
+        """Source of the fused kernel this program compiles to (see ``codagen.backends.triton``): the
+        ``tl`` kernel, or with ``schedule="pingpong"`` the warp-specialized Gluon kernel (Hopper)."""
         from codagen.backends.triton import program_source
-        return program_source(self)
+        return program_source(self, schedule=schedule)

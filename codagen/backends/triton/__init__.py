@@ -7,8 +7,10 @@
 * Epilogue: generated from the IR (:mod:`.codegen`), run on the fp32 accumulator in registers;
   ``program.triton_source()`` prints it.
 * Tuning: a few configurations pruned by shared memory and registers, timed on first use, cached on
-  disk per GPU, versions, kernel code and shape bucket (:mod:`.configs`). For the SwiGLU backward on
-  Hopper the candidates include a hand-scheduled warp-specialized kernel (:mod:`.pingpong`, Gluon).
+  disk per GPU, versions, kernel code and shape bucket (:mod:`.configs`). On Hopper the candidates
+  include a warp-specialized ping-pong kernel generated from the same program in Gluon
+  (:mod:`.pingpong`, :mod:`.pingpong_codegen`): one consumer warpgroup's epilogue overlaps the other's
+  mainloop.
 * CPU tensors run the same kernels in the Triton interpreter (no ``TRITON_INTERPRET`` needed).
 """
 from .backend import SUPPORTED_DTYPES, TritonBackend, load_kernel, program_source

@@ -38,6 +38,11 @@ _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "
                  torch.int32: "i32", torch.int64: "i64"}
 
 
+def _pingpong_version() -> str:
+    from . import pingpong_codegen
+    return pingpong_codegen.GENERATOR_VERSION
+
+
 def _versions() -> str:
     import triton
     return f"codagen {codagen.__version__}, generator {codegen.GENERATOR_VERSION}, triton {triton.__version__}, torch {torch.__version__.split('+')[0]}"
@@ -47,16 +52,18 @@ _kernel_hashes: dict[str, str] = {}
 
 
 def kernel_hash(program: Program) -> str:
-    """Hash of the code a tuned choice is measured on: the generated kernel (without its version line),
-    the device math it imports and, for a program with a hand-scheduled kernel, that kernel's module.
-    A choice stays valid until one of them changes, whatever else changes in the generator."""
+    """Hash of the code a tuned choice is measured on: the generated ``tl`` kernel (without its version
+    line), the device math it imports and, for a program the ping-pong schedule takes, the generated
+    Gluon kernel and :mod:`.pingpong`. A choice stays valid until one of them changes, whatever else
+    changes in the generators."""
     key = codegen.program_key(program)
     if key not in _kernel_hashes:
         here = Path(__file__).parent
         parts = [line for line in codegen.generate(program).splitlines() if "generator version" not in line]
         parts.append(_code_of(here / "device_math.py"))
-        from . import pingpong
-        if pingpong.implements(program):
+        from . import pingpong, pingpong_codegen
+        if pingpong.supports(program) is None:
+            parts += [line for line in pingpong_codegen.generate(program).splitlines() if "generator version" not in line]
             parts.append(_code_of(here / "pingpong.py"))
         _kernel_hashes[key] = codegen.source_hash(*parts)
     return _kernel_hashes[key]
@@ -95,9 +102,13 @@ def tuning_key(gpu: str, bound: BoundProgram, tma_mainloop: bool, tma_epilogue_o
             f"tma:{int(tma_mainloop)}{int(tma_epilogue_ok)}|M{bucket(bound.m)} N{bucket(bound.n)} K{bucket(bound.k)}")
 
 
-def program_source(program: Program, dtypes: str = "any", arch: str = "any") -> str:
-    """Readable Triton source of ``program``'s fused kernel (``Program.triton_source()``)."""
+def program_source(program: Program, dtypes: str = "any", arch: str = "any", schedule: str = "persistent") -> str:
+    """Readable source of ``program``'s fused kernel (``Program.triton_source()``): the generated ``tl``
+    kernel, or with ``schedule="pingpong"`` the Gluon ping-pong kernel (Hopper)."""
     header = f"# dtypes: {dtypes}; arch: {arch}; {_versions()}\n"
+    if schedule == "pingpong":
+        from . import pingpong_codegen
+        return pingpong_codegen.generate(program, header=header)
     return codegen.generate(program, header=header)
 
 
@@ -108,23 +119,26 @@ _modules: dict[tuple[str, bool], object] = {}
 _modules_lock = threading.Lock()
 
 
-def load_kernel(program: Program, *, dtypes: str, arch: str, interpret: bool):
-    """The ``<name>_kernel`` JIT function of ``program``, from a real module file in the cache.
+def load_kernel(program: Program, *, dtypes: str, arch: str, interpret: bool, schedule: str = "persistent"):
+    """The ``<name>_kernel`` JIT function of ``program``'s ``schedule`` kernel, from a real module file
+    in the cache.
 
-    The file name hashes the program, dtypes, arch and library versions; ``@triton.jit`` reads its
-    source with ``inspect``, so it must live in a file, at module level.
+    The file name hashes the program, dtypes, arch, schedule and library versions; ``@triton.jit`` reads
+    its source with ``inspect``, so it must live in a file, at module level.
     """
-    key_text = "\n".join([codegen.program_key(program), dtypes, arch, _versions()])
+    key_text = "\n".join([codegen.program_key(program), dtypes, arch, _versions()] +
+                         ([f"pingpong {_pingpong_version()}"] if schedule == "pingpong" else []))
     digest = codegen.source_hash(key_text)
     with _modules_lock:
         module = _modules.get((digest, interpret))
         if module is None:
-            path = cache_dir() / "triton" / "kernels" / f"{program.name}_{digest}.py"
-            source = program_source(program, dtypes, arch)
+            stem = program.name + ("_pingpong" if schedule == "pingpong" else "")
+            path = cache_dir() / "triton" / "kernels" / f"{stem}_{digest}.py"
+            source = program_source(program, dtypes, arch, schedule)
             if not path.exists() or path.read_text() != source:
                 from .configs import _atomic_write
                 _atomic_write(path, source)
-            mod_name = f"codagen_kernels.{program.name}_{digest}{'_interpreted' if interpret else ''}"
+            mod_name = f"codagen_kernels.{stem}_{digest}{'_interpreted' if interpret else ''}"
             spec = importlib.util.spec_from_file_location(mod_name, path)
             module = importlib.util.module_from_spec(spec)
             from triton import knobs
@@ -207,6 +221,8 @@ def _set_allocator() -> None:
 class _Launch:
     """Everything one launch needs except the config."""
     kernel: object
+    dtypes: str
+    arch: str
     args: list
     m: int
     n: int
@@ -216,6 +232,13 @@ class _Launch:
     upcast: bool
     precision: str
     interpret: bool
+    pingpong_kernel: object = None  # loaded on first use
+
+    def pingpong(self, program: Program):
+        if self.pingpong_kernel is None:
+            self.pingpong_kernel = load_kernel(program, dtypes=self.dtypes, arch=self.arch, interpret=False,
+                                               schedule="pingpong")
+        return self.pingpong_kernel
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -283,7 +306,7 @@ class TritonBackend:
                 if isinstance(o, Store) and not o.accumulate:
                     row_bytes = o.value.width.columns(n) * torch.empty((), dtype=bound.store_dtype(o)).element_size()
                     tma_epilogue_ok &= row_bytes % 16 == 0 and row_bytes > 0
-        return _Launch(kernel=kernel, args=[], m=m, n=n, k=k, tma_mainloop=tma_mainloop,
+        return _Launch(kernel=kernel, dtypes=dtypes, arch=arch, args=[], m=m, n=n, k=k, tma_mainloop=tma_mainloop,
                        tma_epilogue_ok=tma_epilogue_ok,
                        upcast=interpret and bound.dtype == torch.bfloat16,
                        precision="ieee" if bound.dtype == torch.float32 or interpret else "tf32",
@@ -294,8 +317,7 @@ class TritonBackend:
         program = bound.program
         if cfg.schedule == "pingpong":  # validated once per call signature, in _choose
             from . import pingpong
-            pingpong.launch(bound.a, bound.b, bound.tensors["preact"], outs["grad_preact"], outs["act"],
-                            outs["partial_z_dz"], _num_sms(bound.device))
+            pingpong.launch(launch.pingpong(program), bound, outs, cfg.sub_n, _num_sms(bound.device))
             self.launches += 1
             return
         args = [bound.a, bound.b]
@@ -363,13 +385,14 @@ class TritonBackend:
             if self.config.schedule == "pingpong":
                 from . import pingpong
                 name = bound.program.name
-                if not pingpong.implements(bound.program):
-                    raise ProgramError(f"{name}: the ping-pong kernel computes only the library's "
-                                       f"swiglu_backward program; use a persistent configuration")
+                reason = pingpong.supports(bound.program)
+                if reason:
+                    raise ProgramError(f"{name}: the ping-pong kernel cannot compute this program: {reason}; "
+                                       f"use a persistent configuration")
                 if interpret or not (launch.tma_mainloop and launch.tma_epilogue_ok):
                     raise ProgramError(f"{name}: the ping-pong kernel runs on sm_90 with every operand "
                                        "TMA-aligned (row strides and base addresses multiples of 16 bytes)")
-                reason = pingpong.refuses(bound)
+                reason = pingpong.refuses(bound, self.config.sub_n, _smem_limit(bound.device))
                 if reason:
                     raise ProgramError(f"{name}: the ping-pong kernel cannot run these tensors: {reason}")
             return self.config
@@ -393,14 +416,13 @@ class TritonBackend:
     def _candidates(self, bound: BoundProgram, launch: _Launch) -> list[KernelConfig]:
         """The configurations this GPU can run for these tensors, best guess first."""
         dev = bound.device
-        smem_limit = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", 232448)
+        smem_limit = _smem_limit(dev)
         pool = candidates(bound.program, major=torch.cuda.get_device_capability(dev)[0],
                           operand_bytes=bound.a.element_size(), smem_limit=smem_limit, tma=launch.tma_mainloop,
                           tma_epilogue=launch.tma_epilogue_ok)
-        if any(cfg.schedule == "pingpong" for cfg in pool):
+        if any(cfg.schedule == "pingpong" for cfg in pool):  # the estimate assumed 2-byte tiles
             from . import pingpong
-            if pingpong.refuses(bound):
-                pool = [cfg for cfg in pool if cfg.schedule != "pingpong"]
+            pool = [cfg for cfg in pool if cfg.schedule != "pingpong" or not pingpong.refuses(bound, cfg.sub_n, smem_limit)]
         return pool
 
     def _trial(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig):
@@ -449,6 +471,10 @@ class TritonBackend:
             print(f"  -> {best.short()} ({best_ms:.3f} ms)", file=sys.stderr)
         self.tuning.put(key, best, timings)
         return best
+
+
+def _smem_limit(device: torch.device) -> int:
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 232448)
 
 
 @functools.lru_cache(maxsize=None)

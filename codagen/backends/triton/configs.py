@@ -17,9 +17,11 @@ Candidates are pruned *before* compiling by two estimates:
 
 A compile that still runs out of resources (``OutOfResources``) drops the candidate at tuning time.
 
-``schedule``: ``"persistent"`` is the generated kernel (one warp group does a tile's mainloop, then its
-epilogue); ``"pingpong"`` is the hand-scheduled warp-specialized kernel of :mod:`.pingpong`, a candidate
-only for the program it implements, on sm_90, with every operand TMA-aligned.
+``schedule``: ``"persistent"`` is the generated ``tl`` kernel (one warp group does a tile's mainloop, then
+its epilogue); ``"pingpong"`` is the generated warp-specialized Gluon kernel of :mod:`.pingpong` (two
+consumer warpgroups alternate tiles, so one's epilogue overlaps the other's mainloop), a candidate on
+sm_90 with every operand TMA-aligned, for the programs :func:`.pingpong.supports`; its
+``epilogue_split`` cuts the 128 columns into 4 or 8 pieces.
 """
 from __future__ import annotations
 
@@ -52,8 +54,10 @@ class KernelConfig:
     def __post_init__(self):
         if self.schedule not in ("persistent", "pingpong"):
             raise ValueError(f"schedule must be 'persistent' or 'pingpong', got {self.schedule!r}")
-        if self.epilogue_split not in (1, 2, 4):
-            raise ValueError(f"epilogue_split must be 1, 2 or 4, got {self.epilogue_split}")
+        splits = (4, 8) if self.schedule == "pingpong" else (1, 2, 4)
+        if self.epilogue_split not in splits:
+            raise ValueError(f"epilogue_split of a {self.schedule} configuration must be one of {splits}, "
+                             f"got {self.epilogue_split}")
         if (self.block_n // self.epilogue_split) % 2:
             raise ValueError("a sub-tile's width must be even (column pairs never straddle sub-tiles)")
 
@@ -64,7 +68,7 @@ class KernelConfig:
     def short(self) -> str:
         tile = f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps}"
         if self.schedule == "pingpong":
-            return f"{tile} pingpong"
+            return f"{tile} pingpong split{self.epilogue_split}"
         return f"{tile} split{self.epilogue_split} {'tma' if self.tma_epilogue else 'ptr'}"
 
     def to_json(self) -> dict:
@@ -90,8 +94,9 @@ _SM90 = (
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=True),
 )
 # the warp-specialized kernel (.pingpong): 128x128 tiles, a 4-slot ring, two consumer warpgroups of 4 warps
-# (num_warps counts one), the epilogue in four TMA-staged column pieces
-PINGPONG = KernelConfig(128, 128, 64, 4, 4, epilogue_split=4, tma_epilogue=True, schedule="pingpong")
+# (num_warps counts one), the epilogue in four or eight TMA-staged column pieces (eight: half the buffers)
+PINGPONG = tuple(KernelConfig(128, 128, 64, 4, 4, epilogue_split=split, tma_epilogue=True, schedule="pingpong")
+                 for split in (4, 8))
 # Ampere/Ada (pointer loads, cp.async pipelining)
 _SM80 = (
     KernelConfig(128, 128, 32, 4, 8, epilogue_split=1),
@@ -115,9 +120,9 @@ def _tile_io(program: Program):
 
 def smem_estimate(program: Program, cfg: KernelConfig, operand_bytes: int, io_bytes: int = 2) -> int:
     """Bytes of shared memory the configuration needs (see the module docstring)."""
-    if cfg.schedule == "pingpong":  # a fixed kernel: its compiled size
-        from .pingpong import SHARED_MEMORY
-        return SHARED_MEMORY
+    if cfg.schedule == "pingpong":
+        from . import pingpong
+        return pingpong.shared_memory(program, cfg.sub_n, operand_bytes)
     ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * operand_bytes
     # layout conversions of a sub-tile go through shared memory (measured: BM * SUB_N * 2 bytes on sm_90)
     scratch = cfg.block_m * cfg.sub_n * 2
@@ -136,12 +141,13 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         pool = _FP32
     elif tma:
         pool = _SM90
-        if major == 9 and tma_epilogue:
-            from . import pingpong
-            if pingpong.implements(program):
-                pool += (PINGPONG,)
     else:
         pool = _SM80
+    pingpong_pool = ()
+    if major == 9 and tma and tma_epilogue and operand_bytes == 2:
+        from . import pingpong
+        if pingpong.supports(program) is None:
+            pingpong_pool = tuple(cfg for cfg in PINGPONG if smem_estimate(program, cfg, operand_bytes) <= smem_limit)
     # A SegmentSum group (a head, for QK-norm) must lie inside one epilogue sub-tile: a hard constraint,
     # so it filters the pool before the fallback below.
     segments = program.segment_sums()
@@ -170,7 +176,7 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         keep.append(cfg)
     if not keep:  # the smallest one always fits
         keep.append(min(pool, key=lambda c: smem_estimate(program, c, operand_bytes)))
-    return keep
+    return keep + list(pingpong_pool)
 
 
 def cache_dir() -> Path:
