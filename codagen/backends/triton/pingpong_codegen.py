@@ -106,6 +106,10 @@ class _Piece:
         self.full: dict[Expr, str] = {}                # value -> its tile (or vector, scalar) variable
         self.pairs: dict[Expr, tuple[str, str]] = {}   # value -> its (even, odd) halves
         self.memo: dict[tuple, object] = {}
+        self.row_vectors: list[RowVector] = []             # loaded per tile by the consumer
+        self.scalars: list[ScalarInput] = []               # loaded once by the consumer
+        self.col_vectors: dict[tuple[str, bool], list[str]] = {}   # (name, paired) -> variables
+        self.col_loads: list[str] = []                     # the body of <name>_load_vectors
         self.uses_half_layout = False
         self.counter = 0
 
@@ -124,14 +128,10 @@ class _Piece:
 
     # -- operands ----------------------------------------------------------------------------------
     def row(self, e: RowVector, layout: str) -> str:
-        """``e`` as a [BLOCK_M, 1] column in ``layout``; loaded once, in P's row slice."""
-        key = ("row", e.name)
-        if key not in self.memo:
-            if e.index:
-                self.emit(f"{e.name} = gl.load({e.name}_ptr + rows, mask=row_ok, other=-1)  # {e.name}[m] (index)")
-            else:
-                self.emit(f"{e.name} = gl.load({e.name}_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)  # {e.name}[m]")
-            self.memo[key] = e.name
+        """``e`` as a [BLOCK_M, 1] column in ``layout``. The vector itself (P's row slice) is loaded
+        once per tile by the consumer, before the mainloop, and passed in."""
+        if e not in self.row_vectors:
+            self.row_vectors.append(e)
         view = ("row", e.name, layout)
         if view not in self.memo:
             name = f"{e.name}_{layout}"
@@ -141,24 +141,24 @@ class _Piece:
         return self.memo[view]
 
     def col(self, e: ColVector, paired: bool) -> str | tuple[str, str]:
-        """``e`` as [1, columns] in the layout of its width and form (its halves when ``paired``)."""
-        key = ("col", e.name, paired)
-        if key in self.memo:
-            return self.memo[key]
-        layout = self.layout(e.width, paired)
-        index, ok = ("cols", "col_ok") if layout == "P" else ("cols_half", "col_ok_half")
-        if not paired:
-            self.emit(f"{e.name} = gl.expand_dims(gl.load({e.name}_ptr + {index}, mask={ok}, other=0.0).to(gl.float32), 0)"
-                      f"  # {e}")
-            self.memo[key] = e.name
-        else:  # column 2j and 2j + 1 of the vector, for pair j of the piece
-            halves = []
-            for half, plus in (("even", ""), ("odd", " + 1")):
-                self.emit(f"{e.name}_{half} = gl.expand_dims(gl.load({e.name}_ptr + 2 * {index}{plus}, mask={ok}, "
-                          f"other=0.0).to(gl.float32), 0)  # {e}, {half} columns")
-                halves.append(f"{e.name}_{half}")
-            self.memo[key] = tuple(halves)
-        return self.memo[key]
+        """``e`` as [1, columns] in the layout of its width and form (its halves when ``paired``).
+        Loaded one piece ahead (``<name>_load_vectors``) and passed in, so no load latency is exposed."""
+        key = (e.name, paired)
+        if key not in self.col_vectors:
+            layout = self.layout(e.width, paired)
+            index, ok = ("cols", "col_ok") if layout == "P" else ("cols_half", "col_ok_half")
+            if not paired:
+                names = [f"{e.name}_{layout}"]
+                self.col_loads.append(f"{names[0]} = gl.expand_dims(gl.load({e.name}_ptr + {index}, mask={ok}, "
+                                      f"other=0.0).to(gl.float32), 0)  # {e}")
+            else:  # columns 2j and 2j + 1 of the vector, for pair j of the piece
+                names = [f"{e.name}_{layout}_even", f"{e.name}_{layout}_odd"]
+                for name, plus in zip(names, ("", " + 1")):
+                    self.col_loads.append(f"{name} = gl.expand_dims(gl.load({e.name}_ptr + 2 * {index}{plus}, mask={ok}, "
+                                          f"other=0.0).to(gl.float32), 0)")
+            self.col_vectors[key] = names
+        names = self.col_vectors[key]
+        return tuple(names) if paired else names[0]
 
     def split(self, e: Expr) -> tuple[str, str]:
         """The (even, odd) halves of a full-form FULL tile (P -> H: no data moves), split once."""
@@ -206,8 +206,8 @@ class _Piece:
             self.full[e] = "acc"
         elif isinstance(e, (RowVector, ColVector, TileInput)):
             pass  # vectors load where they are used (in the layout the use needs); tile operands at the start
-        elif isinstance(e, ScalarInput):
-            self.emit(f"{e.name} = gl.load({e.name}_ptr).to(gl.float32)  # device scalar (no host sync)")
+        elif isinstance(e, ScalarInput):  # loaded once by the consumer (a device scalar: no host sync)
+            self.scalars.append(e)
             self.full[e] = e.name
         elif isinstance(e, Constant):
             self.full[e] = _float(e.value)
@@ -386,6 +386,10 @@ def generate(program: Program, header: str = "") -> str:
     out_bufs = [f"{o.name}_out" for o in program.outputs if isinstance(o, Store)]
     bars = ["input_bars"] if inputs else []
     shared = ", ".join(descs + ptrs + in_bufs + out_bufs + bars)
+    rows_in = [e.name for e in piece.row_vectors] + [e.name for e in piece.scalars]
+    cols_in = [v for names in piece.col_vectors.values() for v in names]
+    col_ptrs = sorted({name for name, _ in piece.col_vectors})
+    vector_args = ", ".join(rows_in + cols_in)
 
     # -- <name>_piece ------------------------------------------------------------------------------
     head = ["P: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PIECE_N, 16])",
@@ -403,6 +407,11 @@ def generate(program: Program, header: str = "") -> str:
     if piece.uses_half_layout:
         head += ["cols_half = col0 // 2 + gl.arange(0, PIECE_N // 2, layout=gl.SliceLayout(0, H))  # HALF columns, FULL pairs",
                  "col_ok_half = cols_half < N // 2"]
+    if cols_in:
+        head += ["if p + 1 < PIECES:  # the next piece's column vectors load while this piece runs",
+                 f"    next_vectors = {name}_load_vectors(p + 1, pid_n, N, {', '.join(p_ + '_ptr' for p_ in col_ptrs)}, PIECE_N)",
+                 "else:",
+                 f"    next_vectors = ({', '.join(cols_in)},)"]
     if inputs:
         load_args = ", ".join([d for _, d, _ in inputs] + in_bufs)
         head += ["slot = p % IN_BUFFERS",
@@ -410,7 +419,7 @@ def generate(program: Program, header: str = "") -> str:
         head += load_lines
         head += ["if p + IN_BUFFERS < PIECES:  # the slot is read: refill it with a later piece's operands",
                  f"    {name}_load_inputs(p + IN_BUFFERS, pid_m, pid_n, {load_args}, input_bars, PIECE_N)"]
-    returned = [p for _, ps in partials for p in ps]
+    returned = [p_ for _, ps in partials for p_ in ps] + (["next_vectors"] if cols_in else [])
     body = head + [""] + piece.lines + ([f"return {', '.join(returned)}"] if returned else [])
 
     def ind(lines, n):
@@ -433,12 +442,38 @@ def {name}_load_inputs(p: gl.constexpr, pid_m, pid_n, {load_args}, input_bars, P
 {ind(copies, 4)}
 '''
 
+    if cols_in:
+        probe = []
+        if any("cols_half" in line for line in piece.col_loads):
+            probe = ["probe_even, probe_odd = gl.split(gl.reshape(gl.zeros([BM, PIECE_N], gl.float32, P), [BM, PIECE_N // 2, 2]))",
+                     "H: gl.constexpr = probe_even.type.layout",
+                     "cols_half = col0 // 2 + gl.arange(0, PIECE_N // 2, layout=gl.SliceLayout(0, H))",
+                     "col_ok_half = cols_half < N // 2"]
+        vector_lines = (["P: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PIECE_N, 16])",
+                         "col0 = pid_n * BN + p * PIECE_N",
+                         "cols = col0 + gl.arange(0, PIECE_N, layout=gl.SliceLayout(0, P))",
+                         "col_ok = cols < N"] + probe + piece.col_loads + [f"return {', '.join(cols_in)},"])
+        load_fn += f'''
+
+@gluon.jit
+def {name}_load_vectors(p: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' for p_ in col_ptrs)}, PIECE_N: gl.constexpr):
+    """Piece p's column vectors, in the layouts the piece uses them in."""
+{ind(vector_lines, 4)}
+'''
+
     # -- <name>_consumer ---------------------------------------------------------------------------
     consumer = []
     if inputs:
         load_args = ", ".join([d for _, d, _ in inputs] + in_bufs)
         consumer += ["for p in gl.static_range(IN_BUFFERS):  # the first pieces' operands load under the mainloops",
                      f"    {name}_load_inputs(p, pid_m, pid_n, {load_args}, input_bars, PIECE_N)"]
+    consumer.append("rows = pid_m * BM + gl.arange(0, BM, layout=row_layout)")
+    for e in piece.row_vectors:  # loaded before the mainloop: their latency hides under it
+        other = "-1" if e.index else "0.0"
+        cast = "" if e.index else ".to(gl.float32)"
+        consumer.append(f"{e.name} = gl.load({e.name}_ptr + rows, mask=rows < M, other={other}){cast}")
+    if cols_in:
+        consumer.append(f"vectors = {name}_load_vectors(0, pid_n, N, {', '.join(p_ + '_ptr' for p_ in col_ptrs)}, PIECE_N)")
     consumer += ["acc = mainloop(a_slots, b_slots, ready, empty, turn, local, k_steps, WHICH, B_NK)",
                  "pieces = column_pieces(acc, PIECES)"]
     for out, names in partials:
@@ -447,8 +482,10 @@ def {name}_load_inputs(p: gl.constexpr, pid_m, pid_n, {load_args}, input_bars, P
         else:
             consumer += [f"{out.name}_max = gl.full([BM], float('-inf'), gl.float32, row_layout)",
                          f"{out.name}_sumexp = gl.zeros([BM], gl.float32, row_layout)"]
-    lhs = ", ".join(f"{o.name}_{i}" for o, names in partials for i in range(len(names)))
-    call = f"{name}_piece(pieces[p], p, local // 2, pid_m, pid_n, M, N, {shared}, PIECE_N, PIECES)"
+    lhs = ", ".join([f"{o.name}_{i}" for o, names in partials for i in range(len(names))] + (["vectors"] if cols_in else []))
+    vec_call = ", ".join(rows_in + [f"vectors[{i}]" for i in range(len(cols_in))])
+    call = (f"{name}_piece(pieces[p], p, local // 2, pid_m, pid_n, M, N, {shared}, "
+            f"{vec_call + ', ' if vec_call else ''}PIECE_N, PIECES)")
     consumer += ["for p in gl.static_range(PIECES):", f"    {lhs + ' = ' if lhs else ''}{call}"]
     for out, names in partials:
         if out.reduction == "sum":
@@ -457,11 +494,13 @@ def {name}_load_inputs(p: gl.constexpr, pid_m, pid_n, {load_args}, input_bars, P
             consumer.append(f"    {out.name}_max, {out.name}_sumexp = merge_logsumexp({out.name}_max, {out.name}_sumexp, "
                             f"{out.name}_0, {out.name}_1)")
     if partials:
-        consumer += ["rows = pid_m * BM + gl.arange(0, BM, layout=row_layout)",
-                     "partial_offsets = rows.to(gl.int64) * num_pid_n + pid_n  # [M, cdiv(N, BN)] partials"]
+        consumer += ["partial_offsets = rows.to(gl.int64) * num_pid_n + pid_n  # [M, cdiv(N, BN)] partials"]
         for out, _ in partials:
             value = out.name if out.reduction == "sum" else f"{out.name}_max + gl.log({out.name}_sumexp)"
             consumer.append(f"gl.store({out.name}_ptr + partial_offsets, {value}, mask=rows < M)  # {out.reduction}")
+
+    scalar_lines = [f"{e.name} = gl.load({e.name}_ptr).to(gl.float32)  # a device scalar: no host sync"
+                    for e in piece.scalars]
 
     # -- <name>_kernel -----------------------------------------------------------------------------
     allocs = []
@@ -503,7 +542,7 @@ from codagen.backends.triton.pingpong import (BK, BM, BN, IN_BUFFERS, OUT_BUFFER
 {load_fn}
 
 @gluon.jit
-def {name}_piece(acc, p: gl.constexpr, iteration, pid_m, pid_n, M, N, {shared},
+def {name}_piece(acc, p: gl.constexpr, iteration, pid_m, pid_n, M, N, {shared},{' ' + vector_args + ',' if vector_args else ''}
         PIECE_N: gl.constexpr, PIECES: gl.constexpr):
     """The program on columns [col0, col0 + PIECE_N) of tile (pid_m, pid_n); returns its RowPartial pieces."""
 {ind(body, 4)}
@@ -521,7 +560,7 @@ def {name}_consumer(a_slots, b_slots, ready, empty, turn, M, N, K, {shared},
     my_tiles = gl.cdiv(num_pid_m * num_pid_n - gl.program_id(0), gl.num_programs(0))
     if WHICH == 0:
         mbarrier.arrive(turn.index(0))  # consumer 0 takes the first turn
-    for local in range(WHICH, my_tiles, 2):
+{ind(scalar_lines, 4) + chr(10) if scalar_lines else ''}    for local in range(WHICH, my_tiles, 2):
         tile = gl.program_id(0) + local * gl.num_programs(0)
         pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n)
 {ind(consumer, 8)}
