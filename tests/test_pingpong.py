@@ -67,6 +67,18 @@ def test_compiles_for_sm90(name):
     assert compiled.metadata.num_warps == 3 * pingpong.CONSUMER_WARPS
 
 
+def test_every_piece_prefetched_where_it_fits():
+    """The o-projection's residual: one slot per piece (all its loads requested when a tile starts)."""
+    program = library.residual_rms_stats()
+    a, b, tensors = random_inputs(program, 256, 512, 256, torch.bfloat16, "cpu")
+    bound = bind(program, a, b, tensors)
+    assert pingpong.input_slots(bound, SPLIT8.sub_n, H200_SMEM) == 8
+    assert pingpong.input_slots(bound, SPLIT4.sub_n, H200_SMEM) == 2  # four slots of 32 columns do not fit
+    kernel = load_kernel(program, dtypes="test", arch="sm_90", interpret=False, schedule="pingpong")
+    compiled = pingpong.compile_sm90(kernel, program, SPLIT8.sub_n, torch.bfloat16, in_slots=8)
+    assert compiled.metadata.shared <= pingpong.shared_memory(program, SPLIT8.sub_n, 2, None, 8) <= H200_SMEM
+
+
 def test_compiles_in_fp16_with_eight_pieces():
     program = library.swiglu_backward()
     kernel = load_kernel(program, dtypes="test", arch="sm_90", interpret=False, schedule="pingpong")

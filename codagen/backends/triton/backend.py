@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -233,6 +233,7 @@ class _Launch:
     precision: str
     interpret: bool
     pingpong_kernel: object = None  # loaded on first use
+    pingpong_slots: dict = field(default_factory=dict)  # piece width -> tile-operand slots
 
     def pingpong(self, program: Program):
         if self.pingpong_kernel is None:
@@ -317,7 +318,10 @@ class TritonBackend:
         program = bound.program
         if cfg.schedule == "pingpong":  # validated once per call signature, in _choose
             from . import pingpong
-            pingpong.launch(launch.pingpong(program), bound, outs, cfg.sub_n, _num_sms(bound.device))
+            slots = launch.pingpong_slots.get(cfg.sub_n)
+            if slots is None:
+                slots = launch.pingpong_slots[cfg.sub_n] = pingpong.input_slots(bound, cfg.sub_n, _smem_limit(bound.device))
+            pingpong.launch(launch.pingpong(program), bound, outs, cfg.sub_n, slots, _num_sms(bound.device))
             self.launches += 1
             return
         args = [bound.a, bound.b]

@@ -25,6 +25,7 @@ load in the layout (and pair form) their use needs. DOUBLE-width values exist on
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -71,6 +72,7 @@ class Argument:
     pointer_type: str = "*fp32"
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_arguments(program: Program) -> list[Argument]:
     """The generated kernel's parameters between ``b_desc`` and ``M``, in order (also the launch's)."""
     args = [Argument(f"{name}_desc", name, False, True, e.width)
@@ -357,7 +359,7 @@ def generate(program: Program, header: str = "") -> str:
     name = program.name
     piece = _Piece(program)
     inputs = _tile_inputs(program)
-    # tile operands first: their slot is refilled (piece p + IN_BUFFERS) as soon as it is read
+    # tile operands first: their slot is refilled (piece p + IN_SLOTS) as soon as it is read
     load_lines = []
     for value, _, width in inputs:
         buffer = f"{value}_in.index(slot)"
@@ -414,11 +416,11 @@ def generate(program: Program, header: str = "") -> str:
                  f"    next_vectors = ({', '.join(cols_in)},)"]
     if inputs:
         load_args = ", ".join([d for _, d, _ in inputs] + in_bufs)
-        head += ["slot = p % IN_BUFFERS",
-                 "mbarrier.wait(input_bars.index(slot), (iteration * (PIECES // IN_BUFFERS) + p // IN_BUFFERS) & 1)"]
+        head += ["slot = p % IN_SLOTS",
+                 "mbarrier.wait(input_bars.index(slot), (iteration * (PIECES // IN_SLOTS) + p // IN_SLOTS) & 1)"]
         head += load_lines
-        head += ["if p + IN_BUFFERS < PIECES:  # the slot is read: refill it with a later piece's operands",
-                 f"    {name}_load_inputs(p + IN_BUFFERS, pid_m, pid_n, {load_args}, input_bars, PIECE_N)"]
+        head += ["if p + IN_SLOTS < PIECES:  # the slot is read: refill it with a later piece's operands",
+                 f"    {name}_load_inputs(p + IN_SLOTS, pid_m, pid_n, {load_args}, input_bars, PIECE_N, IN_SLOTS)"]
     returned = [p_ for _, ps in partials for p_ in ps] + (["next_vectors"] if cols_in else [])
     body = head + [""] + piece.lines + ([f"return {', '.join(returned)}"] if returned else [])
 
@@ -429,15 +431,15 @@ def generate(program: Program, header: str = "") -> str:
     if inputs:
         load_args = ", ".join([d for _, d, _ in inputs] + in_bufs)
         nbytes = " + ".join(f"{d}.block_type.nbytes" for _, d, _ in inputs)
-        copies = [f"tma.async_copy_global_to_shared({d}, [pid_m * BM, {_OFFSET[w]}], bar, {v}_in.index(p % IN_BUFFERS))"
+        copies = [f"tma.async_copy_global_to_shared({d}, [pid_m * BM, {_OFFSET[w]}], bar, {v}_in.index(p % IN_SLOTS))"
                   for v, d, w in inputs]
         load_fn = f'''
 
 @gluon.jit
-def {name}_load_inputs(p: gl.constexpr, pid_m, pid_n, {load_args}, input_bars, PIECE_N: gl.constexpr):
-    """Request piece p's tile operands into slot p % IN_BUFFERS (one barrier for all of them)."""
+def {name}_load_inputs(p: gl.constexpr, pid_m, pid_n, {load_args}, input_bars, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr):
+    """Request piece p's tile operands into slot p % IN_SLOTS (one barrier for all of them)."""
     col0 = pid_n * BN + p * PIECE_N
-    bar = input_bars.index(p % IN_BUFFERS)
+    bar = input_bars.index(p % IN_SLOTS)
     mbarrier.expect(bar, {nbytes})
 {ind(copies, 4)}
 '''
@@ -465,8 +467,8 @@ def {name}_load_vectors(p: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' for p_
     consumer = []
     if inputs:
         load_args = ", ".join([d for _, d, _ in inputs] + in_bufs)
-        consumer += ["for p in gl.static_range(IN_BUFFERS):  # the first pieces' operands load under the mainloops",
-                     f"    {name}_load_inputs(p, pid_m, pid_n, {load_args}, input_bars, PIECE_N)"]
+        consumer += ["for p in gl.static_range(IN_SLOTS):  # the first pieces' operands load under the mainloops",
+                     f"    {name}_load_inputs(p, pid_m, pid_n, {load_args}, input_bars, PIECE_N, IN_SLOTS)"]
     consumer.append("rows = pid_m * BM + gl.arange(0, BM, layout=row_layout)")
     for e in piece.row_vectors:  # loaded before the mainloop: their latency hides under it
         other = "-1" if e.index else "0.0"
@@ -485,7 +487,7 @@ def {name}_load_vectors(p: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' for p_
     lhs = ", ".join([f"{o.name}_{i}" for o, names in partials for i in range(len(names))] + (["vectors"] if cols_in else []))
     vec_call = ", ".join(rows_in + [f"vectors[{i}]" for i in range(len(cols_in))])
     call = (f"{name}_piece(pieces[p], p, local // 2, pid_m, pid_n, M, N, {shared}, "
-            f"{vec_call + ', ' if vec_call else ''}PIECE_N, PIECES)")
+            f"{vec_call + ', ' if vec_call else ''}PIECE_N, PIECES, IN_SLOTS)")
     consumer += ["for p in gl.static_range(PIECES):", f"    {lhs + ' = ' if lhs else ''}{call}"]
     for out, names in partials:
         if out.reduction == "sum":
@@ -506,25 +508,25 @@ def {name}_load_vectors(p: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' for p_
     allocs = []
     for c in (0, 1):
         for value, desc, width in inputs:
-            allocs.append(f"{value}_in_{c} = gl.allocate_shared_memory({desc}.dtype, [IN_BUFFERS, BM, {_PIECE_COLS[width]}], "
+            allocs.append(f"{value}_in_{c} = gl.allocate_shared_memory({desc}.dtype, [IN_SLOTS, BM, {_PIECE_COLS[width]}], "
                           f"{desc}.layout)")
         for o in program.outputs:
             if isinstance(o, Store):
                 allocs.append(f"{o.name}_out_{c} = gl.allocate_shared_memory({o.name}_desc.dtype, [OUT_BUFFERS, BM, "
                               f"{_PIECE_COLS[o.value.width]}], {o.name}_desc.layout)")
         if inputs:
-            allocs.append(f"input_bars_{c} = gl.allocate_shared_memory(gl.int64, [IN_BUFFERS, 1], mbarrier.MBarrierLayout())")
+            allocs.append(f"input_bars_{c} = gl.allocate_shared_memory(gl.int64, [IN_SLOTS, 1], mbarrier.MBarrierLayout())")
     inits = ["for i in gl.static_range(RING):", "    mbarrier.init(ready.index(i), count=1)",
              "    mbarrier.init(empty.index(i), count=1)", "for i in gl.static_range(2):",
              "    mbarrier.init(turn.index(i), count=1)"]
     if inputs:
-        inits += ["for i in gl.static_range(IN_BUFFERS):", "    mbarrier.init(input_bars_0.index(i), count=1)",
+        inits += ["for i in gl.static_range(IN_SLOTS):", "    mbarrier.init(input_bars_0.index(i), count=1)",
                   "    mbarrier.init(input_bars_1.index(i), count=1)"]
 
     def per_consumer(c):
         own = [f"{b}_{c}" for b in in_bufs + out_bufs + bars]
-        return ", ".join(["a_slots, b_slots, ready, empty, turn, M, N, K"] + descs + ptrs + own + [str(c), "B_NK", "PIECE_N"])
-    kernel_params = ", ".join(["a_desc, b_desc"] + descs + ptrs + ["M, N, K, B_NK: gl.constexpr, PIECE_N: gl.constexpr"])
+        return ", ".join(["a_slots, b_slots, ready, empty, turn, M, N, K"] + descs + ptrs + own + [str(c), "B_NK", "PIECE_N", "IN_SLOTS"])
+    kernel_params = ", ".join(["a_desc, b_desc"] + descs + ptrs + ["M, N, K, B_NK: gl.constexpr, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr"])
     program_text = "\n".join("#   " + line for line in str(program).splitlines())
     doc = (program.doc or "").strip().splitlines()[0] if program.doc else ""
 
@@ -537,20 +539,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from codagen.backends.triton.pingpong import (BK, BM, BN, IN_BUFFERS, OUT_BUFFERS, RING, column_pieces, cos_sin,
+from codagen.backends.triton.pingpong import (BK, BM, BN, OUT_BUFFERS, RING, column_pieces, cos_sin,
                                               mainloop, merge_logsumexp, producer, sigmoid, tile_coords)
 {load_fn}
 
 @gluon.jit
 def {name}_piece(acc, p: gl.constexpr, iteration, pid_m, pid_n, M, N, {shared},{' ' + vector_args + ',' if vector_args else ''}
-        PIECE_N: gl.constexpr, PIECES: gl.constexpr):
+        PIECE_N: gl.constexpr, PIECES: gl.constexpr, IN_SLOTS: gl.constexpr):
     """The program on columns [col0, col0 + PIECE_N) of tile (pid_m, pid_n); returns its RowPartial pieces."""
 {ind(body, 4)}
 
 
 @gluon.jit
 def {name}_consumer(a_slots, b_slots, ready, empty, turn, M, N, K, {shared},
-        WHICH: gl.constexpr, B_NK: gl.constexpr, PIECE_N: gl.constexpr):
+        WHICH: gl.constexpr, B_NK: gl.constexpr, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr):
     """Consumer WHICH: tiles WHICH, WHICH + 2, ... of this program; its epilogue overlaps the other's mainloop."""
     PIECES: gl.constexpr = BN // PIECE_N
     row_layout: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
