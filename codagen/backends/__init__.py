@@ -24,7 +24,7 @@ from codagen.epilogue.ir import Program
 from .reference import ReferenceBackend
 
 __all__ = ["BACKENDS", "execute", "get_backend", "resolve_backend_name", "set_backend", "use_backend",
-           "triton_available"]
+           "triton_available", "on_device"]
 
 BACKENDS = ("auto", "reference", "triton")
 _selected: str | None = None
@@ -32,6 +32,15 @@ _selected: str | None = None
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def on_device(device: torch.device):
+    """Make ``device`` the current CUDA device for a kernel launch: Triton launches on the current
+    device, not on its tensors' (tensors on ``cuda:1`` while ``cuda:0`` is current would fault). A no-op
+    context when it already is current, or for CPU tensors."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _check_name(name: str, source: str) -> str:

@@ -22,9 +22,11 @@ atomics, so results are deterministic.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from codagen.backends import reference, resolve_backend_name
+from codagen.backends import on_device, reference, resolve_backend_name
 
 from ._checks import stats_dtype
 from .layouts import kv_heads_of
@@ -44,6 +46,15 @@ __all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "rope
 _MAX_BLOCK = 2048
 #: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
 _QK_NORM_ROWS = 16
+
+
+def _on_tensor_device(fn):
+    """Launch ``fn``'s kernel on its first tensor's device (:func:`codagen.backends.on_device`)."""
+    @functools.wraps(fn)
+    def launch(first: torch.Tensor, *args, **kwargs):
+        with on_device(first.device):
+            return fn(first, *args, **kwargs)
+    return launch
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -298,6 +309,7 @@ def rms_norm_stats(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tu
     return (rms_norm_stats_triton if _use_triton(x) else rms_norm_stats_ref)(x, norm_weight, eps)
 
 
+@_on_tensor_device
 def rms_norm_stats_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rms_norm_stats_ref` as one kernel launch (fp16/bf16/fp32)."""
     m, n = x.shape
@@ -332,6 +344,7 @@ def rope_backward(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Te
     return impl(grad_qkv, qkv, positions, frequencies, width)
 
 
+@_on_tensor_device
 def rope_backward_triton(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor,
                          frequencies: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rope_backward_ref` as one kernel launch (fp16/bf16/fp32)."""
@@ -391,6 +404,7 @@ def rope_qk_norm_backward(grad_qkv: torch.Tensor, preact: torch.Tensor, position
     return impl(grad_qkv, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, width)
 
 
+@_on_tensor_device
 def rope_qk_norm_backward_triton(grad_qkv: torch.Tensor, preact: torch.Tensor, positions: torch.Tensor,
                                  frequencies: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
                                  num_heads: int, eps: float, width: int):
@@ -428,6 +442,7 @@ def swiglu_backward(grad_act: torch.Tensor, preact: torch.Tensor, width: int) ->
     return (swiglu_backward_triton if _use_triton(grad_act) else swiglu_backward_ref)(grad_act, preact, width)
 
 
+@_on_tensor_device
 def swiglu_backward_triton(grad_act: torch.Tensor, preact: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`swiglu_backward_ref` as one kernel launch (fp16/bf16/fp32)."""
     m, f = grad_act.shape
@@ -452,6 +467,7 @@ def mean_row_dot(z: torch.Tensor, grad_z: torch.Tensor, width: int) -> torch.Ten
     return (mean_row_dot_triton if _use_triton(z) else mean_row_dot_ref)(z, grad_z, width)
 
 
+@_on_tensor_device
 def mean_row_dot_triton(z: torch.Tensor, grad_z: torch.Tensor, width: int) -> torch.Tensor:
     """:func:`mean_row_dot_ref` as one kernel launch (fp16/bf16/fp32)."""
     m, n = z.shape
@@ -492,6 +508,7 @@ def cross_entropy_logits_grad(logits: torch.Tensor, target: torch.Tensor, row_we
         logits, target, row_weight, width)
 
 
+@_on_tensor_device
 def cross_entropy_logits_grad_triton(logits: torch.Tensor, target: torch.Tensor, row_weight: torch.Tensor,
                                      width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`cross_entropy_logits_grad_ref` as one kernel launch (fp16/bf16/fp32; contiguous logits)."""
@@ -518,6 +535,7 @@ def scale_cast(src: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> t
     return (scale_cast_triton if _use_triton(src) else scale_cast_ref)(src, factor, dtype)
 
 
+@_on_tensor_device
 def scale_cast_triton(src: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`scale_cast_ref` as one kernel launch (contiguous ``src``; fp16/bf16/fp32)."""
     src = src.contiguous()
@@ -542,6 +560,7 @@ def embedding_backward(grad_out: torch.Tensor, ids: torch.Tensor, vocab: int) ->
     return (embedding_backward_triton if _use_triton(grad_out) else embedding_backward_ref)(grad_out, ids, vocab)
 
 
+@_on_tensor_device
 def embedding_backward_triton(grad_out: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """:func:`embedding_backward_ref` as a stable sort of the ids and one kernel launch that sums each
     vocabulary row's tokens in token order. No atomics: deterministic."""

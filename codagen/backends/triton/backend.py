@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import codagen
+from codagen.backends import on_device
 from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
@@ -315,6 +316,10 @@ class TritonBackend:
 
     # -- launching ---------------------------------------------------------------------------------
     def _launch(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
+        with on_device(bound.device):
+            self._launch_here(bound, launch, cfg, outs)
+
+    def _launch_here(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
         program = bound.program
         if cfg.schedule == "pingpong":  # validated once per call signature, in _choose
             from . import pingpong

@@ -61,6 +61,22 @@ _BINARY = {
 }
 
 
+def swiglu_backward_lines(name: str, dy: str, gate: str, up: str, sig: str) -> list[str]:
+    """The SwiGLU backward of one pair form (both generators emit it): ``name_gate``, ``name_up``."""
+    return [f"{name}_gate = {dy} * {up} * {sig} * (1.0 + {gate} * (1.0 - {sig}))",
+            f"{name}_up = {dy} * {gate} * {sig}"]
+
+
+def rope_lines(name: str, even: str, odd: str, cos: str, sin: str, inverse: bool) -> list[str]:
+    """The rotation of each pair (even, odd) by theta, or by -theta when ``inverse`` (cos(-t) = cos t,
+    sin(-t) = -sin t): ``name_even``, ``name_odd`` (both generators emit it)."""
+    if inverse:
+        first, second = f"{even} * {cos} + {odd} * {sin}", f"{odd} * {cos} - {even} * {sin}"
+    else:
+        first, second = f"{even} * {cos} - {odd} * {sin}", f"{even} * {sin} + {odd} * {cos}"
+    return [f"{name}_even = {first}", f"{name}_odd = {second}"]
+
+
 def program_key(program: Program) -> str:
     """A canonical text of everything that changes the generated code (the dataclass reprs)."""
     return f"{program.name}|{program.gemm!r}|{program.gemm.a_layout}{program.gemm.b_layout}|{program.outputs!r}"
@@ -230,8 +246,8 @@ class _Epilogue:
             sig = self.sigmoid(gate)
             self.emit(f"# {_comment(e)}")
             self.emit("#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g); interleaved (dg, du)")
-            self.emit(f"{name}_gate = {dy} * {up} * {sig} * (1.0 + {gate} * (1.0 - {sig}))")
-            self.emit(f"{name}_up = {dy} * {gate} * {sig}")
+            for line in swiglu_backward_lines(name, dy, gate, up, sig):
+                self.emit(line)
             self.pair_form[e] = (f"{name}_gate", f"{name}_up")
         elif isinstance(e, Rope):
             name = self.fresh("rope")
@@ -246,12 +262,8 @@ class _Epilogue:
             theta = self.memo[angle_key]
             cos, sin = f"{theta}_cos", f"{theta}_sin"
             self.emit(f"# {_comment(e)}")
-            if e.inverse:   # rotate by -theta: cos(-t) = cos t, sin(-t) = -sin t
-                first, second = f"{even} * {cos} + {odd} * {sin}", f"{odd} * {cos} - {even} * {sin}"
-            else:
-                first, second = f"{even} * {cos} - {odd} * {sin}", f"{even} * {sin} + {odd} * {cos}"
-            self.emit(f"{name}_even = {first}")
-            self.emit(f"{name}_odd = {second}")
+            for line in rope_lines(name, even, odd, cos, sin, e.inverse):
+                self.emit(line)
             self.pair_form[e] = (f"{name}_even", f"{name}_odd")
         elif isinstance(e, SegmentSum):
             name = self.fresh("segment_sum")

@@ -33,7 +33,7 @@ from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Con
                                  Rope, RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward,
                                  TileInput, Unary, Width)
 
-from .codegen import _comment
+from .codegen import _comment, rope_lines, swiglu_backward_lines
 
 __all__ = ["generate", "kernel_arguments", "Argument", "GENERATOR_VERSION"]
 
@@ -252,8 +252,8 @@ class _Piece:
             sig = self.sigmoid(gate)
             self.emit(f"# {_comment(e)}")
             self.emit("#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g)")
-            self.emit(f"{name}_gate = {dy} * {up} * {sig} * (1.0 + {gate} * (1.0 - {sig}))")
-            self.emit(f"{name}_up = {dy} * {gate} * {sig}")
+            for line in swiglu_backward_lines(name, dy, gate, up, sig):
+                self.emit(line)
             self.pairs[e] = (f"{name}_gate", f"{name}_up")
         elif isinstance(e, Rope):
             name = self.fresh("rope")
@@ -268,12 +268,8 @@ class _Piece:
                 self.memo[key] = theta
             cos, sin = f"{self.memo[key]}_cos", f"{self.memo[key]}_sin"
             self.emit(f"# {_comment(e)}")
-            if e.inverse:
-                first, second = f"{even} * {cos} + {odd} * {sin}", f"{odd} * {cos} - {even} * {sin}"
-            else:
-                first, second = f"{even} * {cos} - {odd} * {sin}", f"{even} * {sin} + {odd} * {cos}"
-            self.emit(f"{name}_even = {first}")
-            self.emit(f"{name}_odd = {second}")
+            for line in rope_lines(name, even, odd, cos, sin, e.inverse):
+                self.emit(line)
             self.pairs[e] = (f"{name}_even", f"{name}_odd")
         else:  # pragma: no cover - pingpong.supports refuses the rest
             raise TypeError(f"the ping-pong generator cannot generate code for {type(e).__name__}")
