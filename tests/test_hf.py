@@ -207,37 +207,48 @@ def test_logits_to_keep_and_tuple_output():
 def two_x_rule(model, inputs, codagen_bf16):
     """Each gradient's relative error vs a float64 run is at most twice that of transformers with bf16
     parameters (+1e-6), and the loss is within bf16 rounding (2^-8 relative) of the float64 loss.
-    ``codagen_bf16(patched_model)`` returns its loss computed in bf16. (A scalar's bf16 error can be
-    luckily tiny, so the loss has an absolute bound rather than the 2x rule.)"""
-    results = {}
-    for name, (m, loss_of) in {"float64": (copy.deepcopy(model).double(), lambda m: m(**inputs).loss),
-                               "transformers_bf16": (copy.deepcopy(model).bfloat16(), lambda m: m(**inputs).loss),
-                               "codagen_bf16": (patch(copy.deepcopy(model)), codagen_bf16)}.items():
-        loss = loss_of(m)
-        loss.backward()
-        results[name] = {"loss": loss.detach(), **{n: p.grad for n, p in m.named_parameters()}}
+    ``codagen_bf16(patched_model, batch)`` returns its loss computed in bf16. (A scalar's bf16 error can be
+    luckily tiny, so the loss has an absolute bound rather than the 2x rule.) ``inputs``: one batch, or a
+    list of batches whose errors are summed per gradient before the comparison."""
+    batches = inputs if isinstance(inputs, list) else [inputs]
+    ours_total, theirs_total = {}, {}
 
     def rel_err(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-    exact = results.pop("float64")
-    assert rel_err(results["codagen_bf16"].pop("loss"), exact.pop("loss")) <= 2 ** -8
-    for key in exact:
-        ours, theirs = (rel_err(results[run][key], exact[key]) for run in ("codagen_bf16", "transformers_bf16"))
+    for batch in batches:
+        results = {}
+        for name, (m, loss_of) in {"float64": (copy.deepcopy(model).double(), lambda m: m(**batch).loss),
+                                   "transformers_bf16": (copy.deepcopy(model).bfloat16(), lambda m: m(**batch).loss),
+                                   "codagen_bf16": (patch(copy.deepcopy(model)), lambda m: codagen_bf16(m, batch))}.items():
+            loss = loss_of(m)
+            loss.backward()
+            results[name] = {"loss": loss.detach(), **{n: p.grad for n, p in m.named_parameters()}}
+        exact = results.pop("float64")
+        assert rel_err(results["codagen_bf16"].pop("loss"), exact.pop("loss")) <= 2 ** -8
+        for key in exact:
+            ours_total[key] = ours_total.get(key, 0.0) + rel_err(results["codagen_bf16"][key], exact[key])
+            theirs_total[key] = theirs_total.get(key, 0.0) + rel_err(results["transformers_bf16"][key], exact[key])
+    for key, ours in ours_total.items():
+        theirs = theirs_total[key]
         assert ours <= 2 * theirs + 1e-6, f"{key}: codagen {ours:.2e} vs transformers bf16 {theirs:.2e}"
 
 
 def test_autocast_bf16_cpu():
     """fp32 parameters under ``torch.autocast(bfloat16)`` (the usual mixed-precision set-up). Under
     autocast transformers keeps the residual stream in fp32; the fused ops keep it in bf16, so the
-    yardstick is transformers with bf16 parameters."""
-    model = build("qwen2", hidden_size=64, intermediate_size=96)
-    inputs = lm_inputs(batch=2, seq=16)
+    yardstick is transformers with bf16 parameters.
 
-    def autocast_loss(m):
+    Errors are summed over three batches: the K bias's gradient is nearly zero in exact arithmetic
+    (softmax ignores a score shift shared by every key; only RoPE's rotation of the bias breaks that),
+    so on one batch both bf16 errors are noise around a tiny norm and their ratio passed 2 in about 1%
+    of draws (codagen's median ratio to transformers' was 0.86 over 1000 draws; 0 failures in 1000 with
+    three batches)."""
+    model = build("qwen2", hidden_size=64, intermediate_size=96)
+
+    def autocast_loss(m, batch):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return m(**inputs).loss
-    two_x_rule(model, inputs, autocast_loss)
+            return m(**batch).loss
+    two_x_rule(model, [lm_inputs(batch=2, seq=16) for _ in range(3)], autocast_loss)
 
 
 @pytest.mark.gpu
@@ -250,4 +261,4 @@ def test_bf16_gpu_two_x_rule(family):
         fields["head_dim"] = 64
     model = build(family, **fields).cuda()
     inputs = {k: v.cuda() for k, v in lm_inputs(batch=2, seq=128, vocab=1000).items()}
-    two_x_rule(model, inputs, lambda m: m.bfloat16()(**inputs).loss)
+    two_x_rule(model, inputs, lambda m, batch: m.bfloat16()(**batch).loss)
