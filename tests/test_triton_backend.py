@@ -154,7 +154,7 @@ def test_pair_form_consumers():
     y = Unary("exp", rope * ColVector("c") + RowVector("r")) - ScalarInput("s")
     program = Program("pair_form", Gemm.linear(), (
         Store("out", y), RowPartial("lse", rope, "logsumexp"), RowPartial("total", y * rope),
-        ColPartial("cols", y)))
+        ColPartial("col_sums", y)))
     for cfg in (INTERPRETER_CONFIG, KernelConfig(32, 64, 32, 1, 4, epilogue_split=2, group_m=2)):
         check(program, 45, 138, 48, torch.float16, backend=TritonBackend(config=cfg))
 
@@ -485,3 +485,38 @@ def test_gpu_float64_refused():
     a = torch.randn(16, 16, dtype=torch.float64, device="cuda")
     with pytest.raises(ProgramError, match="float16, bfloat16 or float32"):
         TritonBackend().run(bind(library.linear(), a, a, {}))
+
+
+def test_reserved_names_cover_the_generated_kernels():
+    """Every identifier of the generated sources (both schedules) in a scope where the program's own
+    names become variables (module level, and every function but the fixed helpers) is reserved in the
+    IR or derived from those names, so no input or output can shadow a kernel variable; such a name is
+    refused with a clear error."""
+    import ast
+
+    from codagen.backends.triton import codegen, pingpong, pingpong_codegen
+    from codagen.epilogue.ir import _GENERATED_NAME, RESERVED_NAMES, RowVector
+    fixed_helpers = {"tile_coords", "column_halves", "cast_for_store", "merge_logsumexp"}  # their own scopes
+    programs = [f() for f in library.PROGRAMS.values()] + [
+        library.rms_norm_backward("accumulate"), library.rms_norm_backward("none"),
+        library.rms_qkv_rope(qk_norm_head_dim=64), library.weight_grad(True, "float32")]
+    for program in programs:
+        own = set(program.inputs) | {o.name for o in program.outputs} | {program.name, "a", "b"}  # a, b: the operands
+        sources = [codegen.generate(program)]
+        if pingpong.supports(program) is None:
+            sources.append(pingpong_codegen.generate(program))
+        for source in sources:
+            tree = ast.parse(source)
+            ids = {f.name for f in tree.body if isinstance(f, ast.FunctionDef)}
+            ids |= {(a.asname or a.name).split(".")[0] for n in tree.body
+                    if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+            for f in tree.body:
+                if isinstance(f, ast.FunctionDef) and f.name not in fixed_helpers:
+                    ids |= {n.id for n in ast.walk(f) if isinstance(n, ast.Name)}
+                    ids |= {a.arg for a in ast.walk(f) if isinstance(a, ast.arg)}
+            stray = sorted(i for i in ids if i not in RESERVED_NAMES and not _GENERATED_NAME.fullmatch(i)
+                           and not any(i == u or i.startswith(u + "_") for u in own))
+            assert not stray, f"{program.name}: add to ir.RESERVED_NAMES: {stray}"
+    for name in ("rows", "acc", "v_3", "N", "piece"):
+        with pytest.raises(ProgramError, match="used by the generated kernels' own variables"):
+            Program("p", Gemm.linear(), (Store("out", Accumulator() * RowVector(name)),))

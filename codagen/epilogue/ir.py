@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import re
 import types
 from dataclasses import dataclass, field
 from typing import Mapping, Union
@@ -200,6 +201,25 @@ def _node(cls):
 
     cls.__hash__ = __hash__
     return cls
+
+
+#: identifiers the generated kernels use for their own variables and helpers in the scopes where a
+#: program's input and output names become variables, so such a name would shadow one
+#: (``tests/test_triton_backend.py`` checks the list against the generated sources); plus
+#: ``<stem>_<number>``, their numbered temporaries
+RESERVED_NAMES = frozenset("""
+    acc bar cast_for_store col0 col_ok col_ok_b col_ok_double col_ok_half cols cols_b cols_double
+    cols_half column_halves column_pieces cos_sin empty fence_async_shared float gl gluon input_bars
+    input_bars_0 input_bars_1 iteration k_ok k_steps k_tile k_tiles local mainloop mbarrier
+    merge_logsumexp my_tiles next_vectors num_pid_m num_pid_n num_tiles off_k off_m off_n offs_k
+    partial_offsets pid_m pid_n piece pieces probe_even probe_odd producer range ready row_layout row_ok
+    row_ok_P row_ok_H row_ok_a rows rows_64 rows_a sigmoid slot slot_index tile_coords tile_id tile_index
+    tile_ok tile_ok_double tile_ok_half tl tma triton turn vectors
+    BK BLOCK_K BLOCK_M BLOCK_N BM BN B_NK DOT_PRECISION EPILOGUE_SPLIT FLATTEN GROUP_M H INTERPRETER
+    IN_SLOTS J K M N OUT_BUFFERS P PIECES PIECE_N RING SUB_N TMA_EPILOGUE TMA_MAINLOOP UPCAST_OPERANDS
+    WHICH
+    """.split())
+_GENERATED_NAME = re.compile(r"(v|const|onehot|swiglu|swiglu_grad|rope|theta|segment_sum|joined|acc)_\d+(_\w+)?")
 
 
 def _check_name(name: str, what: str) -> None:
@@ -702,6 +722,10 @@ class Program:
             raise ProgramError(f"program {self.name!r}: names used for both an input and an output: {sorted(clash)}")
         if {"a", "b"} & (set(inputs) | set(names)):
             raise ProgramError(f"program {self.name!r}: 'a' and 'b' are reserved for the GEMM operands")
+        taken = sorted(n for n in set(inputs) | set(names) if n in RESERVED_NAMES or _GENERATED_NAME.fullmatch(n))
+        if taken:
+            raise ProgramError(f"program {self.name!r}: input/output names {taken} are used by the generated "
+                               f"kernels' own variables; rename them")
 
     # -- structure (computed once: a program is immutable, and kernels launch it many times) ---------
     def expressions(self) -> tuple[Expr, ...]:

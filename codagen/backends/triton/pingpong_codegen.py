@@ -332,7 +332,7 @@ class _Piece:
         self.emit(f"tma.store_wait(pendings={len(stores)})  # piece p - 2's stores have read their buffers")
         for out in stores:
             value = values[out.name]
-            buffer = f"{out.name}_out.index(p % OUT_BUFFERS)"
+            buffer = f"{out.name}_out.index(piece % OUT_BUFFERS)"
             if value in self.pairs and value not in self.full:
                 even, odd = self.pairs[value]
                 pairs = _PIECE_COLS[value.width] + " // 2"
@@ -343,7 +343,7 @@ class _Piece:
         self.emit("fence_async_shared()")
         for out in stores:
             self.emit(f"tma.async_copy_shared_to_global({out.name}_desc, [pid_m * BM, {_OFFSET[out.value.width]}], "
-                      f"{out.name}_out.index(p % OUT_BUFFERS))")
+                      f"{out.name}_out.index(piece % OUT_BUFFERS))")
 
 
 def generate(program: Program, header: str = "") -> str:
@@ -397,7 +397,7 @@ def generate(program: Program, header: str = "") -> str:
                  "H: gl.constexpr = probe_even.type.layout  # a column-pair half of P"]
     if any(w == Width.DOUBLE for _, _, w in inputs):
         head.append("J: gl.constexpr = gl.join(acc, acc).type.layout  # a DOUBLE-width piece as [BM, PIECE_N, 2]")
-    head += ["col0 = pid_n * BN + p * PIECE_N  # the piece's first column",
+    head += ["col0 = pid_n * BN + piece * PIECE_N  # the piece's first column",
              "rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, P))",
              "row_ok = rows < M",
              "cols = col0 + gl.arange(0, PIECE_N, layout=gl.SliceLayout(0, P))  # FULL columns, DOUBLE pairs",
@@ -406,17 +406,17 @@ def generate(program: Program, header: str = "") -> str:
         head += ["cols_half = col0 // 2 + gl.arange(0, PIECE_N // 2, layout=gl.SliceLayout(0, H))  # HALF columns, FULL pairs",
                  "col_ok_half = cols_half < N // 2"]
     if cols_in:
-        head += ["if p + 1 < PIECES:  # the next piece's column vectors load while this piece runs",
-                 f"    next_vectors = {name}_load_vectors(p + 1, pid_n, N, {', '.join(p_ + '_ptr' for p_ in col_ptrs)}, PIECE_N)",
+        head += ["if piece + 1 < PIECES:  # the next piece's column vectors load while this piece runs",
+                 f"    next_vectors = {name}_load_vectors(piece + 1, pid_n, N, {', '.join(p_ + '_ptr' for p_ in col_ptrs)}, PIECE_N)",
                  "else:",
                  f"    next_vectors = ({', '.join(cols_in)},)"]
     if inputs:
         load_args = ", ".join([d for _, d, _ in inputs] + in_bufs)
-        head += ["slot = p % IN_SLOTS",
-                 "mbarrier.wait(input_bars.index(slot), (iteration * (PIECES // IN_SLOTS) + p // IN_SLOTS) & 1)"]
+        head += ["slot = piece % IN_SLOTS",
+                 "mbarrier.wait(input_bars.index(slot), (iteration * (PIECES // IN_SLOTS) + piece // IN_SLOTS) & 1)"]
         head += load_lines
-        head += ["if p + IN_SLOTS < PIECES:  # the slot is read: refill it with a later piece's operands",
-                 f"    {name}_load_inputs(p + IN_SLOTS, pid_m, pid_n, {load_args}, input_bars, PIECE_N, IN_SLOTS)"]
+        head += ["if piece + IN_SLOTS < PIECES:  # the slot is read: refill it with a later piece's operands",
+                 f"    {name}_load_inputs(piece + IN_SLOTS, pid_m, pid_n, {load_args}, input_bars, PIECE_N, IN_SLOTS)"]
     returned = [p_ for _, ps in partials for p_ in ps] + (["next_vectors"] if cols_in else [])
     body = head + [""] + piece.lines + ([f"return {', '.join(returned)}"] if returned else [])
 
@@ -427,15 +427,15 @@ def generate(program: Program, header: str = "") -> str:
     if inputs:
         load_args = ", ".join([d for _, d, _ in inputs] + in_bufs)
         nbytes = " + ".join(f"{d}.block_type.nbytes" for _, d, _ in inputs)
-        copies = [f"tma.async_copy_global_to_shared({d}, [pid_m * BM, {_OFFSET[w]}], bar, {v}_in.index(p % IN_SLOTS))"
+        copies = [f"tma.async_copy_global_to_shared({d}, [pid_m * BM, {_OFFSET[w]}], bar, {v}_in.index(piece % IN_SLOTS))"
                   for v, d, w in inputs]
         load_fn = f'''
 
 @gluon.jit
-def {name}_load_inputs(p: gl.constexpr, pid_m, pid_n, {load_args}, input_bars, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr):
-    """Request piece p's tile operands into slot p % IN_SLOTS (one barrier for all of them)."""
-    col0 = pid_n * BN + p * PIECE_N
-    bar = input_bars.index(p % IN_SLOTS)
+def {name}_load_inputs(piece: gl.constexpr, pid_m, pid_n, {load_args}, input_bars, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr):
+    """Request the tile operands of a piece into its slot (one barrier for all of them)."""
+    col0 = pid_n * BN + piece * PIECE_N
+    bar = input_bars.index(piece % IN_SLOTS)
     mbarrier.expect(bar, {nbytes})
 {ind(copies, 4)}
 '''
@@ -448,14 +448,14 @@ def {name}_load_inputs(p: gl.constexpr, pid_m, pid_n, {load_args}, input_bars, P
                      "cols_half = col0 // 2 + gl.arange(0, PIECE_N // 2, layout=gl.SliceLayout(0, H))",
                      "col_ok_half = cols_half < N // 2"]
         vector_lines = (["P: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PIECE_N, 16])",
-                         "col0 = pid_n * BN + p * PIECE_N",
+                         "col0 = pid_n * BN + piece * PIECE_N",
                          "cols = col0 + gl.arange(0, PIECE_N, layout=gl.SliceLayout(0, P))",
                          "col_ok = cols < N"] + probe + piece.col_loads + [f"return {', '.join(cols_in)},"])
         load_fn += f'''
 
 @gluon.jit
-def {name}_load_vectors(p: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' for p_ in col_ptrs)}, PIECE_N: gl.constexpr):
-    """Piece p's column vectors, in the layouts the piece uses them in."""
+def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' for p_ in col_ptrs)}, PIECE_N: gl.constexpr):
+    """A piece's column vectors, in the layouts the piece uses them in."""
 {ind(vector_lines, 4)}
 '''
 
@@ -463,8 +463,8 @@ def {name}_load_vectors(p: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' for p_
     consumer = []
     if inputs:
         load_args = ", ".join([d for _, d, _ in inputs] + in_bufs)
-        consumer += ["for p in gl.static_range(IN_SLOTS):  # the first pieces' operands load under the mainloops",
-                     f"    {name}_load_inputs(p, pid_m, pid_n, {load_args}, input_bars, PIECE_N, IN_SLOTS)"]
+        consumer += ["for piece in gl.static_range(IN_SLOTS):  # the first pieces' operands load under the mainloops",
+                     f"    {name}_load_inputs(piece, pid_m, pid_n, {load_args}, input_bars, PIECE_N, IN_SLOTS)"]
     consumer.append("rows = pid_m * BM + gl.arange(0, BM, layout=row_layout)")
     for e in piece.row_vectors:  # loaded before the mainloop: their latency hides under it
         other = "-1" if e.index else "0.0"
@@ -482,9 +482,9 @@ def {name}_load_vectors(p: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' for p_
                          f"{out.name}_sumexp = gl.zeros([BM], gl.float32, row_layout)"]
     lhs = ", ".join([f"{o.name}_{i}" for o, names in partials for i in range(len(names))] + (["vectors"] if cols_in else []))
     vec_call = ", ".join(rows_in + [f"vectors[{i}]" for i in range(len(cols_in))])
-    call = (f"{name}_piece(pieces[p], p, local // 2, pid_m, pid_n, M, N, {shared}, "
+    call = (f"{name}_piece(pieces[piece], piece, local // 2, pid_m, pid_n, M, N, {shared}, "
             f"{vec_call + ', ' if vec_call else ''}PIECE_N, PIECES, IN_SLOTS)")
-    consumer += ["for p in gl.static_range(PIECES):", f"    {lhs + ' = ' if lhs else ''}{call}"]
+    consumer += ["for piece in gl.static_range(PIECES):", f"    {lhs + ' = ' if lhs else ''}{call}"]
     for out, names in partials:
         if out.reduction == "sum":
             consumer.append(f"    {out.name} += {out.name}_0")
@@ -512,12 +512,12 @@ def {name}_load_vectors(p: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' for p_
                               f"{_PIECE_COLS[o.value.width]}], {o.name}_desc.layout)")
         if inputs:
             allocs.append(f"input_bars_{c} = gl.allocate_shared_memory(gl.int64, [IN_SLOTS, 1], mbarrier.MBarrierLayout())")
-    inits = ["for i in gl.static_range(RING):", "    mbarrier.init(ready.index(i), count=1)",
-             "    mbarrier.init(empty.index(i), count=1)", "for i in gl.static_range(2):",
-             "    mbarrier.init(turn.index(i), count=1)"]
+    inits = ["for slot_index in gl.static_range(RING):", "    mbarrier.init(ready.index(slot_index), count=1)",
+             "    mbarrier.init(empty.index(slot_index), count=1)", "for slot_index in gl.static_range(2):",
+             "    mbarrier.init(turn.index(slot_index), count=1)"]
     if inputs:
-        inits += ["for i in gl.static_range(IN_SLOTS):", "    mbarrier.init(input_bars_0.index(i), count=1)",
-                  "    mbarrier.init(input_bars_1.index(i), count=1)"]
+        inits += ["for slot_index in gl.static_range(IN_SLOTS):", "    mbarrier.init(input_bars_0.index(slot_index), count=1)",
+                  "    mbarrier.init(input_bars_1.index(slot_index), count=1)"]
 
     def per_consumer(c):
         own = [f"{b}_{c}" for b in in_bufs + out_bufs + bars]
@@ -540,7 +540,7 @@ from codagen.backends.triton.pingpong import (BK, BM, BN, OUT_BUFFERS, RING, col
 {load_fn}
 
 @gluon.jit
-def {name}_piece(acc, p: gl.constexpr, iteration, pid_m, pid_n, M, N, {shared},{' ' + vector_args + ',' if vector_args else ''}
+def {name}_piece(acc, piece: gl.constexpr, iteration, pid_m, pid_n, M, N, {shared},{' ' + vector_args + ',' if vector_args else ''}
         PIECE_N: gl.constexpr, PIECES: gl.constexpr, IN_SLOTS: gl.constexpr):
     """The program on columns [col0, col0 + PIECE_N) of tile (pid_m, pid_n); returns its RowPartial pieces."""
 {ind(body, 4)}
@@ -559,8 +559,8 @@ def {name}_consumer(a_slots, b_slots, ready, empty, turn, M, N, K, {shared},
     if WHICH == 0:
         mbarrier.arrive(turn.index(0))  # consumer 0 takes the first turn
 {ind(scalar_lines, 4) + chr(10) if scalar_lines else ''}    for local in range(WHICH, my_tiles, 2):
-        tile = gl.program_id(0) + local * gl.num_programs(0)
-        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n)
+        tile_index = gl.program_id(0) + local * gl.num_programs(0)
+        pid_m, pid_n = tile_coords(tile_index, num_pid_m, num_pid_n)
 {ind(consumer, 8)}
     tma.store_wait(pendings=0)
 
