@@ -294,7 +294,7 @@ class _Piece:
         for i, t in enumerate(tiles):
             self.emit(f"{out.name}_x{i} = gl.where({mask}, {t}, float('-inf'))")
             xs.append(f"{out.name}_x{i}")
-        row_max = " , ".join(f"gl.max({x}, axis=1)" for x in xs)
+        row_max = ", ".join(f"gl.max({x}, axis=1)" for x in xs)
         self.emit(f"{out.name}_max = " + (f"gl.maximum({row_max})" if len(xs) == 2 else row_max))
         self.emit(f"{out.name}_shift = gl.where({out.name}_max == float('-inf'), 0.0, {out.name}_max)")
         self.emit(f"{out.name}_sumexp = " + " + ".join(
