@@ -1,8 +1,9 @@
 """Epilogue program -> a Gluon ping-pong kernel (:mod:`.pingpong` holds the fixed parts).
 
-The generated module holds four ``@gluon.jit`` functions:
+The generated module holds five ``@gluon.jit`` functions:
 
 ``<name>_load_inputs``  requests one piece's tile operands by TMA into a rotating buffer slot;
+``<name>_load_vectors`` loads one piece's column vectors (a piece ahead of its use);
 ``<name>_piece``        the program on one [BLOCK_M, PIECE_N] column piece of the accumulator: tile
                         operands read from shared memory, vector loads, the maps, tile stores through
                         shared memory and TMA, ColPartial sums; returns the piece's RowPartial pieces;
@@ -353,29 +354,29 @@ def generate(program: Program, header: str = "") -> str:
     if reason:
         raise ValueError(f"{program.name}: the ping-pong generator cannot take this program: {reason}")
     name = program.name
-    piece = _Piece(program)
+    emitter = _Piece(program)
     inputs = _tile_inputs(program)
-    # tile operands first: their slot is refilled (piece p + IN_SLOTS) as soon as it is read
+    # tile operands are read first: their slot is refilled (piece + IN_SLOTS) as soon as they are
     load_lines = []
     for value, _, width in inputs:
         buffer = f"{value}_in.index(slot)"
         if width == Width.DOUBLE:
-            piece.pairs[TileInput(value, width)] = (f"{value}_even", f"{value}_odd")
+            emitter.pairs[TileInput(value, width)] = (f"{value}_even", f"{value}_odd")
             load_lines += [f"{value}_even, {value}_odd = gl.split({buffer}.reshape([BM, PIECE_N, 2]).load(J).to(gl.float32))",
                            f"{value}_even, {value}_odd = gl.convert_layout({value}_even, P), gl.convert_layout({value}_odd, P)"]
         else:
-            layout = piece.layout(width, False)
-            piece.full[TileInput(value, width)] = value
+            layout = emitter.layout(width, False)
+            emitter.full[TileInput(value, width)] = value
             load_lines.append(f"{value} = {buffer}.load({layout}).to(gl.float32)")
     for e in program.expressions():
-        piece.expression(e)
+        emitter.expression(e)
     partials: list[tuple[RowPartial, list[str]]] = []
     for out in program.outputs:
         if isinstance(out, RowPartial):
-            partials.append((out, piece.row_partial(out)))
+            partials.append((out, emitter.row_partial(out)))
         elif isinstance(out, ColPartial):
-            piece.col_partial(out)
-    piece.stores([o for o in program.outputs if isinstance(o, Store)])
+            emitter.col_partial(out)
+    emitter.stores([o for o in program.outputs if isinstance(o, Store)])
 
     args = kernel_arguments(program)
     descs = [a.name for a in args if a.descriptor]
@@ -384,15 +385,15 @@ def generate(program: Program, header: str = "") -> str:
     out_bufs = [f"{o.name}_out" for o in program.outputs if isinstance(o, Store)]
     bars = ["input_bars"] if inputs else []
     shared = ", ".join(descs + ptrs + in_bufs + out_bufs + bars)
-    rows_in = [e.name for e in piece.row_vectors] + [e.name for e in piece.scalars]
-    cols_in = [v for names in piece.col_vectors.values() for v in names]
-    col_ptrs = sorted({name for name, _ in piece.col_vectors})
+    rows_in = [e.name for e in emitter.row_vectors] + [e.name for e in emitter.scalars]
+    cols_in = [v for names in emitter.col_vectors.values() for v in names]
+    col_ptrs = sorted({name for name, _ in emitter.col_vectors})
     vector_args = ", ".join(rows_in + cols_in)
 
     # -- <name>_piece ------------------------------------------------------------------------------
     head = ["P: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PIECE_N, 16])",
             "acc = gl.convert_layout(acc, P)  # the piece's own wgmma layout: the same registers, relabelled"]
-    if piece.uses_half_layout:
+    if emitter.uses_half_layout:
         head += ["probe_even, probe_odd = gl.split(gl.reshape(acc, [BM, PIECE_N // 2, 2]))",
                  "H: gl.constexpr = probe_even.type.layout  # a column-pair half of P"]
     if any(w == Width.DOUBLE for _, _, w in inputs):
@@ -402,7 +403,7 @@ def generate(program: Program, header: str = "") -> str:
              "row_ok = rows < M",
              "cols = col0 + gl.arange(0, PIECE_N, layout=gl.SliceLayout(0, P))  # FULL columns, DOUBLE pairs",
              "col_ok = cols < N"]
-    if piece.uses_half_layout:
+    if emitter.uses_half_layout:
         head += ["cols_half = col0 // 2 + gl.arange(0, PIECE_N // 2, layout=gl.SliceLayout(0, H))  # HALF columns, FULL pairs",
                  "col_ok_half = cols_half < N // 2"]
     if cols_in:
@@ -418,7 +419,7 @@ def generate(program: Program, header: str = "") -> str:
         head += ["if piece + IN_SLOTS < PIECES:  # the slot is read: refill it with a later piece's operands",
                  f"    {name}_load_inputs(piece + IN_SLOTS, pid_m, pid_n, {load_args}, input_bars, PIECE_N, IN_SLOTS)"]
     returned = [p_ for _, ps in partials for p_ in ps] + (["next_vectors"] if cols_in else [])
-    body = head + [""] + piece.lines + ([f"return {', '.join(returned)}"] if returned else [])
+    body = head + [""] + emitter.lines + ([f"return {', '.join(returned)}"] if returned else [])
 
     def ind(lines, n):
         return "\n".join((" " * n + line) if line else "" for line in lines)
@@ -442,7 +443,7 @@ def {name}_load_inputs(piece: gl.constexpr, pid_m, pid_n, {load_args}, input_bar
 
     if cols_in:
         probe = []
-        if any("cols_half" in line for line in piece.col_loads):
+        if any("cols_half" in line for line in emitter.col_loads):
             probe = ["probe_even, probe_odd = gl.split(gl.reshape(gl.zeros([BM, PIECE_N], gl.float32, P), [BM, PIECE_N // 2, 2]))",
                      "H: gl.constexpr = probe_even.type.layout",
                      "cols_half = col0 // 2 + gl.arange(0, PIECE_N // 2, layout=gl.SliceLayout(0, H))",
@@ -450,7 +451,7 @@ def {name}_load_inputs(piece: gl.constexpr, pid_m, pid_n, {load_args}, input_bar
         vector_lines = (["P: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PIECE_N, 16])",
                          "col0 = pid_n * BN + piece * PIECE_N",
                          "cols = col0 + gl.arange(0, PIECE_N, layout=gl.SliceLayout(0, P))",
-                         "col_ok = cols < N"] + probe + piece.col_loads + [f"return {', '.join(cols_in)},"])
+                         "col_ok = cols < N"] + probe + emitter.col_loads + [f"return {', '.join(cols_in)},"])
         load_fn += f'''
 
 @gluon.jit
@@ -466,7 +467,7 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
         consumer += ["for piece in gl.static_range(IN_SLOTS):  # the first pieces' operands load under the mainloops",
                      f"    {name}_load_inputs(piece, pid_m, pid_n, {load_args}, input_bars, PIECE_N, IN_SLOTS)"]
     consumer.append("rows = pid_m * BM + gl.arange(0, BM, layout=row_layout)")
-    for e in piece.row_vectors:  # loaded before the mainloop: their latency hides under it
+    for e in emitter.row_vectors:  # loaded before the mainloop: their latency hides under it
         other = "-1" if e.index else "0.0"
         cast = "" if e.index else ".to(gl.float32)"
         consumer.append(f"{e.name} = gl.load({e.name}_ptr + rows, mask=rows < M, other={other}){cast}")
@@ -498,7 +499,7 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
             consumer.append(f"gl.store({out.name}_ptr + partial_offsets, {value}, mask=rows < M)  # {out.reduction}")
 
     scalar_lines = [f"{e.name} = gl.load({e.name}_ptr).to(gl.float32)  # a device scalar: no host sync"
-                    for e in piece.scalars]
+                    for e in emitter.scalars]
 
     # -- <name>_kernel -----------------------------------------------------------------------------
     allocs = []
