@@ -59,13 +59,13 @@ def kernel_hash(program: Program) -> str:
     changes in the generators."""
     key = codegen.program_key(program)
     if key not in _kernel_hashes:
+        def code_lines(source: str) -> list[str]:
+            return [line for line in source.splitlines() if "generator version" not in line]
         here = Path(__file__).parent
-        parts = [line for line in codegen.generate(program).splitlines() if "generator version" not in line]
-        parts.append(_code_of(here / "device_math.py"))
+        parts = code_lines(codegen.generate(program)) + [_code_of(here / "device_math.py")]
         from . import pingpong, pingpong_codegen
         if pingpong.supports(program) is None:
-            parts += [line for line in pingpong_codegen.generate(program).splitlines() if "generator version" not in line]
-            parts.append(_code_of(here / "pingpong.py"))
+            parts += code_lines(pingpong_codegen.generate(program)) + [_code_of(here / "pingpong.py")]
         _kernel_hashes[key] = codegen.source_hash(*parts)
     return _kernel_hashes[key]
 

@@ -34,6 +34,7 @@ from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Con
                                  Rope, RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward,
                                  TileInput, Unary, Width)
 
+from . import pingpong
 from .codegen import _comment, rope_lines, swiglu_backward_lines
 
 __all__ = ["generate", "kernel_arguments", "Argument", "GENERATOR_VERSION"]
@@ -88,12 +89,12 @@ def kernel_arguments(program: Program) -> list[Argument]:
 
 
 def _tile_inputs(program: Program) -> list[tuple[str, str, Width]]:
-    """(value name, descriptor, width) of what each piece reads through shared memory: the tile
-    operands, and the old value of each accumulated store (through its own descriptor)."""
-    ins = [(name, f"{name}_desc", e.width) for name, e in program.inputs.items() if isinstance(e, TileInput)]
-    ins += [(f"{o.name}_old", f"{o.name}_desc", o.value.width) for o in program.outputs
-            if isinstance(o, Store) and o.accumulate]
-    return ins
+    """(value name, descriptor, width) of what each piece reads through shared memory
+    (``pingpong._tile_io``): the tile operands, and the old value ``<output>_old`` of each
+    accumulated store (through the output's own descriptor)."""
+    outputs = {o.name for o in program.outputs}
+    return [(f"{name}_old" if name in outputs else name, f"{name}_desc", width)
+            for name, width, is_input in pingpong._tile_io(program) if is_input]
 
 
 def _float(value: float) -> str:
@@ -349,7 +350,6 @@ class _Piece:
 
 def generate(program: Program, header: str = "") -> str:
     """The Gluon source of ``program``'s ping-pong kernel (a complete Python module)."""
-    from . import pingpong
     reason = pingpong.supports(program)
     if reason:
         raise ValueError(f"{program.name}: the ping-pong generator cannot take this program: {reason}")
