@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from codagen.backends.triton import TritonBackend, load_kernel, pingpong, pingpong_codegen
+from codagen.backends.triton import TritonBackend, load_kernel, pingpong, pingpong_codegen, sass
 from codagen.backends.triton.configs import PINGPONG, KernelConfig, TuningCache, candidates, smem_estimate
 from codagen.bench.kernels import random_inputs
 from codagen.epilogue import library
@@ -65,6 +65,25 @@ def test_compiles_for_sm90(name):
     assert "wgmma.mma_async" in compiled.asm["ptx"]
     # two consumer warpgroups and the producer's warp, which Triton pads to a warpgroup of its own
     assert compiled.metadata.num_warps == 3 * pingpong.CONSUMER_WARPS
+
+
+#: ptxas hoists these epilogues' arithmetic above the turn hand-off (``bench/pingpong_handoff.py``); the
+#: fix measured on the H200 (the hand-off inside the last k-iteration) waits for a re-tune there
+HANDOFF_DELAYED = {"rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="known: ptxas hoists "
+                                  "the epilogue above the hand-off")) if n in HANDOFF_DELAYED else n
+                                  for n in sorted(PROGRAMS)])
+def test_turn_passes_before_the_epilogue(name):
+    """Each consumer frees its last ring slot and passes the tensor cores on before its epilogue runs:
+    at most a few hundred cycles of epilogue arithmetic scheduled ahead of the hand-off (else the other
+    consumer's mainloop waits for this epilogue)."""
+    program = PROGRAMS[name]
+    kernel = load_kernel(program, dtypes="test", arch="sm_90", interpret=False, schedule="pingpong")
+    compiled = pingpong.compile_sm90(kernel, program, _largest_piece(program).sub_n, torch.bfloat16)
+    counts = sass.arithmetic_before_handoff(sass.instructions(compiled.asm["cubin"]))
+    assert len(counts) == 2 and max(counts) <= sass.HANDOFF_LIMIT, f"arithmetic ahead of the hand-off: {counts}"
 
 
 def test_every_piece_prefetched_where_it_fits():

@@ -496,7 +496,7 @@ def test_reserved_names_cover_the_generated_kernels():
 
     from codagen.backends.triton import codegen, pingpong, pingpong_codegen
     from codagen.epilogue.ir import _GENERATED_NAME, RESERVED_NAMES, RowVector
-    fixed_helpers = {"tile_coords", "column_halves", "cast_for_store", "merge_logsumexp"}  # their own scopes
+    fixed_helpers = {"tile_coords", "column_halves", "cast_for_store", "merge_logsumexp", "stamp"}  # own scopes
     programs = [f() for f in library.PROGRAMS.values()] + [
         library.rms_norm_backward("accumulate"), library.rms_norm_backward("none"),
         library.rms_qkv_rope(qk_norm_head_dim=64), library.weight_grad(True, "float32")]
@@ -504,7 +504,7 @@ def test_reserved_names_cover_the_generated_kernels():
         own = set(program.inputs) | {o.name for o in program.outputs} | {program.name, "a", "b"}  # a, b: the operands
         sources = [codegen.generate(program)]
         if pingpong.supports(program) is None:
-            sources.append(pingpong_codegen.generate(program))
+            sources += [pingpong_codegen.generate(program), pingpong_codegen.generate(program, timeline=True)]
         for source in sources:
             tree = ast.parse(source)
             ids = {f.name for f in tree.body if isinstance(f, ast.FunctionDef)}

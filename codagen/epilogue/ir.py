@@ -213,11 +213,11 @@ RESERVED_NAMES = frozenset("""
     input_bars_0 input_bars_1 iteration k_ok k_steps k_tile k_tiles local mainloop mbarrier
     merge_logsumexp my_tiles next_vectors num_pid_m num_pid_n num_tiles off_k off_m off_n offs_k
     partial_offsets pid_m pid_n piece pieces probe_even probe_odd producer range ready row_layout row_ok
-    row_ok_P row_ok_H row_ok_a rows rows_64 rows_a sigmoid slot slot_index tile_coords tile_id tile_index
-    tile_ok tile_ok_double tile_ok_half tl tma triton turn vectors
+    row_ok_P row_ok_H row_ok_a rows rows_64 rows_a sigmoid slot slot_index stamp stamp_slot stamping
+    tile_coords tile_id tile_index tile_ok tile_ok_double tile_ok_half timeline_ptr tl tma triton turn vectors
     BK BLOCK_K BLOCK_M BLOCK_N BM BN B_NK DOT_PRECISION EPILOGUE_SPLIT FLATTEN GROUP_M H INTERPRETER
-    IN_SLOTS J K M N OUT_BUFFERS P PIECES PIECE_N RING SUB_N TMA_EPILOGUE TMA_MAINLOOP UPCAST_OPERANDS
-    WHICH
+    IN_SLOTS J K M N OUT_BUFFERS P PIECES PIECE_N RING SUB_N TIMELINE_TILES TMA_EPILOGUE TMA_MAINLOOP
+    UPCAST_OPERANDS WHICH
     """.split())
 _GENERATED_NAME = re.compile(r"(v|const|onehot|swiglu|swiglu_grad|rope|theta|segment_sum|joined|acc)_\d+(_\w+)?")
 

@@ -348,8 +348,13 @@ class _Piece:
                       f"{out.name}_out.index(piece % OUT_BUFFERS))")
 
 
-def generate(program: Program, header: str = "") -> str:
-    """The Gluon source of ``program``'s ping-pong kernel (a complete Python module)."""
+def generate(program: Program, header: str = "", timeline: bool = False) -> str:
+    """The Gluon source of ``program``'s ping-pong kernel (a complete Python module).
+
+    ``timeline`` (measurement only, ``bench/pingpong_timeline.py``): the kernel takes a ``timeline_ptr``
+    after ``K`` and CTA 0's consumers write four ``%globaltimer`` stamps for each of their first
+    ``TIMELINE_TILES`` tiles into it (int64 [2, TIMELINE_TILES, 4]): tile start, turn taken, mainloop done,
+    epilogue done. The stamps' branches also change how ptxas may schedule across them (see the script)."""
     reason = pingpong.supports(program)
     if reason:
         raise ValueError(f"{program.name}: the ping-pong generator cannot take this program: {reason}")
@@ -473,6 +478,12 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
         consumer.append(f"{e.name} = gl.load({e.name}_ptr + rows, mask=rows < M, other={other}){cast}")
     if cols_in:
         consumer.append(f"vectors = {name}_load_vectors(0, pid_n, N, {', '.join(p_ + '_ptr' for p_ in col_ptrs)}, PIECE_N)")
+    if timeline:  # the turn is waited for here to stamp it; mainloop's own wait then passes at once
+        consumer = ["stamping = (gl.program_id(0) == 0) & (local // 2 < TIMELINE_TILES)",
+                    "stamp_slot = (WHICH * TIMELINE_TILES + local // 2) * 4",
+                    "if stamping:", "    stamp(timeline_ptr + stamp_slot, local)"] + consumer
+        consumer += ["mbarrier.wait(turn.index(WHICH), (local // 2) & 1)",
+                     "if stamping:", "    stamp(timeline_ptr + stamp_slot + 1, local)"]
     consumer += ["acc = mainloop(a_slots, b_slots, ready, empty, turn, local, k_steps, WHICH, B_NK)",
                  "pieces = column_pieces(acc, PIECES)"]
     for out, names in partials:
@@ -485,6 +496,8 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
     vec_call = ", ".join(rows_in + [f"vectors[{i}]" for i in range(len(cols_in))])
     call = (f"{name}_piece(pieces[piece], piece, local // 2, pid_m, pid_n, M, N, {shared}, "
             f"{vec_call + ', ' if vec_call else ''}PIECE_N, PIECES, IN_SLOTS)")
+    if timeline:
+        consumer += ["if stamping:", "    stamp(timeline_ptr + stamp_slot + 2, local)"]
     consumer += ["for piece in gl.static_range(PIECES):", f"    {lhs + ' = ' if lhs else ''}{call}"]
     for out, names in partials:
         if out.reduction == "sum":
@@ -492,6 +505,8 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
         else:
             consumer.append(f"    {out.name}_max, {out.name}_sumexp = merge_logsumexp({out.name}_max, {out.name}_sumexp, "
                             f"{out.name}_0, {out.name}_1)")
+    if timeline:
+        consumer += ["if stamping:", "    stamp(timeline_ptr + stamp_slot + 3, local)"]
     if partials:
         consumer += ["partial_offsets = rows.to(gl.int64) * num_pid_n + pid_n  # [M, cdiv(N, BN)] partials"]
         for out, _ in partials:
@@ -522,8 +537,23 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
 
     def per_consumer(c):
         own = [f"{b}_{c}" for b in in_bufs + out_bufs + bars]
-        return ", ".join(["a_slots, b_slots, ready, empty, turn, M, N, K"] + descs + ptrs + own + [str(c), "B_NK", "PIECE_N", "IN_SLOTS"])
-    kernel_params = ", ".join(["a_desc, b_desc"] + descs + ptrs + ["M, N, K, B_NK: gl.constexpr, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr"])
+        return ", ".join(["a_slots, b_slots, ready, empty, turn, M, N, K"] + descs + ptrs + own + timeline_arg
+                         + [str(c), "B_NK", "PIECE_N", "IN_SLOTS"])
+    timeline_arg = ["timeline_ptr"] if timeline else []
+    kernel_params = ", ".join(["a_desc, b_desc"] + descs + ptrs + ["M, N, K"] + timeline_arg
+                              + ["B_NK: gl.constexpr, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr"])
+    timeline_fn = """
+
+TIMELINE_TILES = gl.constexpr(64)
+
+
+@gluon.jit
+def stamp(address, dep):
+    \"\"\"(timeline) %globaltimer, in ns, to ``address``; ``dep`` (any int32) orders the read.\"\"\"
+    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep], dtype=gl.int64,
+                                    is_pure=False, pack=1)
+    gl.store(address, now)
+""" if timeline else ""
     program_text = "\n".join("#   " + line for line in str(program).splitlines())
     doc = (program.doc or "").strip().splitlines()[0] if program.doc else ""
 
@@ -538,7 +568,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from codagen.backends.triton.pingpong import (BK, BM, BN, OUT_BUFFERS, RING, column_pieces, cos_sin,
                                               mainloop, merge_logsumexp, producer, sigmoid, tile_coords)
-{load_fn}
+{timeline_fn}{load_fn}
 
 @gluon.jit
 def {name}_piece(acc, piece: gl.constexpr, iteration, pid_m, pid_n, M, N, {shared},{' ' + vector_args + ',' if vector_args else ''}
@@ -548,7 +578,7 @@ def {name}_piece(acc, piece: gl.constexpr, iteration, pid_m, pid_n, M, N, {share
 
 
 @gluon.jit
-def {name}_consumer(a_slots, b_slots, ready, empty, turn, M, N, K, {shared},
+def {name}_consumer(a_slots, b_slots, ready, empty, turn, M, N, K, {shared},{' timeline_ptr,' if timeline else ''}
         WHICH: gl.constexpr, B_NK: gl.constexpr, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr):
     """Consumer WHICH: tiles WHICH, WHICH + 2, ... of this program; its epilogue overlaps the other's mainloop."""
     PIECES: gl.constexpr = BN // PIECE_N
