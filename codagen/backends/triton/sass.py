@@ -33,19 +33,22 @@ def instructions(cubin: bytes) -> list[str]:
 def arithmetic_before_handoff(sass: list[str]) -> list[int]:
     """For each consumer of a ping-pong kernel (:func:`.pingpong.mainloop`): the floating-point
     instructions ptxas scheduled between the mainloop's final wgmma wait (``WARPGROUP.DEPBAR.LE gsb0,
-    0x0``) and the turn hand-off (the second ``SYNCS.ARRIVE`` after it: the last ring slot freed, then the
-    turn passed). Epilogue arithmetic there delays the other consumer's mainloop."""
+    0x0``) and the last ``SYNCS.ARRIVE`` before the consumer's next barrier wait (``SYNCS.PHASECHK``):
+    the mainloop's last arrives free its ring slots and pass the turn, and epilogue arithmetic ahead of
+    them delays the other consumer's mainloop. (Loads the epilogue requests for later pieces arrive on
+    their barriers only after the piece's first wait, so they are not counted.)"""
     counts = []
     for i, line in enumerate(sass):
         if "WARPGROUP.DEPBAR.LE gsb0, 0x0" not in line:
             continue
-        arithmetic, arrives = 0, 0
+        arithmetic, before_last_arrive = 0, None
         for later in sass[i + 1:]:
+            if "SYNCS.PHASECHK" in later:
+                break
             if "SYNCS.ARRIVE" in later:
-                arrives += 1
-                if arrives == 2:
-                    break
+                before_last_arrive = arithmetic
             elif _ARITHMETIC.search(later):
                 arithmetic += 1
-        counts.append(arithmetic)
+        if before_last_arrive is not None:
+            counts.append(before_last_arrive)
     return counts
