@@ -86,6 +86,20 @@ def test_turn_passes_before_the_epilogue(name):
     assert len(counts) == 2 and max(counts) <= sass.HANDOFF_LIMIT, f"arithmetic ahead of the hand-off: {counts}"
 
 
+def test_timeline_variant():
+    """``generate(timeline=True)`` (bench/pingpong_timeline.py): the production source has no stamps; the
+    timeline kernel takes ``timeline_ptr`` right after ``K`` (where the script inserts it) and each
+    consumer stamps four times per tile, the turn being waited for just before its stamp."""
+    program = library.rms_lm_head_cross_entropy()
+    assert "stamp" not in pingpong_codegen.generate(program)
+    source = pingpong_codegen.generate(program, timeline=True)
+    assert ("_kernel(a_desc, b_desc, rstd_ptr, target_ptr, partial_lse_ptr, partial_target_ptr, M, N, K, "
+            "timeline_ptr, B_NK") in source
+    assert [f"stamp(timeline_ptr + stamp_slot{k}, local)" in source for k in ("", " + 1", " + 2", " + 3")] == [True] * 4
+    waited = source.index("mbarrier.wait(turn.index(WHICH), (local // 2) & 1)")
+    assert waited < source.index("stamp_slot + 1,") < source.index("acc = mainloop(") < source.index("stamp_slot + 2,")
+
+
 def test_every_piece_prefetched_where_it_fits():
     """The o-projection's residual: one slot per piece (all its loads requested when a tile starts)."""
     program = library.residual_rms_stats()

@@ -535,11 +535,12 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
         inits += ["for slot_index in gl.static_range(IN_SLOTS):", "    mbarrier.init(input_bars_0.index(slot_index), count=1)",
                   "    mbarrier.init(input_bars_1.index(slot_index), count=1)"]
 
+    timeline_arg = ["timeline_ptr"] if timeline else []
+
     def per_consumer(c):
         own = [f"{b}_{c}" for b in in_bufs + out_bufs + bars]
         return ", ".join(["a_slots, b_slots, ready, empty, turn, M, N, K"] + descs + ptrs + own + timeline_arg
                          + [str(c), "B_NK", "PIECE_N", "IN_SLOTS"])
-    timeline_arg = ["timeline_ptr"] if timeline else []
     kernel_params = ", ".join(["a_desc, b_desc"] + descs + ptrs + ["M, N, K"] + timeline_arg
                               + ["B_NK: gl.constexpr, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr"])
     timeline_fn = """
