@@ -67,14 +67,7 @@ def test_compiles_for_sm90(name):
     assert compiled.metadata.num_warps == 3 * pingpong.CONSUMER_WARPS
 
 
-#: ptxas hoists these epilogues' arithmetic above the turn hand-off (``bench/pingpong_handoff.py``); the
-#: fix measured on the H200 (the hand-off inside the last k-iteration) waits for a re-tune there
-HANDOFF_DELAYED = {"rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="known: ptxas hoists "
-                                  "the epilogue above the hand-off")) if n in HANDOFF_DELAYED else n
-                                  for n in sorted(PROGRAMS)])
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_turn_passes_before_the_epilogue(name):
     """Each consumer frees its last ring slot and passes the tensor cores on before its epilogue runs:
     at most a few hundred cycles of epilogue arithmetic scheduled ahead of the hand-off (else the other

@@ -1,0 +1,104 @@
+"""A/B a change to the ping-pong schedule in one process (GPU): today's :mod:`.pingpong` against a saved copy.
+
+A change to ``codagen/backends/triton/pingpong.py`` re-keys every ping-pong tuned choice, and timings
+taken in different runs differ by up to 10% (power cap, thermal state: docs/triton.md), so a change is
+judged here first: each benchmark kernel's generated ping-pong kernel is built twice, once on the saved
+baseline module and once on today's, checked for bitwise-equal outputs, and timed in alternation with
+the cuBLAS GEMM of its shape for ``--rounds`` rounds (medians per round).
+
+    git show HEAD~1:codagen/backends/triton/pingpong.py > /tmp/pingpong_before.py
+    PYTHONPATH=. python bench/pingpong_ab.py --baseline /tmp/pingpong_before.py [--kernels lm_head_ce:d2048 ...]
+        [--rounds 3] [--rep-ms 60] [--out DIR]
+"""
+import argparse
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from codagen.backends.triton import pingpong, pingpong_codegen
+from codagen.backends.triton.backend import _num_sms, _set_allocator, _smem_limit
+from codagen.bench.common import median_ms, write_results
+from codagen.bench.kernels import MODELS, gemm, kernel_cases, random_inputs
+from codagen.epilogue.bind import bind, set_poison_outputs
+
+DEFAULT_KERNELS = ["lm_head_ce:d2048", "lm_head_ce_bwd:d2048", "o_proj_residual_rms:d2048", "down_swiglu_bwd:d2048",
+                   "qkv_rope:d2048", "gate_up_swiglu:d4096"]
+_modules = Path(tempfile.mkdtemp(prefix="codagen-ab-"))
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def baseline_module(path: str):
+    """The saved pingpong.py as a sibling module, so its relative imports resolve."""
+    return _load("codagen.backends.triton.pingpong_baseline", Path(path))
+
+
+def kernel_on(schedule, program):
+    """The program's generated ping-pong kernel, importing its fixed parts from ``schedule``."""
+    source = pingpong_codegen.generate(program).replace(
+        f"from {pingpong.__name__} import", f"from {schedule.__name__} import")
+    path = _modules / f"{program.name}_{schedule.__name__.rsplit('.', 1)[1]}.py"
+    path.write_text(source)
+    return getattr(_load(path.stem, path), f"{program.name}_kernel")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", required=True, help="path of the saved pingpong.py to compare against")
+    parser.add_argument("--kernels", nargs="+", default=DEFAULT_KERNELS, help="name:model of benchmark kernels")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rep-ms", type=float, default=60)
+    parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
+    args = parser.parse_args()
+    _set_allocator()
+    set_poison_outputs(True)
+    device = torch.device("cuda")
+    schedules = {"baseline": baseline_module(args.baseline), "candidate": pingpong}
+    records = []
+    for spec in args.kernels:
+        name, model = spec.split(":")
+        case = next(c for c in kernel_cases(MODELS[model]) if c.name == name)
+        program = case.program
+        a, b, tensors = random_inputs(program, case.m, case.n, case.k, torch.bfloat16, device)
+        bound = bind(program, a, b, tensors)
+        kernels = {version: kernel_on(schedule, program) for version, schedule in schedules.items()}
+        for piece_n in pingpong.PIECE_WIDTHS:
+            if pingpong.refuses(bound, piece_n, _smem_limit(device)):
+                continue
+            slots = pingpong.input_slots(bound, piece_n, _smem_limit(device))
+            runs, results = {}, {}
+            for version, schedule in schedules.items():
+                outs = bound.allocate_outputs(pingpong.BLOCK_M, pingpong.BLOCK_N)
+                runs[version] = (lambda schedule=schedule, kernel=kernels[version], outs=outs:
+                                 schedule.launch(kernel, bound, outs, piece_n, slots, _num_sms(device)))
+                runs[version]()
+                torch.cuda.synchronize()
+                results[version] = outs
+            equal = all(torch.equal(results["baseline"][k].view(torch.uint8), results["candidate"][k].view(torch.uint8))
+                        for k in results["candidate"])
+            runs["cublas_gemm"] = lambda: gemm(program, a, b)
+            rounds = {version: [] for version in runs}
+            for _ in range(args.rounds):
+                for version, run in runs.items():
+                    rounds[version].append(round(median_ms(run, 25, args.rep_ms), 4))
+            records.append({"suite": "pingpong_ab", "name": name, "shape": {"model": model, "M": case.m, "N": case.n,
+                            "K": case.k}, "piece_n": piece_n, "in_slots": slots, "bitwise_equal": equal,
+                            "median_ms_by_round": rounds})
+            ratio = [c / b for c, b in zip(rounds["candidate"], rounds["baseline"])]
+            print(f"{model:9s} {name:22s} pieces of {piece_n}: baseline {rounds['baseline']} candidate "
+                  f"{rounds['candidate']} cublas {rounds['cublas_gemm']}  candidate/baseline "
+                  f"{min(ratio):.3f}-{max(ratio):.3f}  bitwise equal: {equal}", flush=True)
+    print(f"wrote {write_results('pingpong-ab', records, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
