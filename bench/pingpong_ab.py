@@ -1,14 +1,15 @@
-"""A/B a change to the ping-pong schedule in one process (GPU): today's :mod:`.pingpong` against a saved copy.
+"""A/B a change to the ping-pong schedule in one process (GPU): today's :mod:`.pingpong` against saved copies.
 
 A change to ``codagen/backends/triton/pingpong.py`` re-keys every ping-pong tuned choice, and timings
 taken in different runs differ by up to 10% (power cap, thermal state: docs/triton.md), so a change is
-judged here first: each benchmark kernel's generated ping-pong kernel is built twice, once on the saved
-baseline module and once on today's, checked for bitwise-equal outputs, and timed in alternation with
-the cuBLAS GEMM of its shape for ``--rounds`` rounds (medians per round).
+judged here first: each benchmark kernel's generated ping-pong kernel is built on every saved module
+(``--baseline``, named by file stem) and on today's (``candidate``), checked for bitwise-equal outputs,
+and timed in alternation with the cuBLAS GEMM of its shape for ``--rounds`` rounds (medians per round).
+A kernel given as ``name:model:piece_n`` runs with that piece width only, else with each that fits.
 
     git show HEAD~1:codagen/backends/triton/pingpong.py > /tmp/pingpong_before.py
-    PYTHONPATH=. python bench/pingpong_ab.py --baseline /tmp/pingpong_before.py [--kernels lm_head_ce:d2048 ...]
-        [--rounds 3] [--rep-ms 60] [--out DIR]
+    PYTHONPATH=. python bench/pingpong_ab.py --baseline /tmp/pingpong_before.py [more.py ...]
+        [--kernels lm_head_ce:d2048 o_proj_residual_rms:d2048:32 ...] [--rounds 3] [--rep-ms 60] [--out DIR]
 """
 import argparse
 import importlib.util
@@ -38,8 +39,8 @@ def _load(name: str, path: Path):
 
 
 def baseline_module(path: str):
-    """The saved pingpong.py as a sibling module, so its relative imports resolve."""
-    return _load("codagen.backends.triton.pingpong_baseline", Path(path))
+    """A saved pingpong.py as a sibling module, so its relative imports resolve."""
+    return _load(f"codagen.backends.triton.{Path(path).stem}", Path(path))
 
 
 def kernel_on(schedule, program):
@@ -53,7 +54,7 @@ def kernel_on(schedule, program):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", required=True, help="path of the saved pingpong.py to compare against")
+    parser.add_argument("--baseline", nargs="+", required=True, help="paths of saved pingpong.py versions")
     parser.add_argument("--kernels", nargs="+", default=DEFAULT_KERNELS, help="name:model of benchmark kernels")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep-ms", type=float, default=60)
@@ -62,16 +63,18 @@ def main():
     _set_allocator()
     set_poison_outputs(True)
     device = torch.device("cuda")
-    schedules = {"baseline": baseline_module(args.baseline), "candidate": pingpong}
+    schedules = {Path(path).stem: baseline_module(path) for path in args.baseline}
+    schedules["candidate"] = pingpong
+    first = next(iter(schedules))
     records = []
     for spec in args.kernels:
-        name, model = spec.split(":")
+        name, model, *piece = spec.split(":")
         case = next(c for c in kernel_cases(MODELS[model]) if c.name == name)
         program = case.program
         a, b, tensors = random_inputs(program, case.m, case.n, case.k, torch.bfloat16, device)
         bound = bind(program, a, b, tensors)
         kernels = {version: kernel_on(schedule, program) for version, schedule in schedules.items()}
-        for piece_n in pingpong.PIECE_WIDTHS:
+        for piece_n in [int(p) for p in piece] or pingpong.PIECE_WIDTHS:
             if pingpong.refuses(bound, piece_n, _smem_limit(device)):
                 continue
             slots = pingpong.input_slots(bound, piece_n, _smem_limit(device))
@@ -83,8 +86,8 @@ def main():
                 runs[version]()
                 torch.cuda.synchronize()
                 results[version] = outs
-            equal = all(torch.equal(results["baseline"][k].view(torch.uint8), results["candidate"][k].view(torch.uint8))
-                        for k in results["candidate"])
+            equal = all(torch.equal(results[first][k].view(torch.uint8), outs[k].view(torch.uint8))
+                        for outs in results.values() for k in outs)
             runs["cublas_gemm"] = lambda: gemm(program, a, b)
             rounds = {version: [] for version in runs}
             for _ in range(args.rounds):
@@ -93,10 +96,10 @@ def main():
             records.append({"suite": "pingpong_ab", "name": name, "shape": {"model": model, "M": case.m, "N": case.n,
                             "K": case.k}, "piece_n": piece_n, "in_slots": slots, "bitwise_equal": equal,
                             "median_ms_by_round": rounds})
-            ratio = [c / b for c, b in zip(rounds["candidate"], rounds["baseline"])]
-            print(f"{model:9s} {name:22s} pieces of {piece_n}: baseline {rounds['baseline']} candidate "
-                  f"{rounds['candidate']} cublas {rounds['cublas_gemm']}  candidate/baseline "
-                  f"{min(ratio):.3f}-{max(ratio):.3f}  bitwise equal: {equal}", flush=True)
+            print(f"{model} {name}, pieces of {piece_n} (bitwise equal: {equal}):", flush=True)
+            for version, times in rounds.items():
+                ratio = [t / f for t, f in zip(times, rounds[first])]
+                print(f"    {version:20s} {times}   / {first}: {min(ratio):.3f}-{max(ratio):.3f}", flush=True)
     print(f"wrote {write_results('pingpong-ab', records, args.out)}")
 
 
