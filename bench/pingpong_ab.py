@@ -4,7 +4,8 @@ A change to ``codagen/backends/triton/pingpong.py`` re-keys every ping-pong tune
 taken in different runs differ by up to 10% (power cap, thermal state: docs/triton.md), so a change is
 judged here first: each benchmark kernel's generated ping-pong kernel is built on every saved module
 (``--baseline``, named by file stem) and on today's (``candidate``), checked for bitwise-equal outputs,
-and timed in alternation with the cuBLAS GEMM of its shape for ``--rounds`` rounds (medians per round).
+and timed in alternation with the cuBLAS GEMM of its shape for ``--rounds`` rounds (medians per round,
+in an order that rotates: in fixed order, two builds of identical device code differed by up to 4%).
 A kernel given as ``name:model:piece_n`` runs with that piece width only, else with each that fits.
 
     git show HEAD~1:codagen/backends/triton/pingpong.py > /tmp/pingpong_before.py
@@ -90,9 +91,11 @@ def main():
                         for outs in results.values() for k in outs)
             runs["cublas_gemm"] = lambda: gemm(program, a, b)
             rounds = {version: [] for version in runs}
-            for _ in range(args.rounds):
-                for version, run in runs.items():
-                    rounds[version].append(round(median_ms(run, 25, args.rep_ms), 4))
+            order = list(runs)
+            for _ in range(args.rounds):  # the order rotates: the GPU's clock drifts within a round
+                for version in order:
+                    rounds[version].append(round(median_ms(runs[version], 25, args.rep_ms), 4))
+                order = order[1:] + order[:1]
             records.append({"suite": "pingpong_ab", "name": name, "shape": {"model": model, "M": case.m, "N": case.n,
                             "K": case.k}, "piece_n": piece_n, "in_slots": slots, "bitwise_equal": equal,
                             "median_ms_by_round": rounds})

@@ -399,7 +399,7 @@ class TritonBackend:
                     raise ProgramError(f"{name}: the ping-pong kernel cannot compute this program: {reason}; "
                                        f"use a persistent configuration")
                 if interpret or not (launch.tma_mainloop and launch.tma_epilogue_ok):
-                    raise ProgramError(f"{name}: the ping-pong kernel runs on sm_90 with every operand "
+                    raise ProgramError(f"{name}: the ping-pong kernel runs on sm_90 with K > 0 and every operand "
                                        "TMA-aligned (row strides and base addresses multiples of 16 bytes)")
                 reason = pingpong.refuses(bound, self.config.sub_n, _smem_limit(bound.device))
                 if reason:

@@ -188,33 +188,25 @@ def mainloop(a_slots, b_slots, ready, empty, turn, local, k_steps, WHICH: gl.con
     base = local * k_steps  # ring position of this tile's first k-slice (the producer's order)
     mbarrier.wait(turn.index(WHICH), (local // 2) & 1)
     acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
-    for kk in range(k_steps - 1):
-        acc = mma_step(a_slots, b_slots, ready, empty, acc, base + kk, kk > 0, B_NK)
+    for kk in range(k_steps):
+        count = base + kk
+        slot = count % RING
+        mbarrier.wait(ready.index(slot), (count // RING) & 1)
+        if B_NK:
+            b = b_slots.index(slot).permute((1, 0))
+        else:
+            b = b_slots.index(slot)
+        acc = warpgroup_mma(a_slots.index(slot), b, acc, use_acc=kk > 0, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous slice's MMA is done: free its slot
-        mbarrier.arrive(empty.index((base + kk + RING - 1) % RING), pred=kk > 0)
-    # The last k-step and the hand-off sit in a block of their own (the condition always holds: the kernel
-    # never runs with K = 0). In the loop's exit block ptxas scheduled up to 1900 instructions of the
-    # LM-head epilogues above the arrives, and the other consumer's mainloop waited for them (docs/triton.md).
+        mbarrier.arrive(empty.index((count + RING - 1) % RING), pred=kk > 0)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    # The arrives sit in a block of their own (always entered: the backend never runs this kernel with
+    # K = 0). In the block the epilogue starts in, ptxas scheduled up to 1900 instructions of the LM-head
+    # epilogues above them, and the other consumer's mainloop waited for those (docs/triton.md).
     if k_steps > 0:
-        last = base + k_steps - 1
-        acc = mma_step(a_slots, b_slots, ready, empty, acc, last, k_steps > 1, B_NK)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index((last + RING - 1) % RING), pred=k_steps > 1)
-        mbarrier.arrive(empty.index(last % RING))
+        mbarrier.arrive(empty.index((base + k_steps - 1) % RING))
         mbarrier.arrive(turn.index(1 - WHICH))  # the tensor cores pass to the other consumer
     return acc
-
-
-@gluon.jit
-def mma_step(a_slots, b_slots, ready, empty, acc, count, use_acc, B_NK: gl.constexpr):
-    """Issue the asynchronous MMA of ring position ``count`` once its k-slice has landed."""
-    slot = count % RING
-    mbarrier.wait(ready.index(slot), (count // RING) & 1)
-    if B_NK:
-        b = b_slots.index(slot).permute((1, 0))
-    else:
-        b = b_slots.index(slot)
-    return warpgroup_mma(a_slots.index(slot), b, acc, use_acc=use_acc, is_async=True)
 
 
 @gluon.jit
