@@ -8,12 +8,14 @@ smallest total time over them (recorded as the entry's ``timings_ms``); the choi
 (``$CODAGEN_CACHE_DIR/triton/tuning.json``), from which ``codagen/backends/triton/tuned.json`` is refreshed.
 
     PYTHONPATH=. python bench/tune_buckets.py [--programs rms_gate_up_swiglu swiglu_backward] [--rep-ms 150]
+        [--rounds 3]
 
 Default: every program of the kernel benchmark.
 """
 import argparse
 import collections
 import math
+import statistics
 
 import torch
 
@@ -31,6 +33,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--programs", nargs="+", default=None, help="program names (default: all benchmarked)")
     parser.add_argument("--rep-ms", type=float, default=150, help="milliseconds of timed runs per candidate and shape")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timing rounds, the candidates' order rotating; each time is the median over rounds")
     args = parser.parse_args()
     backend = TritonBackend(autotune=False, verbose=False)
     device = torch.device("cuda")
@@ -45,13 +49,19 @@ def main():
             buckets[backend._tuning_key(bound, launch)].append((f"{model.name} {case.name}", bound, launch))
     for key, members in buckets.items():
         pool = backend._candidates(members[0][1], members[0][2])
-        times = {}  # (config, shape) -> ms
-        for cfg in pool:
-            for name, bound, launch in members:
-                try:
-                    times[cfg.short(), name] = median_ms(backend._trial(bound, launch, cfg), 25, args.rep_ms)
-                except Exception:  # noqa: BLE001 - out of resources: not a candidate here
-                    times[cfg.short(), name] = float("inf")
+        samples = collections.defaultdict(list)  # (config, shape) -> ms per round
+        for round_index in range(args.rounds):
+            # one measurement can be 10% off (the GPU runs at its power cap): rounds in rotated order
+            shift = round_index % len(pool)
+            for cfg in pool[shift:] + pool[:shift]:
+                for name, bound, launch in members:
+                    if samples[cfg.short(), name] == [float("inf")]:
+                        continue
+                    try:
+                        samples[cfg.short(), name].append(median_ms(backend._trial(bound, launch, cfg), 25, args.rep_ms))
+                    except Exception:  # noqa: BLE001 - out of resources: not a candidate here
+                        samples[cfg.short(), name] = [float("inf")]
+        times = {key: statistics.median(ms) for key, ms in samples.items()}
         names = [name for name, _, _ in members]
         total = {cfg.short(): sum(times[cfg.short(), n] for n in names) for cfg in pool}
         chosen = min(pool, key=lambda c: total[c.short()])
