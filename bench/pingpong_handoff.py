@@ -17,6 +17,7 @@ forward at both piece widths, its backward with 32-column pieces; 184 for one co
 epilogues start with arithmetic only (no shared-memory load, which ptxas does not move above a barrier).
 On the H200 the forward's timeline kernel, whose stamp after the mainloop is a branch and so a
 scheduling boundary, took 14-23% less time than the production kernel (docs/triton.md, sixth session).
+Fixed in the seventh session (the arrives in a branch of their own): 0 for every kernel.
 
     python bench/pingpong_handoff.py [program ...]
 """

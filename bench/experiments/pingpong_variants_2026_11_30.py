@@ -7,6 +7,9 @@ It builds variants by editing text: :mod:`codagen.backends.triton.pingpong` with
 by ``pingpong_codegen.generate(program, timeline=True)`` and ``bench/pingpong_timeline.py``), register
 stores and loads (``direct_patch``), or stamps/fences at chosen places (``positions_patch``).
 
+Its variants edit the sixth session's ``pingpong.py`` (commit ae45056), which the seventh session's
+hand-off fix changed: run it on that commit.
+
 Entry points: ``main`` (mainloop variants), ``main_direct`` (register stores/loads), ``main_clocks``
 (SM clock and power), ``main_long_timeline`` (every tile of two CTAs), ``main_ab`` (stamped vs plain),
 ``main_positions`` (which stamp), ``main_lastk`` (the hand-off inside the last k-iteration).
