@@ -93,6 +93,24 @@ def test_timeline_variant():
     assert waited < source.index("stamp_slot + 1,") < source.index("acc = mainloop(") < source.index("stamp_slot + 2,")
 
 
+def test_ab_builds_kernels_on_a_saved_copy(tmp_path):
+    """``bench/pingpong_ab.py`` (GPU A/B of a ``pingpong.py`` change): a saved copy loads as a sibling
+    module and the generated kernel built on it takes its fixed parts from the copy, and compiles."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "pingpong_ab", Path(__file__).resolve().parents[1] / "bench" / "pingpong_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    saved_path = tmp_path / "pingpong_saved_for_test.py"
+    saved_path.write_text(Path(pingpong.__file__).read_text())
+    saved = ab.baseline_module(str(saved_path))
+    program = library.residual_rms_stats()
+    kernel = ab.kernel_on(saved, program)
+    assert kernel.fn.__globals__["mainloop"] is saved.mainloop is not pingpong.mainloop
+    assert "wgmma.mma_async" in saved.compile_sm90(kernel, program, SPLIT4.sub_n).asm["ptx"]
+
+
 def test_every_piece_prefetched_where_it_fits():
     """The o-projection's residual: one slot per piece (all its loads requested when a tile starts)."""
     program = library.residual_rms_stats()
