@@ -8,9 +8,12 @@ smallest total time over them (recorded as the entry's ``timings_ms``); the choi
 (``$CODAGEN_CACHE_DIR/triton/tuning.json``), from which ``codagen/backends/triton/tuned.json`` is refreshed.
 
     PYTHONPATH=. python bench/tune_buckets.py [--programs rms_gate_up_swiglu swiglu_backward] [--rep-ms 150]
-        [--rounds 3]
+        [--rounds 3] [--blocks]
 
-Default: every program of the kernel benchmark.
+Default: every program of the kernel benchmark. ``--blocks`` adds the buckets only the models meet (the
+block benchmark's codagen blocks and 2-layer model step, whose norm weights are bf16 and whose LM head
+runs in row chunks): each is run once at the Triton backend with tuning off, and every fused GEMM call
+it makes is recorded (:func:`block_calls`).
 """
 import argparse
 import collections
@@ -19,6 +22,7 @@ import statistics
 
 import torch
 
+from codagen.backends import get_backend, use_backend
 from codagen.backends.triton.backend import TritonBackend
 from codagen.bench.common import median_ms
 from codagen.bench.kernels import MODELS, Model, kernel_cases, random_inputs
@@ -35,18 +39,28 @@ def main():
     parser.add_argument("--rep-ms", type=float, default=150, help="milliseconds of timed runs per candidate and shape")
     parser.add_argument("--rounds", type=int, default=1,
                         help="timing rounds, the candidates' order rotating; each time is the median over rounds")
+    parser.add_argument("--blocks", action="store_true",
+                        help="also the buckets the block benchmark's codagen blocks and model step meet")
     args = parser.parse_args()
     backend = TritonBackend(autotune=False, verbose=False)
     device = torch.device("cuda")
-    buckets = collections.defaultdict(list)  # tuning key -> [(shape name, bound, launch)]
+    calls = []  # (shape name, bound)
     for model in SHAPES.values():
         for case in kernel_cases(model):
-            if args.programs is not None and case.program.name not in args.programs:
-                continue
-            a, b, tensors = random_inputs(case.program, case.m, case.n, case.k, torch.bfloat16, device)
-            bound = bind(case.program, a, b, tensors)
-            launch = backend._prepare(bound, False, 9)
-            buckets[backend._tuning_key(bound, launch)].append((f"{model.name} {case.name}", bound, launch))
+            if args.programs is None or case.program.name in args.programs:
+                a, b, tensors = random_inputs(case.program, case.m, case.n, case.k, torch.bfloat16, device)
+                calls.append((f"{model.name} {case.name}", bind(case.program, a, b, tensors)))
+    if args.blocks:
+        from codagen.bench import block
+        calls += block_calls(block.SHAPES, "llama3-1b", 2, 32768, 2, 8192, device, torch.bfloat16)
+    buckets = collections.defaultdict(list)  # tuning key -> [(shape name, bound, launch)]
+    for name, bound in calls:
+        if args.programs is not None and bound.program.name not in args.programs:
+            continue
+        launch = backend._prepare(bound, False, 9)
+        members = buckets[backend._tuning_key(bound, launch)]
+        if all((b.m, b.n, b.k) != (bound.m, bound.n, bound.k) for _, b, _ in members):  # one shape once
+            members.append((name, bound, launch))
     for key, members in buckets.items():
         pool = backend._candidates(members[0][1], members[0][2])
         samples = collections.defaultdict(list)  # (config, shape) -> ms per round
@@ -72,6 +86,35 @@ def main():
                   f"   total {total[cfg.short()]:7.3f}{mark}")
         backend.tuning.put(key, chosen, {s: (ms if math.isfinite(ms) else float("nan")) for s, ms in total.items()})
     print(f"\nwrote {backend.tuning.path}")
+
+
+def block_calls(shapes: dict, model_shape: str, layers: int, vocab: int, batch: int, seq: int, device,
+                dtype) -> list[tuple[str, object]]:
+    """``(name, bound)`` of every fused GEMM that one forward+backward of the block benchmark's codagen
+    block (each of ``shapes``) and of its ``layers``-block model step (``model_shape``) runs, recorded at
+    the Triton backend (tuning off for the run: the first viable configuration computes it). The bounds
+    keep their tensors, so they can be timed afterwards."""
+    from codagen.bench import block
+    backend = get_backend("triton")
+    recorded, label = [], [""]
+
+    def recording_run(bound):
+        recorded.append((f"{label[0]} {bound.program.name}", bound))
+        return type(backend).run(backend, bound)
+    autotune = backend.autotune
+    backend.run, backend.autotune = recording_run, False  # an instance attribute: the class's run stays
+    try:
+        with use_backend("triton"):
+            for name, s in shapes.items():
+                label[0] = f"{name} block"
+                factories, _ = block.block_providers(s, batch, seq, device, dtype)
+                factories["codagen"]()()
+            label[0] = f"{model_shape}-x{layers} step"
+            block.model_providers(shapes[model_shape], layers, vocab, batch, seq, device, dtype)["codagen"]()()
+    finally:
+        del backend.run
+        backend.autotune = autotune
+    return recorded
 
 
 if __name__ == "__main__":

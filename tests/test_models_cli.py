@@ -65,3 +65,27 @@ def test_block_bench_steps_start_from_fresh_gradients(provider):
         step()
         for before, t in zip(first, step.params):
             torch.testing.assert_close(t.grad, before, rtol=1e-12, atol=0)
+
+
+def test_tune_buckets_records_the_block_benchmarks_fused_calls():
+    """``bench/tune_buckets.py --blocks``: one codagen block and model step run on the Triton backend
+    (the interpreter here) and every fused GEMM call is recorded with its tensors; the backend is left
+    as it was."""
+    import importlib.util
+    from pathlib import Path
+
+    from codagen.backends import get_backend
+    spec = importlib.util.spec_from_file_location("tune_buckets",
+                                                  Path(__file__).resolve().parents[1] / "bench" / "tune_buckets.py")
+    tune_buckets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_buckets)
+    torch.manual_seed(0)
+    backend = get_backend("triton")
+    shapes = {"smoke-gqa": block.SMOKE_SHAPES["smoke-gqa"]}
+    calls = tune_buckets.block_calls(shapes, "smoke-gqa", 1, 128, 1, 32, torch.device("cpu"), torch.float32)
+    programs = {bound.program.name for _, bound in calls}
+    assert {"rms_qkv_rope", "residual_rms_stats", "rms_gate_up_swiglu", "swiglu_backward", "rms_norm_backward",
+            "weight_grad", "input_grad", "rms_linear"} <= programs  # the step's LM head: rms_linear + CE
+    assert {name.split()[0] for name, _ in calls} == {"smoke-gqa", "smoke-gqa-x1"}
+    assert all(bound.m > 0 and bound.a.device.type == "cpu" for _, bound in calls)
+    assert "run" not in vars(backend) and backend.autotune is None
