@@ -89,3 +89,27 @@ def test_tune_buckets_records_the_block_benchmarks_fused_calls():
     assert {name.split()[0] for name, _ in calls} == {"smoke-gqa", "smoke-gqa-x1"}
     assert all(bound.m > 0 and bound.a.device.type == "cpu" for _, bound in calls)
     assert "run" not in vars(backend) and backend.autotune is None
+
+
+def test_kernel_bench_times_in_rounds_and_records_failures():
+    """``codagen bench kernels``' per-case timing, on CPU (wall-clock, interpreter): every provider is
+    timed in each round and reported as the median of its round medians; a provider that cannot run
+    is recorded with its error while the others still run."""
+    import statistics
+
+    from codagen.backends.triton import TritonBackend
+    from codagen.bench import kernels
+    torch.manual_seed(0)
+    model = kernels.Model("tiny", 64, 128, 2, 1, head_dim=16)
+    case = next(c for c in kernels.kernel_cases(model, m=48, vocab=256) if c.name == "o_proj_residual_rms")
+    logs = []
+    records = kernels.run_case(case, model, torch.float32, ["cublas_gemm", "eager", "codagen", "nonsense"],
+                               TritonBackend(), warmup_ms=0, rep_ms=0, rounds=2, device="cpu", log=logs.append)
+    by_provider = {r["provider"]: r for r in records}
+    assert set(by_provider) == {"cublas_gemm", "eager", "codagen", "nonsense"}
+    for provider in ("cublas_gemm", "eager", "codagen"):
+        r = by_provider[provider]
+        assert len(r["round_ms"]) == 2 and r["median_ms"] == statistics.median(r["round_ms"]) > 0
+    assert by_provider["codagen"]["config"]
+    assert by_provider["nonsense"]["median_ms"] is None and "unknown provider" in by_provider["nonsense"]["error"]
+    assert any("nonsense" in line for line in logs)

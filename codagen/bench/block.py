@@ -39,7 +39,7 @@ from codagen.models import Llama, LlamaConfig
 from codagen.models.llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv
 from codagen.models.reference import rotate_half
 
-from .common import median_ms, write_results
+from .common import median_ms, wall_ms, write_results
 
 __all__ = ["main", "BlockShape", "SHAPES"]
 
@@ -169,15 +169,6 @@ def codagen_block_weights(p: dict, s: BlockShape) -> tuple[BlockWeights, torch.T
 def _timer(device) -> Callable[[Callable], float]:
     if device.type == "cuda":
         return lambda fn: median_ms(fn, warmup_ms=50, rep_ms=300)
-
-    def wall_ms(fn, reps=3):
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start))
-        return statistics.median(times)
     return wall_ms
 
 

@@ -12,12 +12,14 @@ import datetime
 import json
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-__all__ = ["environment", "median_ms", "write_results", "RESULTS_DIR"]
+__all__ = ["environment", "median_ms", "wall_ms", "write_results", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -58,6 +60,18 @@ def median_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 
     torch.cuda.synchronize()
     rep_ms = max(rep_ms, min_reps * start.elapsed_time(end))
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def wall_ms(fn: Callable[[], object], reps: int = 3) -> float:
+    """Median wall-clock time of ``fn`` in milliseconds after one warm-up run: the CPU smoke runs' timer
+    (it checks a harness, not speed)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
 
 
 def write_results(suite: str, records: list[dict], out_dir: str | os.PathLike | None = None) -> Path:

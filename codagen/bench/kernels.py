@@ -13,7 +13,8 @@ Providers, per kernel and shape (the GEMM has the kernel's exact M, N, K and ope
 
 Unfused peers compute the natural unfused form of each reduction (a whole-row sum / logsumexp, a
 whole-column sum) rather than per-tile partials. Times are medians of CUDA-event timings with the L2
-flushed between runs (``codagen.bench.common.median_ms``). Shapes: M = 16384 tokens, hidden d in
+flushed between runs (``codagen.bench.common.median_ms``), taken in interleaved rounds whose order
+rotates (``--rounds``, default 3): ``median_ms`` is the median of the round medians, ``round_ms`` keeps them. Shapes: M = 16384 tokens, hidden d in
 {2048, 4096, 8192} with f = round_up(8d/3, 256) and MHA (head_dim 128), vocab 32768 (the CODA paper's),
 and LLaMA-3-8B (d 4096, f 14336, GQA 32/8 heads, head_dim 128).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,54 +185,73 @@ def _plain_program(program: Program) -> Program:
             ("km", "kn"): library.weight_grad()}[layouts]
 
 
-def _time(fn, warmup_ms: float, rep_ms: float) -> float:
-    from codagen.bench.common import median_ms
-    return median_ms(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
-
-
 def run_case(case: Case, model: Model, dtype: torch.dtype, providers: list[str], backend, *,
-             warmup_ms: float, rep_ms: float, log=print) -> list[dict]:
+             warmup_ms: float, rep_ms: float, rounds: int = 3, device="cuda", log=print) -> list[dict]:
+    """Time ``providers`` on one kernel case. Each is built and run once first (compilation, tuning),
+    then all are timed in ``rounds`` interleaved rounds whose order rotates: at the power cap the GPU's
+    clock drifts within a round, and in a fixed order two builds of identical code read up to 8% apart
+    (docs/triton.md). ``median_ms`` is the median of the round medians; ``round_ms`` keeps them. A
+    provider that fails is recorded with ``error``; the others still run. On a CPU ``device`` (a harness
+    check, not speed) the timer is wall-clock."""
+    from codagen.bench.common import median_ms, wall_ms
     program = case.program
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     a, b, tensors = random_inputs(program, case.m, case.n, case.k, dtype, dev)
     shape = {"model": model.name, "M": case.m, "N": case.n, "K": case.k, "dtype": str(dtype).replace("torch.", ""),
              "program": program.name}
     flops = 2.0 * case.m * case.n * case.k
-    records = []
     fused = any(not (isinstance(o, Store) and isinstance(o.value, Accumulator)) for o in program.outputs)
+    base = {"suite": "kernels", "name": case.name, "pass": case.pass_, "shape": shape}
+    failures = []
 
-    def record(provider: str, ms: float, **extra):
-        records.append({"suite": "kernels", "name": case.name, "pass": case.pass_, "shape": shape,
-                        "provider": provider, "median_ms": ms, "tflops": flops / ms / 1e9, **extra})
+    def failed(provider: str, exc: Exception) -> None:
+        log(f"  {case.name} {provider}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+        failures.append({**base, "provider": provider, "median_ms": None,
+                         "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
 
+    runs = {}  # provider -> (zero-argument function, extra record fields)
     for provider in providers:
         try:
             if provider == "cublas_gemm":
-                record(provider, _time(lambda: gemm(program, a, b), warmup_ms, rep_ms))
+                runs[provider] = (lambda: gemm(program, a, b)), {}
             elif provider in ("eager", "compile"):
                 if not fused:
                     continue
                 epi = functools.partial(eager_epilogue, program) if provider == "eager" else _compiled_epilogue(program)
                 work = {k: v.clone() for k, v in tensors.items()}
-                epi(gemm(program, a, b), work)  # compile / warm up
-                record(provider, _time(lambda: epi(gemm(program, a, b), work), warmup_ms, rep_ms))
-            elif provider == "codagen":
-                work = {k: v.clone() for k, v in tensors.items()}
-                launch, _, cfg = backend.launcher(bind(program, a, b, work))
-                record(provider, _time(launch, warmup_ms, rep_ms), config=cfg.short())
-            elif provider == "codagen_gemm":
-                if not fused:
+                runs[provider] = (lambda epi=epi, work=work: epi(gemm(program, a, b), work)), {}
+            elif provider in ("codagen", "codagen_gemm"):
+                if provider == "codagen_gemm" and not fused:
                     continue
-                plain = _plain_program(program)
-                launch, _, cfg = backend.launcher(bind(plain, a, b, {}))
-                record(provider, _time(launch, warmup_ms, rep_ms), config=cfg.short())
+                bound = (bind(program, a, b, {k: v.clone() for k, v in tensors.items()}) if provider == "codagen"
+                         else bind(_plain_program(program), a, b, {}))
+                launch, _, cfg = backend.launcher(bound)
+                runs[provider] = launch, {"config": cfg.short()}
+            else:
+                raise ValueError(f"unknown provider {provider!r}; expected cublas_gemm, eager, compile, codagen "
+                                 "or codagen_gemm")
+            runs[provider][0]()  # compile, tune, warm up
         except Exception as exc:  # noqa: BLE001 - one failing provider must not end the run
-            log(f"  {case.name} {provider}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-            records.append({"suite": "kernels", "name": case.name, "pass": case.pass_, "shape": shape,
-                            "provider": provider, "median_ms": None, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-    del a, b, tensors
-    torch.cuda.empty_cache()
-    return records
+            runs.pop(provider, None)
+            failed(provider, exc)
+    timer = (lambda fn: median_ms(fn, warmup_ms, rep_ms)) if dev.type == "cuda" else wall_ms
+    round_ms = {provider: [] for provider in runs}
+    order = list(runs)
+    for _ in range(rounds):
+        for provider in order:
+            if provider in round_ms:
+                try:
+                    round_ms[provider].append(timer(runs[provider][0]))
+                except Exception as exc:  # noqa: BLE001
+                    del round_ms[provider]
+                    failed(provider, exc)
+        order = order[1:] + order[:1]
+    records = []
+    for provider, times in round_ms.items():
+        ms = statistics.median(times)
+        records.append({**base, "provider": provider, "median_ms": ms, "tflops": flops / ms / 1e9,
+                        "round_ms": times, **runs[provider][1]})
+    return records + failures
 
 
 def markdown(records: list[dict]) -> str:
@@ -269,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--providers", default="cublas_gemm,codagen,codagen_gemm,eager,compile")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--tokens", type=int, default=TOKENS)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved timing rounds per kernel, in rotating order (default 3; 1 with --quick)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("codagen bench kernels needs a CUDA GPU", file=sys.stderr)
@@ -289,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         for case in kernel_cases(model, m=args.tokens):
             if args.kernels and case.name not in args.kernels.split(","):
                 continue
-            recs = run_case(case, model, dtype, providers, backend, warmup_ms=warmup_ms, rep_ms=rep_ms)
+            recs = run_case(case, model, dtype, providers, backend, warmup_ms=warmup_ms, rep_ms=rep_ms,
+                            rounds=args.rounds or (1 if args.quick else 3))
+            torch.cuda.empty_cache()  # the case's tensors are gone: hand their memory back between shapes
             records += recs
             summary = "  ".join(f"{r['provider']} {r['median_ms']:.3f}" for r in recs if r.get("median_ms"))
             print(f"{model.name:10s} {case.pass_} {case.name:22s} {case.m}x{case.n}x{case.k}: {summary}", flush=True)
