@@ -34,7 +34,7 @@ from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Con
                                  Rope, RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward,
                                  TileInput, Unary, Width)
 
-from . import pingpong
+from . import codegen, pingpong
 from .codegen import _comment, rope_lines, swiglu_backward_lines
 
 __all__ = ["generate", "kernel_arguments", "Argument", "GENERATOR_VERSION"]
@@ -46,20 +46,9 @@ _PIECE_COLS = {Width.HALF: "(PIECE_N // 2)", Width.FULL: "PIECE_N", Width.DOUBLE
 _MATRIX_COLS = {Width.HALF: "(N // 2)", Width.FULL: "N", Width.DOUBLE: "(2 * N)"}
 _OFFSET = {Width.HALF: "col0 // 2", Width.FULL: "col0", Width.DOUBLE: "2 * col0"}
 
-_UNARY = {
-    "neg": "-{x}",
-    "exp": "gl.exp({x})",
-    "log": "gl.log({x})",
-    "square": "{x} * {x}",
-    "rsqrt": "gl.rsqrt({x})",
-}
-_BINARY = {
-    "add": "{a} + {b}",
-    "sub": "{a} - {b}",
-    "mul": "{a} * {b}",
-    "div": "{a} / {b}",
-    "max": "gl.maximum({a}, {b}, propagate_nan=gl.PropagateNan.ALL)",
-}
+# the tl generator's formulas, in Gluon's namespace (its functions have the same names and meaning)
+_UNARY = {op: formula.replace("tl.", "gl.") for op, formula in codegen._UNARY.items()}
+_BINARY = {op: formula.replace("tl.", "gl.") for op, formula in codegen._BINARY.items()}
 
 
 @dataclass(frozen=True)
