@@ -22,7 +22,7 @@ import torch
 
 from codagen.backends.triton import pingpong, pingpong_codegen
 from codagen.backends.triton.backend import _num_sms, _set_allocator, _smem_limit
-from codagen.bench.common import median_ms, write_results
+from codagen.bench.common import median_ms, timed_rounds, write_results
 from codagen.bench.kernels import MODELS, gemm, kernel_cases, random_inputs
 from codagen.epilogue.bind import bind, set_poison_outputs
 
@@ -90,12 +90,7 @@ def main():
             equal = all(torch.equal(results[first][k].view(torch.uint8), outs[k].view(torch.uint8))
                         for outs in results.values() for k in outs)
             runs["cublas_gemm"] = lambda: gemm(program, a, b)
-            rounds = {version: [] for version in runs}
-            order = list(runs)
-            for _ in range(args.rounds):  # the order rotates: the GPU's clock drifts within a round
-                for version in order:
-                    rounds[version].append(round(median_ms(runs[version], 25, args.rep_ms), 4))
-                order = order[1:] + order[:1]
+            rounds = timed_rounds(runs, args.rounds, lambda run: round(median_ms(run, 25, args.rep_ms), 4))
             records.append({"suite": "pingpong_ab", "name": name, "shape": {"model": model, "M": case.m, "N": case.n,
                             "K": case.k}, "piece_n": piece_n, "in_slots": slots, "bitwise_equal": equal,
                             "median_ms_by_round": rounds})

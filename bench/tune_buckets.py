@@ -17,6 +17,7 @@ it makes is recorded (:func:`block_calls`).
 """
 import argparse
 import collections
+import functools
 import math
 import statistics
 
@@ -24,7 +25,7 @@ import torch
 
 from codagen.backends import get_backend, use_backend
 from codagen.backends.triton.backend import TritonBackend
-from codagen.bench.common import median_ms
+from codagen.bench.common import median_ms, timed_rounds
 from codagen.bench.kernels import MODELS, Model, kernel_cases, random_inputs
 from codagen.epilogue.bind import bind
 
@@ -63,19 +64,14 @@ def main():
             members.append((name, bound, launch))
     for key, members in buckets.items():
         pool = backend._candidates(members[0][1], members[0][2])
-        samples = collections.defaultdict(list)  # (config, shape) -> ms per round
-        for round_index in range(args.rounds):
-            # one measurement can be 10% off (the GPU runs at its power cap): rounds in rotated order
-            shift = round_index % len(pool)
-            for cfg in pool[shift:] + pool[:shift]:
-                for name, bound, launch in members:
-                    if samples[cfg.short(), name] == [float("inf")]:
-                        continue
-                    try:
-                        samples[cfg.short(), name].append(median_ms(backend._trial(bound, launch, cfg), 25, args.rep_ms))
-                    except Exception:  # noqa: BLE001 - out of resources: not a candidate here
-                        samples[cfg.short(), name] = [float("inf")]
-        times = {key: statistics.median(ms) for key, ms in samples.items()}
+        # (config, shape) -> a function that makes the trial (scratch outputs exist while it is timed)
+        trials = {(cfg.short(), name): functools.partial(backend._trial, bound, launch, cfg)
+                  for cfg in pool for name, bound, launch in members}
+        times = dict.fromkeys(trials, float("inf"))  # out of resources: not a candidate here
+        # one measurement can be 10% off (the GPU runs at its power cap): medians of rotated rounds
+        samples = timed_rounds(trials, args.rounds, lambda trial: median_ms(trial(), 25, args.rep_ms),
+                               on_error=lambda key, error: None)
+        times.update({key: statistics.median(ms) for key, ms in samples.items()})
         names = [name for name, _, _ in members]
         total = {cfg.short(): sum(times[cfg.short(), n] for n in names) for cfg in pool}
         chosen = min(pool, key=lambda c: total[c.short()])

@@ -113,3 +113,24 @@ def test_kernel_bench_times_in_rounds_and_records_failures():
     assert by_provider["codagen"]["config"]
     assert by_provider["nonsense"]["median_ms"] is None and "unknown provider" in by_provider["nonsense"]["error"]
     assert any("nonsense" in line for line in logs)
+
+
+def test_timed_rounds_rotate_the_order_and_drop_what_fails():
+    from codagen.bench.common import timed_rounds
+    calls = []
+
+    def timer(name):
+        calls.append(name)
+        if name == "c" and calls.count("c") == 2:
+            raise RuntimeError("out of resources")
+        return float(len(calls))
+    errors = []
+    times = timed_rounds({n: n for n in "abc"}, 3, timer, on_error=lambda name, error: errors.append(name))
+    assert calls == ["a", "b", "c", "b", "c", "a"] + ["a", "b"]  # round 3 starts at c, which is gone
+    assert times == {"a": [1.0, 6.0, 7.0], "b": [2.0, 4.0, 8.0]} and errors == ["c"]
+    def failing_timer(name):
+        if name == "b":
+            raise RuntimeError("out of resources")
+        return 1.0
+    with pytest.raises(RuntimeError, match="out of resources"):  # without on_error the failure propagates
+        timed_rounds({n: n for n in "abc"}, 2, failing_timer)

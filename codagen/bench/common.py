@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["environment", "median_ms", "wall_ms", "write_results", "RESULTS_DIR"]
+__all__ = ["environment", "median_ms", "wall_ms", "timed_rounds", "write_results", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -72,6 +72,30 @@ def wall_ms(fn: Callable[[], object], reps: int = 3) -> float:
         fn()
         times.append(1e3 * (time.perf_counter() - start))
     return statistics.median(times)
+
+
+def timed_rounds(functions: dict, rounds: int, timer: Callable[[Callable], float],
+                 on_error: Callable[[object, Exception], None] | None = None) -> dict[object, list[float]]:
+    """``timer(function)`` of each of ``functions`` once per round for ``rounds`` rounds, each round
+    starting one place later in the order: at the power cap the GPU's clock drifts within a round, and
+    in a fixed order two builds of identical code read up to 8% apart (docs/triton.md). Returns the
+    times by name. A function that raises goes to ``on_error`` (raised again without one) and is not
+    timed again."""
+    times = {name: [] for name in functions}
+    order = list(functions)
+    for index in range(rounds):
+        shift = index % max(len(order), 1)
+        for name in order[shift:] + order[:shift]:
+            if name not in times:
+                continue
+            try:
+                times[name].append(timer(functions[name]))
+            except Exception as error:  # noqa: BLE001 - reported to on_error
+                if on_error is None:
+                    raise
+                del times[name]
+                on_error(name, error)
+    return times
 
 
 def write_results(suite: str, records: list[dict], out_dir: str | os.PathLike | None = None) -> Path:

@@ -188,12 +188,11 @@ def _plain_program(program: Program) -> Program:
 def run_case(case: Case, model: Model, dtype: torch.dtype, providers: list[str], backend, *,
              warmup_ms: float, rep_ms: float, rounds: int = 3, device="cuda", log=print) -> list[dict]:
     """Time ``providers`` on one kernel case. Each is built and run once first (compilation, tuning),
-    then all are timed in ``rounds`` interleaved rounds whose order rotates: at the power cap the GPU's
-    clock drifts within a round, and in a fixed order two builds of identical code read up to 8% apart
-    (docs/triton.md). ``median_ms`` is the median of the round medians; ``round_ms`` keeps them. A
+    then all are timed in ``rounds`` interleaved rounds whose order rotates (``common.timed_rounds``).
+    ``median_ms`` is the median of the round medians; ``round_ms`` keeps them. A
     provider that fails is recorded with ``error``; the others still run. On a CPU ``device`` (a harness
     check, not speed) the timer is wall-clock."""
-    from codagen.bench.common import median_ms, wall_ms
+    from codagen.bench.common import median_ms, timed_rounds, wall_ms
     program = case.program
     dev = torch.device(device)
     a, b, tensors = random_inputs(program, case.m, case.n, case.k, dtype, dev)
@@ -235,17 +234,7 @@ def run_case(case: Case, model: Model, dtype: torch.dtype, providers: list[str],
             runs.pop(provider, None)
             failed(provider, exc)
     timer = (lambda fn: median_ms(fn, warmup_ms, rep_ms)) if dev.type == "cuda" else wall_ms
-    round_ms = {provider: [] for provider in runs}
-    order = list(runs)
-    for _ in range(rounds):
-        for provider in order:
-            if provider in round_ms:
-                try:
-                    round_ms[provider].append(timer(runs[provider][0]))
-                except Exception as exc:  # noqa: BLE001
-                    del round_ms[provider]
-                    failed(provider, exc)
-        order = order[1:] + order[:1]
+    round_ms = timed_rounds({provider: fn for provider, (fn, _) in runs.items()}, rounds, timer, failed)
     records = []
     for provider, times in round_ms.items():
         ms = statistics.median(times)
