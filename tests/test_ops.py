@@ -115,6 +115,81 @@ def test_gradcheck_rms_qkv_rope_pass_residual(qk_norm):
     torch.testing.assert_close(x.grad, torch.ones_like(x))
 
 
+SPLIT = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_gradcheck_rms_qkv_rope_split_sizes(qk_norm):
+    """``split_sizes``: q, k, v come back as views of the one output, each with its own gradient, which
+    reaches B1 as is; values and gradients those of ``qkv`` (also with an output left unused, and with
+    the residual passed through)."""
+    x, gamma, weight = rand(M, D), norm_weight(), rand(QKV, D)
+    positions = torch.randint(0, 50, (M,))
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM, base=7.0).double()
+    qk = (1 + 0.3 * rand(HEAD_DIM, requires_grad=False), 1 + 0.3 * rand(HEAD_DIM, requires_grad=False)) \
+        if qk_norm else ()
+    options = dict(num_heads=HEADS, qk_norm_eps=0.01) if qk_norm else {}
+
+    def f(x, gamma, weight):
+        q, k, v, residual = ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies, *qk, **options,
+                                             split_sizes=SPLIT, pass_residual=True)
+        return q, k.sin(), v, residual.cos()
+
+    assert gradcheck(f, (x, gamma, weight))
+    qkv = ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies, *qk, **options)
+    q, k, v = ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies, *qk, **options, split_sizes=SPLIT)
+    assert q._base is k._base is v._base is not None  # views of one buffer, not copies
+    torch.testing.assert_close(torch.cat((q, k, v), 1), qkv)
+    probe = rand(M, SPLIT[0], requires_grad=False)  # only q used: k and v get no gradient
+    want = torch.autograd.grad((qkv[:, :SPLIT[0]] * probe).sum(), (x, gamma, weight))
+    got = torch.autograd.grad((q * probe).sum(), (x, gamma, weight))
+    for name, a, b in zip(("x", "gamma", "weight"), got, want):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+def test_rms_qkv_rope_split_sizes_backward_concatenates_nothing():
+    """With ``split_sizes`` no ``cat`` runs outside the op's backward (the Triton B1 kernel reads the three
+    gradients in place); splitting ``qkv`` outside the op instead makes autograd concatenate them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class TopLevelOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, gamma, weight = rand(M, D), norm_weight(), rand(QKV, D)
+    positions, frequencies = torch.arange(M), ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM).double()
+    probes = [rand(M, c, requires_grad=False) for c in SPLIT]
+    for split_in_op in (True, False):
+        if split_in_op:
+            blocks = ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies, split_sizes=SPLIT)
+        else:
+            blocks = ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies).split(SPLIT, dim=1)
+        loss = sum((b * p).sum() for b, p in zip(blocks, probes))
+        with TopLevelOps() as seen:
+            loss.backward()
+        cats = [n for n in seen.names if n.startswith("aten.cat")]
+        assert "codagen.rms_qkv_rope_backward.default" in seen.names
+        assert (cats == []) if split_in_op else cats, seen.names
+
+
+def test_rms_qkv_rope_split_sizes_errors():
+    x, gamma = rand(M, D, requires_grad=False), norm_weight().detach()
+    normed, rstd = ops.rms_norm_stats(x, gamma, EPS)
+    weight, positions, frequencies = rand(QKV, D, requires_grad=False), torch.zeros(M), torch.zeros(QKV // 2)
+    head = rand(HEAD_DIM, requires_grad=False)
+    for sizes in ((8, 4), (8, 4, 6), (7, 5, 4), (8, 4, 4.0), (0, 8, 8), "qkv"):
+        with pytest.raises(ValueError, match="split_sizes: expected three even column counts summing to 16"):
+            ops.rms_qkv_rope(x, normed, rstd, gamma, weight, positions, frequencies, split_sizes=sizes)
+    with pytest.raises(ValueError, match=r"split_sizes: expected q, k, v column counts \(8, 4, 4\)"):
+        ops.rms_qkv_rope(x, normed, rstd, gamma, weight, positions, frequencies, head, head, num_heads=HEADS,
+                         split_sizes=(4, 8, 4))
+
+
 def test_rms_qkv_rope_qk_norm_forward_values():
     """Pair-order layouts throughout: QK-norm per head of the projection, V untouched, then RoPE."""
     x, gamma, weight = rand(M, D, requires_grad=False), norm_weight().detach(), rand(QKV, D, requires_grad=False)
@@ -303,7 +378,7 @@ def test_rope_backward_ref_is_the_adjoint_of_rope():
     from codagen.backends.reference import rope_ref
     qkv = rope_ref(z, positions[:, None] * frequencies[None, :])
     (want_grad_z,) = torch.autograd.grad(qkv, z, grad_qkv)
-    grad_z, mean_z_dz = kernels.rope_backward_ref(grad_qkv, qkv.detach(), positions, frequencies, width=D)
+    grad_z, mean_z_dz = kernels.rope_backward_ref([grad_qkv], qkv.detach(), positions, frequencies, width=D)
     torch.testing.assert_close(grad_z, want_grad_z)
     torch.testing.assert_close(mean_z_dz, (z * want_grad_z).sum(-1).detach() / D)
 
@@ -323,7 +398,7 @@ def test_rope_qk_norm_backward_ref_matches_autograd(heads, kv_heads, head_dim):
     from codagen.backends.reference import rope_ref
     qkv = rope_ref(y, positions[:, None] * frequencies[None, :])
     want = torch.autograd.grad(qkv, (z, q_norm, k_norm), grad_qkv)
-    got = kernels.rope_qk_norm_backward_ref(grad_qkv, z.detach(), positions, frequencies, q_norm.detach(),
+    got = kernels.rope_qk_norm_backward_ref([grad_qkv], z.detach(), positions, frequencies, q_norm.detach(),
                                             k_norm.detach(), heads, EPS, width=D)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], (z * want[0]).sum(-1).detach() / D)  # pre-QK-norm z times its gradient

@@ -163,11 +163,12 @@ def fused_model(params, x, positions, target, cfg: Config, reduction="mean"):
         next_norm = params[f"{layer + 1}.attn_norm"] if layer + 1 < cfg.layers else params["final_norm"]
         if cfg.qk_norm:  # norm weights to the pair order of the Q/K rows
             q_norm, k_norm = (ops.rope_pairs_from_half_split(params[p + n], cfg.head_dim) for n in ("q_norm", "k_norm"))
-            qkv = ops.rms_qkv_rope(x, normed, rstd, params[p + "attn_norm"], fused[p + "qkv"], positions, frequencies,
-                                   q_norm, k_norm, num_heads=cfg.heads, qk_norm_eps=cfg.eps)
+            q, k, v = ops.rms_qkv_rope(x, normed, rstd, params[p + "attn_norm"], fused[p + "qkv"], positions,
+                                       frequencies, q_norm, k_norm, num_heads=cfg.heads, qk_norm_eps=cfg.eps,
+                                       split_sizes=(q_cols, kv_cols, kv_cols))
         else:
-            qkv = ops.rms_qkv_rope(x, normed, rstd, params[p + "attn_norm"], fused[p + "qkv"], positions, frequencies)
-        q, k, v = qkv.split((q_cols, kv_cols, kv_cols), dim=1)
+            q, k, v = ops.rms_qkv_rope(x, normed, rstd, params[p + "attn_norm"], fused[p + "qkv"], positions,
+                                       frequencies, split_sizes=(q_cols, kv_cols, kv_cols))
         x, normed, rstd = ops.out_proj_residual_rms(attention(q, k, v, cfg), params[p + "o"], x,
                                                     params[p + "mlp_norm"], cfg.eps)
         x, normed, rstd = ops.swiglu_mlp_residual_rms(x, normed, rstd, params[p + "mlp_norm"], fused[p + "gate_up"],

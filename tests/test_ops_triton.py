@@ -31,10 +31,16 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 torch.testing.assert_close(a, b, rtol=tol, atol=tol)
             positions = torch.randint(0, 4096, (m,)).float()
             frequencies = torch.cat((torch.rand(n // 4), torch.zeros(n // 2 - n // 4)))
-            got = k.rope_backward_triton(x, y, positions, frequencies, 5)
-            want = k.rope_backward_ref(x, y, positions, frequencies, 5)
-            for a, b in zip(got, want):
-                torch.testing.assert_close(a, b, rtol=tol, atol=tol * 10)
+            want = k.rope_backward_ref([x], y, positions, frequencies, 5)
+            # whole, or as three column blocks read in place (one strided, one from a wider buffer)
+            q_cols = 2 * (n // 6)
+            wide = torch.randn(m, n + 10).to(dtype)
+            wide[:, 3:3 + n - 2 * q_cols] = x[:, 2 * q_cols:]
+            blocks = [x[:, :q_cols].t().contiguous().t(), x[:, q_cols:2 * q_cols].clone(), wide[:, 3:3 + n - 2 * q_cols]]
+            for grad_blocks in ([x], blocks):
+                got = k.rope_backward_triton(grad_blocks, y, positions, frequencies, 5)
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b, rtol=tol, atol=tol * 10)
             grad_act = torch.randn(m, n // 2).to(dtype)
             got, want = k.swiglu_backward_triton(grad_act, x, 3), k.swiglu_backward_ref(grad_act, x, 3)
             for a, b in zip(got, want):
@@ -69,11 +75,14 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             positions = torch.randint(0, 4096, (m,)).float()
             frequencies = ops.rope_frequencies(heads, kv_heads, head_dim)
             q_norm, k_norm = torch.randn(head_dim).to(dtype), torch.randn(head_dim).to(dtype)
-            args = (grad, preact, positions, frequencies, q_norm, k_norm, heads, 1e-6, 11)
-            got, want = k.rope_qk_norm_backward_triton(*args), k.rope_qk_norm_backward_ref(*args)
-            for name, a, b in zip(("grad_z", "mean_z_dz", "grad_q_norm", "grad_k_norm"), got, want):
-                scale = max(1.0, b.float().abs().max().item())
-                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10 * scale, msg=name)
+            args = (preact, positions, frequencies, q_norm, k_norm, heads, 1e-6, 11)
+            want = k.rope_qk_norm_backward_ref([grad], *args)
+            split = [t.clone() for t in grad.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), 1)]
+            for grad_blocks in ([grad], split):
+                got = k.rope_qk_norm_backward_triton(grad_blocks, *args)
+                for name, a, b in zip(("grad_z", "mean_z_dz", "grad_q_norm", "grad_k_norm"), got, want):
+                    scale = max(1.0, b.float().abs().max().item())
+                    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10 * scale, msg=name)
     print("kernels ok")
 """)
 

@@ -39,7 +39,7 @@ from codagen.models import Llama, LlamaConfig
 from codagen.models.llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv
 from codagen.models.reference import rotate_half
 
-from .common import median_ms, wall_ms, write_results
+from .common import median_ms, timed_rounds, wall_ms, write_results
 
 __all__ = ["main", "BlockShape", "SHAPES"]
 
@@ -324,10 +324,11 @@ def model_providers(s: BlockShape, layers: int, vocab: int, batch: int, seq: int
 def run_providers(factories: dict, providers: list[str], base: dict, device, rounds: int = 3) -> list[dict]:
     """Time each provider (its own try/except: a failure becomes a record with ``error``).
 
-    All providers are built first, then timed in ``rounds`` interleaved rounds (A B C, A B C, ...): the
-    GPU's clocks drift by a few percent over a run (power, temperature), as much as the differences
-    between providers, so each provider's ``median_ms`` is the median of its round medians
-    (``round_ms`` keeps them all). Peak memory is measured once, after the rounds.
+    All providers are built first, then timed in ``rounds`` interleaved rounds in rotating order (A B C,
+    B C A, C A B: :func:`codagen.bench.common.timed_rounds`): the GPU's clocks drift by a few percent over
+    a run (power, temperature), as much as the differences between providers, so each provider's
+    ``median_ms`` is the median of its round medians (``round_ms`` keeps them all). Peak memory is
+    measured once, after the rounds.
     """
     timer = _timer(device)
     records, steps = {}, {}
@@ -341,13 +342,12 @@ def run_providers(factories: dict, providers: list[str], base: dict, device, rou
         except Exception as error:  # noqa: BLE001 - recorded, the other providers still run
             _record_error(record, error)
             steps.pop(name, None)
-    for _ in range(rounds):
-        for name in list(steps):
-            try:
-                records[name].setdefault("round_ms", []).append(timer(steps[name]))
-            except Exception as error:  # noqa: BLE001
-                _record_error(records[name], error)
-                del steps[name]
+    def failed(name, error):
+        _record_error(records[name], error)
+        del steps[name]
+
+    for name, round_ms in timed_rounds(dict(steps), rounds, timer, on_error=failed).items():
+        records[name]["round_ms"] = round_ms
     for name, step in steps.items():
         record = records[name]
         record["median_ms"] = statistics.median(record["round_ms"])

@@ -4,8 +4,8 @@ Each RMSNorm is split around GEMMs (METHOD.md section 2): the GEMM that produces
 ``x`` also produces ``normed = x * gamma`` and ``rstd``, and the next GEMM applies ``rstd`` in its
 epilogue. So a block is three fused GEMMs plus attention::
 
-    qkv, x         = rms_qkv_rope(x, normed, rstd, attn_norm, W_qkv, positions, frequencies,
-                                  pass_residual=True)                                         # norm + QKV + RoPE
+    q, k, v, x     = rms_qkv_rope(x, normed, rstd, attn_norm, W_qkv, positions, frequencies,
+                                  split_sizes=(h hd, kv hd, kv hd), pass_residual=True)     # norm + QKV + RoPE
     attn           = SDPA(q, k, v, causal, GQA)
     x, normed, r   = out_proj_residual_rms(attn, W_o, x, mlp_norm, eps)                          # O-proj + residual + stats
     x, normed, r   = swiglu_mlp_residual_rms(x, normed, r, mlp_norm, W_gu, W_down, next_norm, eps)  # MLP + residual + stats
@@ -71,15 +71,18 @@ def rotate_pairs(z: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
 
 
-def attention(qkv: torch.Tensor, spec: AttentionSpec, sliding_window: int | None = None) -> torch.Tensor:
-    """Causal (GQA) SDPA over the fused ``qkv`` rows ``[B*S, (h + 2 kv) hd]`` -> ``[B*S, h hd]``."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+              sliding_window: int | None = None) -> torch.Tensor:
+    """Causal (GQA) SDPA over token-major ``q`` [B*S, h hd], ``k``, ``v`` [B*S, kv hd] -> ``[B*S, h hd]``.
+
+    The inputs may be column views of one buffer (the QKV op's ``split_sizes`` outputs): SDPA reads them
+    strided, and its backward writes each gradient token-major, so each reaches the QKV op as is.
+    """
     b, s, h, kv, hd = spec.batch, spec.seq, spec.num_heads, spec.num_kv_heads, spec.head_dim
-    # split, then transpose: the backward then concatenates dq, dk, dv straight into the [B*S, N]
-    # gradient (one pass); transposing first made it concatenate head-major and copy once more
-    q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, h + 2 * kv, hd).split((h, kv, kv), dim=2))
+    q, k, v = (t.view(b, s, heads, hd).transpose(1, 2) for t, heads in ((q, h), (k, kv), (v, kv)))
     mask = None
     if sliding_window is not None and s > sliding_window:  # shorter sequences: the window is the causal mask
-        i = torch.arange(s, device=qkv.device)
+        i = torch.arange(s, device=q.device)
         offset = i[:, None] - i[None, :]
         mask = (offset >= 0) & (offset < sliding_window)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
@@ -95,22 +98,27 @@ def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: t
     Blocks with ``q_norm``/``k_norm`` apply QK-norm (eps ``eps``) in the same epilogue, before RoPE.
     """
     norms = [blk.attn_norm for blk in blocks] + [final_norm]
+    q_cols, kv_cols = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    split_sizes = (q_cols, kv_cols, kv_cols)
     normed, rstd = ops.rms_norm_stats(x, norms[0], eps)
     for blk, next_norm in zip(blocks, norms[1:]):
-        # x passes through the QKV op, so that the residual path's gradient joins its backward's store
+        # x passes through the QKV op, so that the residual path's gradient joins its backward's store;
+        # q, k, v come back as separate views, so that their gradients reach its backward unconcatenated
         if blk.q_norm is None and blk.k_norm is None:
-            qkv, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
-                                      pass_residual=True)
+            q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
+                                          split_sizes=split_sizes, pass_residual=True)
         else:
             if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
                 raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
-            qkv, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies, blk.q_norm,
-                                      blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps, pass_residual=True)
+            q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
+                                          blk.q_norm, blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps,
+                                          split_sizes=split_sizes, pass_residual=True)
         if blk.qkv_bias is not None:
             # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
             angles = positions.float()[:, None] * frequencies[None, :]
-            qkv = qkv + rotate_pairs(blk.qkv_bias.expand_as(qkv), angles).to(qkv.dtype)
-        attn = attention(qkv, spec, blk.sliding_window)
+            rotated_bias = rotate_pairs(blk.qkv_bias.expand(x.shape[0], -1), angles).to(q.dtype)
+            q, k, v = (t + bias for t, bias in zip((q, k, v), rotated_bias.split(split_sizes, dim=1)))
+        attn = attention(q, k, v, spec, blk.sliding_window)
         # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
         residual = x if blk.o_bias is None else x + blk.o_bias
         x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps)

@@ -166,15 +166,15 @@ def _(normed, rstd, qkv_weight, positions, frequencies):
 
 
 @torch.library.custom_op("codagen::rms_qkv_rope_backward", mutates_args=())
-def _rms_qkv_rope_backward_op(grad_qkv: Tensor, grad_residual: Tensor | None, qkv: Tensor, x: Tensor, rstd: Tensor,
-                              norm_weight: Tensor, qkv_weight: Tensor, positions: Tensor,
+def _rms_qkv_rope_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor | None, qkv: Tensor, x: Tensor,
+                              rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor, positions: Tensor,
                               frequencies: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    grad_z, mean_z_dz = kernels.rope_backward(grad_qkv, qkv, positions, frequencies, x.shape[1])  # B1
+    grad_z, mean_z_dz = kernels.rope_backward(grad_blocks, qkv, positions, frequencies, x.shape[1])  # B1
     return consumer_rms_norm_backward(grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual)  # B2, B3
 
 
 @_rms_qkv_rope_backward_op.register_fake
-def _(grad_qkv, grad_residual, qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies):
+def _(grad_blocks, grad_residual, qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies):
     return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(qkv_weight)
 
 
@@ -182,23 +182,41 @@ def _contiguous(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.contiguous()
 
 
+def _split_outputs(qkv: Tensor, split_sizes: tuple[int, ...] | None) -> tuple[Tensor, ...]:
+    """``(qkv,)``, or its column blocks as views: each then gets its own gradient in the backward."""
+    return (qkv,) if split_sizes is None else qkv.split(split_sizes, dim=1)
+
+
+def _grad_blocks(grads: tuple[Tensor | None, ...], split_sizes: tuple[int, ...] | None,
+                 like: Tensor) -> list[Tensor] | None:
+    """The gradients of the qkv outputs (qkv, or q, k, v) as the B1 kernels read them: in place, with unit
+    column stride; an unused output's as zeros; ``None`` when no output has one."""
+    if all(g is None for g in grads):
+        return None
+    widths = split_sizes or (like.shape[1],)
+    return [like.new_zeros(like.shape[0], width) if g is None else g if g.stride(-1) == 1 else g.contiguous()
+            for g, width in zip(grads, widths)]
+
+
 class _RmsQkvRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies):
+    def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, split_sizes):
         qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies)
         ctx.save_for_backward(qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies)
+        ctx.split_sizes = split_sizes
         ctx.set_materialize_grads(False)
-        return qkv, x.view_as(x)
+        return *_split_outputs(qkv, split_sizes), x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad_qkv, grad_residual):
-        if grad_qkv is None:  # only the residual path carries a gradient
-            return (grad_residual,) + (None,) * 6
+    def backward(ctx, *grads):
+        *grad_outputs, grad_residual = grads
         qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies = ctx.saved_tensors
+        grad_blocks = _grad_blocks(tuple(grad_outputs), ctx.split_sizes, qkv)
+        if grad_blocks is None:  # only the residual path carries a gradient
+            return (grad_residual,) + (None,) * 7
         grad_x, grad_norm_weight, grad_qkv_weight = _rms_qkv_rope_backward_op(
-            grad_qkv.contiguous(), _contiguous(grad_residual), qkv, x, rstd, norm_weight, qkv_weight, positions,
-            frequencies)
-        return grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None
+            grad_blocks, _contiguous(grad_residual), qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies)
+        return grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None, None
 
 
 def _qk_norm_columns(q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
@@ -233,14 +251,14 @@ def _(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_we
 
 
 @torch.library.custom_op("codagen::rms_qkv_rope_qk_norm_backward", mutates_args=())
-def _rms_qkv_rope_qk_norm_backward_op(grad_qkv: Tensor, grad_residual: Tensor | None, preact: Tensor, x: Tensor,
+def _rms_qkv_rope_qk_norm_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor | None, preact: Tensor, x: Tensor,
                                       rstd: Tensor, norm_weight: Tensor,
                                       qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
                                       q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
                                       eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     # B1: RoPE backward + the Q/K heads' RMSNorm backward (+ q_norm/k_norm weight gradients)
     grad_z, mean_z_dz, grad_q_norm_weight, grad_k_norm_weight = kernels.rope_qk_norm_backward(
-        grad_qkv, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, x.shape[1])
+        grad_blocks, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, x.shape[1])
     grad_x, grad_norm_weight, grad_qkv_weight = consumer_rms_norm_backward(
         grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual)  # B2, B3
     return (grad_x, grad_norm_weight, grad_qkv_weight, grad_q_norm_weight.to(q_norm_weight.dtype),
@@ -248,7 +266,7 @@ def _rms_qkv_rope_qk_norm_backward_op(grad_qkv: Tensor, grad_residual: Tensor | 
 
 
 @_rms_qkv_rope_qk_norm_backward_op.register_fake
-def _(grad_qkv, grad_residual, preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
+def _(grad_blocks, grad_residual, preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
       k_norm_weight, num_heads, eps):
     return (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(qkv_weight),
             torch.empty_like(q_norm_weight), torch.empty_like(k_norm_weight))
@@ -257,30 +275,34 @@ def _(grad_qkv, grad_residual, preact, x, rstd, norm_weight, qkv_weight, positio
 class _RmsQkvRopeQkNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
-                num_heads, eps):
+                num_heads, eps, split_sizes):
         qkv, preact = _rms_qkv_rope_qk_norm_op(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight,
                                                k_norm_weight, num_heads, eps)
         ctx.save_for_backward(preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
                               k_norm_weight)
-        ctx.num_heads, ctx.eps = num_heads, eps
+        ctx.num_heads, ctx.eps, ctx.split_sizes = num_heads, eps, split_sizes
         ctx.set_materialize_grads(False)
-        return qkv, x.view_as(x)
+        return *_split_outputs(qkv, split_sizes), x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad_qkv, grad_residual):
-        if grad_qkv is None:  # only the residual path carries a gradient
-            return (grad_residual,) + (None,) * 10
+    def backward(ctx, *grads):
+        *grad_outputs, grad_residual = grads
+        preact = ctx.saved_tensors[0]
+        grad_blocks = _grad_blocks(tuple(grad_outputs), ctx.split_sizes, preact)
+        if grad_blocks is None:  # only the residual path carries a gradient
+            return (grad_residual,) + (None,) * 11
         grad_x, grad_norm_weight, grad_qkv_weight, grad_q_norm_weight, grad_k_norm_weight = \
-            _rms_qkv_rope_qk_norm_backward_op(grad_qkv.contiguous(), _contiguous(grad_residual), *ctx.saved_tensors,
+            _rms_qkv_rope_qk_norm_backward_op(grad_blocks, _contiguous(grad_residual), *ctx.saved_tensors,
                                               ctx.num_heads, ctx.eps)
         return (grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None, grad_q_norm_weight,
-                grad_k_norm_weight, None, None)
+                grad_k_norm_weight, None, None, None)
 
 
 def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor,
                  positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor | None = None,
                  k_norm_weight: Tensor | None = None, num_heads: int | None = None,
-                 qk_norm_eps: float = 1e-6, *, pass_residual: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                 qk_norm_eps: float = 1e-6, *, split_sizes: tuple[int, int, int] | None = None,
+                 pass_residual: bool = False) -> Tensor | tuple[Tensor, ...]:
     """F4: ``qkv = rope(RMSNorm(x) @ qkv_weight^T)`` on adjacent pairs, one GEMM; optionally QK-norm before RoPE.
 
     ``z = rstd[m] * (normed @ W^T)``; pair ``j`` of row ``m`` rotates by ``positions[m] * frequencies[j]``
@@ -301,7 +323,13 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     writes per-row-block partials of the q_norm/k_norm gradients ``sum g zhat``. B2 is the
     RMSNorm-backward GEMM ``grad_z @ W``; B3 ``grad_W = grad_z^T @ n``.
 
-    ``pass_residual=True`` returns ``(qkv, residual)``, ``residual`` being ``x`` passed through: use it
+    ``split_sizes=(q_cols, k_cols, v_cols)`` returns ``q, k, v = qkv.split(split_sizes, dim=1)`` instead of
+    ``qkv``: views of the one [M, N] output, each with its own gradient. B1 then reads attention's three
+    input gradients where they lie; a split of ``qkv`` made outside the op would have autograd concatenate
+    them into one [M, N] gradient first (an extra read and write of it). Each size must be even
+    (a RoPE pair never straddles two blocks); with QK-norm they are the heads' column counts.
+
+    ``pass_residual=True`` also returns ``residual`` (last), ``x`` passed through: use it
     as the block's residual (the out-projection's ``residual``). Its gradient then comes back into this
     op's backward and B2 writes ``grad_x = grad_residual + norm_grad`` in its one store, where autograd
     would otherwise add the two paths' ``[M, d]`` gradients in a separate kernel.
@@ -323,9 +351,10 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     if q_norm_weight is None and k_norm_weight is None:
         if num_heads is not None:
             raise ValueError("num_heads: only used with QK-norm (give q_norm_weight and k_norm_weight too)")
+        split_sizes = _check_split_sizes(split_sizes, qkv_weight.shape[0])
         out = _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
-                                frequencies.detach())
-        return out if pass_residual else out[0]
+                                frequencies.detach(), split_sizes)
+        return _outputs(out, pass_residual)
     if q_norm_weight is None or k_norm_weight is None:
         missing = "q_norm_weight" if q_norm_weight is None else "k_norm_weight"
         raise ValueError(f"{missing}: QK-norm needs both q_norm_weight and k_norm_weight, got only one")
@@ -344,9 +373,32 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
         raise ValueError(f"num_heads: qkv_weight holds {rows // head_dim} heads of head_dim {head_dim} = num_heads + "
                          f"2 kv_heads, which num_heads = {num_heads} does not split")
     eps = check.eps(qk_norm_eps, "qk_norm_eps")
+    split_sizes = _check_split_sizes(split_sizes, rows, (num_heads * head_dim, kv_rows // 2 * head_dim,
+                                                         kv_rows // 2 * head_dim))
     out = _RmsQkvRopeQkNorm.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
-                                  frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps)
-    return out if pass_residual else out[0]
+                                  frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps, split_sizes)
+    return _outputs(out, pass_residual)
+
+
+def _check_split_sizes(split_sizes, n: int, heads_cols: tuple[int, int, int] | None = None):
+    """``split_sizes`` as a tuple of three even ints summing to qkv's width ``n`` (with QK-norm: the q, k and
+    v heads' column counts ``heads_cols``), or None."""
+    if split_sizes is None:
+        return None
+    sizes = tuple(split_sizes) if isinstance(split_sizes, (tuple, list)) else ()
+    expected = (f"q, k, v column counts {heads_cols}" if heads_cols is not None
+                else f"three even column counts summing to {n} (qkv_weight's rows)")
+    if (len(sizes) != 3 or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 and c % 2 == 0
+                                   for c in sizes) or sum(sizes) != n
+            or (heads_cols is not None and sizes != heads_cols)):
+        raise ValueError(f"split_sizes: expected {expected}, got {split_sizes!r}")
+    return sizes
+
+
+def _outputs(out: tuple[Tensor, ...], pass_residual: bool):
+    """``(qkv | q, k, v[, residual])`` as the caller asked; a lone qkv unwrapped."""
+    out = out if pass_residual else out[:-1]
+    return out[0] if len(out) == 1 else out
 
 
 # ==================================================================================================

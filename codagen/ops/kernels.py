@@ -23,6 +23,7 @@ atomics, so results are deterministic.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -49,10 +50,11 @@ _QK_NORM_ROWS = 16
 
 
 def _on_tensor_device(fn):
-    """Launch ``fn``'s kernel on its first tensor's device (:func:`codagen.backends.on_device`)."""
+    """Launch ``fn``'s kernel on its first tensor's device (:func:`codagen.backends.on_device`); a first
+    argument that is a sequence of tensors gives its first one's."""
     @functools.wraps(fn)
-    def launch(first: torch.Tensor, *args, **kwargs):
-        with on_device(first.device):
+    def launch(first, *args, **kwargs):
+        with on_device((first if isinstance(first, torch.Tensor) else first[0]).device):
             return fn(first, *args, **kwargs)
     return launch
 
@@ -69,6 +71,11 @@ def _interpreting() -> bool:
 
 def _block(columns: int) -> int:
     return min(triton.next_power_of_2(max(columns, 1)), _MAX_BLOCK)
+
+
+def _rope_block(columns: int) -> int:
+    """B1's columns per step: at most 1024 (4 warps x 8 bf16 = one 16-byte load per thread and tensor)."""
+    return min(max(triton.next_power_of_2(columns), 2), 1024)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -94,37 +101,57 @@ if triton is not None:
             tl.store(normed_ptr + row * n_cols + cols, (x * gamma).to(normed_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_backward_kernel(grad_ptr, qkv_ptr, positions_ptr, frequencies_ptr, grad_z_ptr, mean_z_dz_ptr,
-                              n_pairs, inv_width, BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+    def _rope_backward_chunk(grad_ptr, qkv_ptr, grad_z_ptr, frequencies_ptr, n_valid, position,
+                             BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+        """BLOCK columns of a row from an even column on (``n_valid`` of them in bounds): rotate them back
+        and store them; return their lanes' share of ``sum qkv * grad``. The loads are contiguous: the pairs
+        are split apart in registers (``reshape`` + ``split``), not loaded even and odd with stride 2."""
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_valid
+        g0, g1 = tl.split(tl.reshape(tl.load(grad_ptr + cols, mask=mask, other=0.0).to(tl.float32), [BLOCK // 2, 2]))
+        y0, y1 = tl.split(tl.reshape(tl.load(qkv_ptr + cols, mask=mask, other=0.0).to(tl.float32), [BLOCK // 2, 2]))
+        pair = tl.arange(0, BLOCK // 2)
+        frequency = tl.load(frequencies_ptr + pair, mask=2 * pair < n_valid, other=0.0).to(tl.float32)
+        cos, sin = cos_sin(position * frequency, INTERPRETER)
+        grad_z = tl.reshape(tl.join(g0 * cos + g1 * sin, g1 * cos - g0 * sin), [BLOCK])  # rotate by -theta
+        tl.store(grad_z_ptr + cols, grad_z.to(grad_z_ptr.dtype.element_ty), mask=mask)
+        return y0 * g0 + y1 * g1  # rotations preserve dot products: sum y.dy = sum z.dz
+
+    @triton.jit
+    def _rope_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, k_stride, v_stride, q_cols, k_cols,
+                              v_cols, qkv_ptr, positions_ptr, frequencies_ptr, grad_z_ptr, mean_z_dz_ptr, inv_width,
+                              BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+        """One row per program. The gradient arrives as three column blocks (q, k, v, as attention's
+        backward wrote them, each with its own row stride), read in place: no concatenation first."""
         row = tl.program_id(0).to(tl.int64)
-        offset = row * 2 * n_pairs
+        n = q_cols + k_cols + v_cols
         position = tl.load(positions_ptr + row).to(tl.float32)
-        z_dz = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, n_pairs, BLOCK):
-            pair = start + tl.arange(0, BLOCK)
-            mask = pair < n_pairs
-            theta = position * tl.load(frequencies_ptr + pair, mask=mask, other=0.0).to(tl.float32)
-            cos, sin = cos_sin(theta, INTERPRETER)
-            even, odd = offset + 2 * pair, offset + 2 * pair + 1
-            g0 = tl.load(grad_ptr + even, mask=mask, other=0.0).to(tl.float32)
-            g1 = tl.load(grad_ptr + odd, mask=mask, other=0.0).to(tl.float32)
-            y0 = tl.load(qkv_ptr + even, mask=mask, other=0.0).to(tl.float32)
-            y1 = tl.load(qkv_ptr + odd, mask=mask, other=0.0).to(tl.float32)
-            z_dz += y0 * g0 + y1 * g1  # rotations preserve dot products: sum y.dy = sum z.dz
-            out_ty = grad_z_ptr.dtype.element_ty
-            tl.store(grad_z_ptr + even, (g0 * cos + g1 * sin).to(out_ty), mask=mask)  # rotate by -theta
-            tl.store(grad_z_ptr + odd, (g1 * cos - g0 * sin).to(out_ty), mask=mask)
+        qkv_row, grad_z_row = qkv_ptr + row * n, grad_z_ptr + row * n
+        z_dz = tl.zeros([BLOCK // 2], dtype=tl.float32)
+        for start in range(0, q_cols, BLOCK):
+            z_dz += _rope_backward_chunk(grad_q_ptr + row * q_stride + start, qkv_row + start, grad_z_row + start,
+                                         frequencies_ptr + start // 2, q_cols - start, position, BLOCK, INTERPRETER)
+        for start in range(0, k_cols, BLOCK):
+            column = q_cols + start
+            z_dz += _rope_backward_chunk(grad_k_ptr + row * k_stride + start, qkv_row + column, grad_z_row + column,
+                                         frequencies_ptr + column // 2, k_cols - start, position, BLOCK, INTERPRETER)
+        for start in range(0, v_cols, BLOCK):
+            column = q_cols + k_cols + start
+            z_dz += _rope_backward_chunk(grad_v_ptr + row * v_stride + start, qkv_row + column, grad_z_row + column,
+                                         frequencies_ptr + column // 2, v_cols - start, position, BLOCK, INTERPRETER)
         tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
 
     @triton.jit
-    def _rope_qk_norm_backward_kernel(grad_ptr, preact_ptr, positions_ptr, frequencies_ptr, q_norm_weight_ptr,
-                                      k_norm_weight_ptr, grad_z_ptr, mean_z_dz_ptr, partial_grad_norm_weight_ptr,
+    def _rope_qk_norm_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, k_stride, v_stride, preact_ptr,
+                                      positions_ptr, frequencies_ptr, q_norm_weight_ptr, k_norm_weight_ptr,
+                                      grad_z_ptr, mean_z_dz_ptr, partial_grad_norm_weight_ptr,
                                       n_rows, n_pairs, half_head, num_heads, num_norm_heads, eps, inv_width,
                                       ROWS: tl.constexpr, HEAD_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                                       INTERPRETER: tl.constexpr):
         """ROWS rows per program; each row's Q/K heads one at a time (their pairs as even/odd halves),
-        then its remaining (V) columns in blocks. Norm-weight gradients accumulate over the program's rows
-        and heads in registers and leave as one partial row per program (no atomics)."""
+        then its remaining (V) columns in blocks. The gradient arrives as the q, k and v column blocks, read
+        in place. Norm-weight gradients accumulate over the program's rows and heads in registers and leave
+        as one partial row per program (no atomics)."""
         block = tl.program_id(0)
         j = tl.arange(0, HEAD_BLOCK)  # pair index inside a head: columns 2j, 2j + 1
         in_head = j < half_head
@@ -142,6 +169,7 @@ if triton is not None:
             row = block * ROWS + r
             row_ok = row < n_rows
             offset = row.to(tl.int64) * 2 * n_pairs
+            qk_cols = 2 * num_norm_heads * half_head
             position = tl.load(positions_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
             z_dz = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
             for head in range(num_norm_heads):
@@ -150,8 +178,12 @@ if triton is not None:
                 theta = position * tl.load(frequencies_ptr + pair, mask=mask, other=0.0).to(tl.float32)
                 cos, sin = cos_sin(theta, INTERPRETER)
                 even, odd = offset + 2 * pair, offset + 2 * pair + 1
-                g0 = tl.load(grad_ptr + even, mask=mask, other=0.0).to(tl.float32)
-                g1 = tl.load(grad_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+                if head < num_heads:
+                    grad_head = grad_q_ptr + row.to(tl.int64) * q_stride + head * 2 * half_head
+                else:
+                    grad_head = grad_k_ptr + row.to(tl.int64) * k_stride + (head - num_heads) * 2 * half_head
+                g0 = tl.load(grad_head + 2 * j, mask=mask, other=0.0).to(tl.float32)
+                g1 = tl.load(grad_head + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)
                 u0 = g0 * cos + g1 * sin  # rotated back by -theta: the gradient of the QK-norm output
                 u1 = g1 * cos - g0 * sin
                 z0 = tl.load(preact_ptr + even, mask=mask, other=0.0).to(tl.float32)
@@ -179,8 +211,9 @@ if triton is not None:
                 theta = position * tl.load(frequencies_ptr + pair, mask=mask, other=0.0).to(tl.float32)
                 cos, sin = cos_sin(theta, INTERPRETER)
                 even, odd = offset + 2 * pair, offset + 2 * pair + 1
-                g0 = tl.load(grad_ptr + even, mask=mask, other=0.0).to(tl.float32)
-                g1 = tl.load(grad_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+                grad_row = grad_v_ptr + row.to(tl.int64) * v_stride - qk_cols
+                g0 = tl.load(grad_row + 2 * pair, mask=mask, other=0.0).to(tl.float32)
+                g1 = tl.load(grad_row + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
                 u0 = g0 * cos + g1 * sin
                 u1 = g1 * cos - g0 * sin
                 z0 = tl.load(preact_ptr + even, mask=mask, other=0.0).to(tl.float32)
@@ -323,13 +356,30 @@ def rms_norm_stats_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float
 # --------------------------------------------------------------------------------------------------
 # B1: RoPE backward
 # --------------------------------------------------------------------------------------------------
-def rope_backward_ref(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor,
+def _cat_columns(grad_blocks) -> torch.Tensor:
+    return grad_blocks[0] if len(grad_blocks) == 1 else torch.cat(tuple(grad_blocks), dim=1)
+
+
+def _three_blocks(grad_blocks, widths: tuple[int, int, int] | None = None) -> list[torch.Tensor]:
+    """The gradient's column blocks as exactly three [M, cols] views with unit column stride: ``widths``
+    splits a single block (the QK-norm kernel needs q | k | v); a plain RoPE backward pads with empty ones."""
+    blocks = list(grad_blocks)
+    if len(blocks) == 1 and widths is not None:
+        blocks = list(blocks[0].split(widths, dim=1))
+    blocks += [blocks[0][:, :0]] * (3 - len(blocks))
+    return [b if b.stride(1) == 1 or b.shape[1] <= 1 else b.contiguous() for b in blocks]
+
+
+def rope_backward_ref(grad_blocks: Sequence[torch.Tensor], qkv: torch.Tensor, positions: torch.Tensor,
                       frequencies: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``grad_z = rotate(grad_qkv, -positions[m] * frequencies[j])``, ``mean_z_dz[m] = sum_k qkv grad_qkv / width``.
 
+    ``grad_blocks``: ``grad_qkv`` as its column blocks, left to right: ``[grad_qkv]``, or
+    ``[grad_q, grad_k, grad_v]`` as attention's backward wrote them (the kernel reads them in place).
     ``sum_k z dz = sum_k qkv grad_qkv`` because a rotation preserves dot products, so the pre-RoPE
     activations are never needed. ``width`` is the normalized dimension d (x's width), not N.
     """
+    grad_qkv = _cat_columns(grad_blocks)
     cd = stats_dtype(grad_qkv.dtype)
     grad = grad_qkv.to(cd)
     theta = positions.to(cd)[:, None] * frequencies.to(cd)[None, :]
@@ -338,29 +388,36 @@ def rope_backward_ref(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: torc
     return grad_z, mean_z_dz
 
 
-def rope_backward(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor,
-                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    impl = rope_backward_triton if _use_triton(grad_qkv) else rope_backward_ref
-    return impl(grad_qkv, qkv, positions, frequencies, width)
+def rope_backward(grad_blocks: Sequence[torch.Tensor], qkv: torch.Tensor, positions: torch.Tensor,
+                  frequencies: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = rope_backward_triton if _use_triton(qkv) else rope_backward_ref
+    return impl(grad_blocks, qkv, positions, frequencies, width)
 
 
 @_on_tensor_device
-def rope_backward_triton(grad_qkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor,
+def rope_backward_triton(grad_blocks: Sequence[torch.Tensor], qkv: torch.Tensor, positions: torch.Tensor,
                          frequencies: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rope_backward_ref` as one kernel launch (fp16/bf16/fp32)."""
-    m, n = grad_qkv.shape
-    grad_z = torch.empty_like(grad_qkv)
-    mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_qkv.device)
+    """:func:`rope_backward_ref` as one kernel launch (fp16/bf16/fp32); up to three column blocks, each an
+    even number of columns wide (a pair never straddles two blocks)."""
+    m, n = qkv.shape
+    if not 1 <= len(grad_blocks) <= 3 or any(b.shape[1] % 2 for b in grad_blocks):
+        raise ValueError(f"grad_blocks: expected 1 to 3 column blocks of even widths, got widths "
+                         f"{[b.shape[1] for b in grad_blocks]}")
+    (grad_q, grad_k, grad_v) = blocks = _three_blocks(grad_blocks)
+    grad_z = torch.empty(m, n, dtype=grad_q.dtype, device=qkv.device)
+    mean_z_dz = torch.empty(m, dtype=torch.float32, device=qkv.device)
     if m:
-        _rope_backward_kernel[(m,)](grad_qkv, qkv, positions, frequencies, grad_z, mean_z_dz, n // 2, 1.0 / width,
-                                    BLOCK=_block(n // 2), INTERPRETER=_interpreting())
+        _rope_backward_kernel[(m,)](grad_q, grad_k, grad_v, *(b.stride(0) for b in blocks),
+                                    *(b.shape[1] for b in blocks), qkv, positions, frequencies, grad_z, mean_z_dz,
+                                    1.0 / width, BLOCK=_rope_block(max(b.shape[1] for b in blocks)),
+                                    INTERPRETER=_interpreting())
     return grad_z, mean_z_dz
 
 
 # --------------------------------------------------------------------------------------------------
 # B1 with QK-norm: RoPE backward + per-head RMSNorm backward of the Q/K heads
 # --------------------------------------------------------------------------------------------------
-def rope_qk_norm_backward_ref(grad_qkv: torch.Tensor, preact: torch.Tensor, positions: torch.Tensor,
+def rope_qk_norm_backward_ref(grad_blocks: Sequence[torch.Tensor], preact: torch.Tensor, positions: torch.Tensor,
                               frequencies: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
                               num_heads: int, eps: float, width: int):
     """B1 of ``qkv = rope(qk_norm(z))``, columns ``[Q heads | K heads | V heads]`` (``preact = z``).
@@ -372,10 +429,12 @@ def rope_qk_norm_backward_ref(grad_qkv: torch.Tensor, preact: torch.Tensor, posi
         dz_h   = rho_h * (gamma * g_h - zhat_h * mean(zhat_h * gamma * g_h))
         grad_gamma = sum over rows and heads of that kind of g_h * zhat_h
 
+    ``grad_blocks``: ``grad_qkv`` whole (``[grad_qkv]``) or as ``[grad_q, grad_k, grad_v]``.
     V columns: ``dz = g``. ``mean_z_dz[m] = sum_k z dz / width`` with the pre-QK-norm ``z`` (the input
     RMSNorm's statistic). Returns ``(grad_z, mean_z_dz, grad_q_norm_weight, grad_k_norm_weight)``;
     statistics and weight gradients in float32 (float64 for float64 inputs).
     """
+    grad_qkv = _cat_columns(grad_blocks)
     cd = stats_dtype(grad_qkv.dtype)
     m, n = grad_qkv.shape
     hd = q_norm_weight.shape[0]
@@ -397,29 +456,34 @@ def rope_qk_norm_backward_ref(grad_qkv: torch.Tensor, preact: torch.Tensor, posi
             grad_gamma[:, num_heads:].sum((0, 1)))
 
 
-def rope_qk_norm_backward(grad_qkv: torch.Tensor, preact: torch.Tensor, positions: torch.Tensor,
+def rope_qk_norm_backward(grad_blocks: Sequence[torch.Tensor], preact: torch.Tensor, positions: torch.Tensor,
                           frequencies: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
                           num_heads: int, eps: float, width: int):
-    impl = rope_qk_norm_backward_triton if _use_triton(grad_qkv) else rope_qk_norm_backward_ref
-    return impl(grad_qkv, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, width)
+    impl = rope_qk_norm_backward_triton if _use_triton(preact) else rope_qk_norm_backward_ref
+    return impl(grad_blocks, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, width)
 
 
 @_on_tensor_device
-def rope_qk_norm_backward_triton(grad_qkv: torch.Tensor, preact: torch.Tensor, positions: torch.Tensor,
+def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: torch.Tensor, positions: torch.Tensor,
                                  frequencies: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
                                  num_heads: int, eps: float, width: int):
     """:func:`rope_qk_norm_backward_ref` as one kernel launch (fp16/bf16/fp32) + the finishing sum of the
     per-program norm-weight gradient partials ``[cdiv(M, 16), 2 head_dim]``."""
-    m, n = grad_qkv.shape
+    m, n = preact.shape
     hd = q_norm_weight.shape[0]
     num_kv_heads = kv_heads_of(n, hd, num_heads)
-    grad_z = torch.empty_like(grad_qkv)
-    mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_qkv.device)
+    widths = (num_heads * hd, num_kv_heads * hd, num_kv_heads * hd)
+    if [b.shape[1] for b in grad_blocks] not in ([n], list(widths)):
+        raise ValueError(f"grad_blocks: expected [grad_qkv] ({n} columns) or [grad_q, grad_k, grad_v] ({widths} "
+                         f"columns), got widths {[b.shape[1] for b in grad_blocks]}")
+    (grad_q, grad_k, grad_v) = grads = _three_blocks(grad_blocks, widths)
+    grad_z = torch.empty(m, n, dtype=grad_q.dtype, device=preact.device)
+    mean_z_dz = torch.empty(m, dtype=torch.float32, device=preact.device)
     blocks = -(-m // _QK_NORM_ROWS)
-    partial = torch.empty(blocks, 2 * hd, dtype=torch.float32, device=grad_qkv.device)
+    partial = torch.empty(blocks, 2 * hd, dtype=torch.float32, device=preact.device)
     if m:
         _rope_qk_norm_backward_kernel[(blocks,)](
-            grad_qkv, preact, positions, frequencies, q_norm_weight, k_norm_weight, grad_z, mean_z_dz, partial,
+            grad_q, grad_k, grad_v, *(g.stride(0) for g in grads), preact, positions, frequencies, q_norm_weight, k_norm_weight, grad_z, mean_z_dz, partial,
             m, n // 2, hd // 2, num_heads, num_heads + num_kv_heads, eps, 1.0 / width,
             ROWS=_QK_NORM_ROWS, HEAD_BLOCK=triton.next_power_of_2(hd // 2), BLOCK=_block(n // 2),
             INTERPRETER=_interpreting())

@@ -1,0 +1,97 @@
+"""B1, the RoPE backward row kernel, at the block benchmark's shapes (GPU, bf16).
+
+    PYTHONPATH=. python bench/rope_backward.py [--out DIR]
+
+B1 reads the gradient of the QKV output and the saved ``qkv`` and writes ``grad_z``: three [M, N] passes.
+This times, per shape:
+
+``three_blocks``     ``rope_backward([grad_q, grad_k, grad_v])``, the three gradients as SDPA's backward
+                     leaves them (separate token-major tensors): what the decoder runs;
+``one_block``        ``rope_backward([grad_qkv])`` on one contiguous gradient;
+``cat_then_kernel``  ``torch.cat`` of the three, then ``one_block``: what autograd made the decoder do
+                     before ``split_sizes`` (a split outside the op concatenates in its backward);
+``add_same_bytes``   ``torch.add(a, b, out=c)`` over [M, N]: two reads and a write, B1's traffic with no
+                     math, the memory system's pace for it;
+
+and the kernel at other (BLOCK, num_warps) than the launcher's. Prints a table of ms and TB/s (three
+[M, N] bf16 passes over the time); writes the JSON to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from codagen.bench.common import environment, median_ms
+from codagen.ops import kernels
+
+SHAPES = {  # tokens, q columns, k (= v) columns
+    "d2048": (16384, 2048, 2048),
+    "llama3-1b": (16384, 2048, 512),
+    "llama3-8b": (16384, 4096, 1024),
+    "d8192": (16384, 8192, 8192),
+}
+VARIANTS = ((512, 4), (1024, 4), (2048, 4), (2048, 8))
+
+
+def cases(m: int, q_cols: int, kv_cols: int) -> dict:
+    dev, dt = "cuda", torch.bfloat16
+    n = q_cols + 2 * kv_cols
+    grads = [torch.randn(m, c, device=dev, dtype=dt) for c in (q_cols, kv_cols, kv_cols)]
+    grad_qkv = torch.cat(grads, 1)
+    qkv = torch.randn(m, n, device=dev, dtype=dt)
+    positions = torch.arange(m, device=dev).remainder(8192).float()
+    frequencies = torch.rand(n // 2, device=dev)
+    out = torch.empty(m, n, device=dev, dtype=dt)
+
+    def kernel(block, warps):
+        grad_z = torch.empty(m, n, device=dev, dtype=dt)
+        mean_z_dz = torch.empty(m, device=dev)
+
+        def run():
+            kernels._rope_backward_kernel[(m,)](
+                *grads, *(g.stride(0) for g in grads), *(g.shape[1] for g in grads), qkv, positions, frequencies,
+                grad_z, mean_z_dz, 1.0 / 2048, BLOCK=block, INTERPRETER=False, num_warps=warps)
+        return run
+
+    found = {
+        "three_blocks": lambda: kernels.rope_backward(grads, qkv, positions, frequencies, 2048),
+        "one_block": lambda: kernels.rope_backward([grad_qkv], qkv, positions, frequencies, 2048),
+        "cat_then_kernel": lambda: kernels.rope_backward([torch.cat(grads, 1)], qkv, positions, frequencies, 2048),
+        "add_same_bytes": lambda: torch.add(grad_qkv, qkv, out=out),
+    }
+    found.update({f"block{block}_warps{warps}": kernel(block, warps) for block, warps in VARIANTS})
+    # the same numbers from every path
+    want = kernels.rope_backward_ref([grad_qkv.float()], qkv.float(), positions, frequencies, 2048)
+    for got in (kernels.rope_backward(grads, qkv, positions, frequencies, 2048),
+                kernels.rope_backward([grad_qkv], qkv, positions, frequencies, 2048)):
+        torch.testing.assert_close(got[0].float(), want[0], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-3, atol=1e-3)
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--out", default=None, help="directory for the JSON (default: none written)")
+    args = parser.parse_args()
+    records = []
+    for shape in args.shapes:
+        m, q_cols, kv_cols = SHAPES[shape]
+        n = q_cols + 2 * kv_cols
+        for name, fn in cases(m, q_cols, kv_cols).items():
+            ms = median_ms(fn, warmup_ms=25, rep_ms=200)
+            records.append({"suite": "rope_backward", "name": name, "shape": {"m": m, "q": q_cols, "kv": kv_cols},
+                            "median_ms": ms, "tb_per_s": 3 * m * n * 2 / ms / 1e9})
+            print(f"{shape:<10} {name:<18} {ms:7.3f} ms {records[-1]['tb_per_s']:5.2f} TB/s", flush=True)
+    if args.out:
+        path = Path(args.out) / "rope-backward.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"env": environment(), "records": records}, indent=1) + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
