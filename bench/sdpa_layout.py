@@ -9,7 +9,7 @@ forward + backward of causal (GQA) attention three ways:
 ``contiguous``   q, k, v contiguous ``[B, heads, S, hd]`` leaves (eager's layout);
 ``fused_views``  q, k, v views of one ``[B*S, (h + 2 kv) hd]`` leaf, transposed then split: the
                  gradient of that leaf is a head-major concatenation of dq, dk, dv plus a copy;
-``fused_split``  the same views, split then transposed (``codagen.models.llama.attention``): one
+``fused_split``  the same views, split then transposed (the decoder before the eighth session): one
                  concatenation straight into the leaf's layout;
 ``views_only``   the same views, but gradients taken for q, k, v themselves (no copy): the layout's
                  cost alone.
