@@ -404,6 +404,7 @@ def rope_backward_triton(grad_blocks: Sequence[torch.Tensor], qkv: torch.Tensor,
         raise ValueError(f"grad_blocks: expected 1 to 3 column blocks of even widths, got widths "
                          f"{[b.shape[1] for b in grad_blocks]}")
     (grad_q, grad_k, grad_v) = blocks = _three_blocks(grad_blocks)
+    qkv = qkv.contiguous()  # the kernel steps its rows by N
     grad_z = torch.empty(m, n, dtype=grad_q.dtype, device=qkv.device)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=qkv.device)
     if m:
@@ -477,6 +478,7 @@ def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: to
         raise ValueError(f"grad_blocks: expected [grad_qkv] ({n} columns) or [grad_q, grad_k, grad_v] ({widths} "
                          f"columns), got widths {[b.shape[1] for b in grad_blocks]}")
     (grad_q, grad_k, grad_v) = grads = _three_blocks(grad_blocks, widths)
+    preact = preact.contiguous()  # the kernel steps its rows by N
     grad_z = torch.empty(m, n, dtype=grad_q.dtype, device=preact.device)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=preact.device)
     blocks = -(-m // _QK_NORM_ROWS)
