@@ -95,6 +95,26 @@ def test_row_kernels_under_interpreter(fresh_seed):
     assert result.returncode == 0 and "kernels ok" in result.stdout, result.stdout + result.stderr
 
 
+def test_rope_backward_launchers_refuse_blocks_they_cannot_read():
+    """B1 takes 1-3 column blocks of even widths (a pair never straddles two); with QK-norm, the whole
+    gradient or exactly its q, k, v blocks. Refused before any launch, naming ``grad_blocks``."""
+    from codagen import ops
+    from codagen.ops import kernels as k
+
+    m, heads, kv_heads, head_dim = 3, 2, 1, 4
+    n = (heads + 2 * kv_heads) * head_dim
+    grad, qkv = torch.randn(m, n), torch.randn(m, n)
+    positions, frequencies = torch.arange(m).float(), ops.rope_frequencies(heads, kv_heads, head_dim)
+    for blocks in ([grad[:, :3], grad[:, 3:]], list(grad.split(4, dim=1)), []):
+        with pytest.raises(ValueError, match="grad_blocks: expected 1 to 3 column blocks of even widths"):
+            k.rope_backward_triton(blocks, qkv, positions, frequencies, 5)
+    norm = torch.randn(head_dim)
+    with pytest.raises(ValueError, match=r"grad_blocks: expected \[grad_qkv\] \(16 columns\) or \[grad_q, grad_k, "
+                                         r"grad_v\] \(\(8, 4, 4\) columns\), got widths \[4, 8, 4\]"):
+        k.rope_qk_norm_backward_triton(list(grad.split((4, 8, 4), dim=1)), qkv, positions, frequencies, norm, norm,
+                                       heads, 1e-6, 5)
+
+
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
 def test_block_on_triton_backend_matches_reference(qk_norm):
     try:

@@ -118,6 +118,21 @@ def positive_int(name: str, value) -> int:
     return value
 
 
+def split_sizes(name: str, value, total: int, expected: tuple[int, int, int] | None = None):
+    """``value`` as a tuple of three positive even ints summing to ``total`` (exactly ``expected`` when
+    given), or None."""
+    if value is None:
+        return None
+    sizes = tuple(value) if isinstance(value, (tuple, list)) else ()
+    if (len(sizes) != 3 or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 and c % 2 == 0
+                                   for c in sizes) or sum(sizes) != total
+            or (expected is not None and sizes != expected)):
+        want = (f"q, k, v column counts {expected}" if expected is not None
+                else f"three even column counts summing to {total} (qkv_weight's rows)")
+        raise ValueError(f"{name}: expected {want}, got {value!r}")
+    return sizes
+
+
 def head_vector(name: str, t, x: torch.Tensor) -> torch.Tensor:
     """A per-head-channel weight [head_dim] (QK-norm), head_dim even (whole RoPE pairs)."""
     t = tensor(name, t)

@@ -189,13 +189,12 @@ def _split_outputs(qkv: Tensor, split_sizes: tuple[int, ...] | None) -> tuple[Te
 
 def _grad_blocks(grads: tuple[Tensor | None, ...], split_sizes: tuple[int, ...] | None,
                  like: Tensor) -> list[Tensor] | None:
-    """The gradients of the qkv outputs (qkv, or q, k, v) as the B1 kernels read them: in place, with unit
-    column stride; an unused output's as zeros; ``None`` when no output has one."""
+    """The gradients of the qkv outputs (qkv, or q, k, v) as B1 takes them, in place (its launcher fixes
+    any layout its kernel cannot read); an unused output's as zeros; ``None`` when no output has one."""
     if all(g is None for g in grads):
         return None
     widths = split_sizes or (like.shape[1],)
-    return [like.new_zeros(like.shape[0], width) if g is None else g if g.stride(-1) == 1 else g.contiguous()
-            for g, width in zip(grads, widths)]
+    return [like.new_zeros(like.shape[0], width) if g is None else g for g, width in zip(grads, widths)]
 
 
 class _RmsQkvRope(torch.autograd.Function):
@@ -251,8 +250,8 @@ def _(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_we
 
 
 @torch.library.custom_op("codagen::rms_qkv_rope_qk_norm_backward", mutates_args=())
-def _rms_qkv_rope_qk_norm_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor | None, preact: Tensor, x: Tensor,
-                                      rstd: Tensor, norm_weight: Tensor,
+def _rms_qkv_rope_qk_norm_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor | None, preact: Tensor,
+                                      x: Tensor, rstd: Tensor, norm_weight: Tensor,
                                       qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
                                       q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
                                       eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -287,13 +286,12 @@ class _RmsQkvRopeQkNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         *grad_outputs, grad_residual = grads
-        preact = ctx.saved_tensors[0]
-        grad_blocks = _grad_blocks(tuple(grad_outputs), ctx.split_sizes, preact)
+        saved = ctx.saved_tensors  # preact first
+        grad_blocks = _grad_blocks(tuple(grad_outputs), ctx.split_sizes, saved[0])
         if grad_blocks is None:  # only the residual path carries a gradient
             return (grad_residual,) + (None,) * 11
         grad_x, grad_norm_weight, grad_qkv_weight, grad_q_norm_weight, grad_k_norm_weight = \
-            _rms_qkv_rope_qk_norm_backward_op(grad_blocks, _contiguous(grad_residual), *ctx.saved_tensors,
-                                              ctx.num_heads, ctx.eps)
+            _rms_qkv_rope_qk_norm_backward_op(grad_blocks, _contiguous(grad_residual), *saved, ctx.num_heads, ctx.eps)
         return (grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None, grad_q_norm_weight,
                 grad_k_norm_weight, None, None, None)
 
@@ -351,7 +349,7 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     if q_norm_weight is None and k_norm_weight is None:
         if num_heads is not None:
             raise ValueError("num_heads: only used with QK-norm (give q_norm_weight and k_norm_weight too)")
-        split_sizes = _check_split_sizes(split_sizes, qkv_weight.shape[0])
+        split_sizes = check.split_sizes("split_sizes", split_sizes, qkv_weight.shape[0])
         out = _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
                                 frequencies.detach(), split_sizes)
         return _outputs(out, pass_residual)
@@ -373,26 +371,11 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
         raise ValueError(f"num_heads: qkv_weight holds {rows // head_dim} heads of head_dim {head_dim} = num_heads + "
                          f"2 kv_heads, which num_heads = {num_heads} does not split")
     eps = check.eps(qk_norm_eps, "qk_norm_eps")
-    split_sizes = _check_split_sizes(split_sizes, rows, (num_heads * head_dim, kv_rows // 2 * head_dim,
-                                                         kv_rows // 2 * head_dim))
+    kv_cols = kv_rows // 2 * head_dim
+    split_sizes = check.split_sizes("split_sizes", split_sizes, rows, (num_heads * head_dim, kv_cols, kv_cols))
     out = _RmsQkvRopeQkNorm.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
                                   frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps, split_sizes)
     return _outputs(out, pass_residual)
-
-
-def _check_split_sizes(split_sizes, n: int, heads_cols: tuple[int, int, int] | None = None):
-    """``split_sizes`` as a tuple of three even ints summing to qkv's width ``n`` (with QK-norm: the q, k and
-    v heads' column counts ``heads_cols``), or None."""
-    if split_sizes is None:
-        return None
-    sizes = tuple(split_sizes) if isinstance(split_sizes, (tuple, list)) else ()
-    expected = (f"q, k, v column counts {heads_cols}" if heads_cols is not None
-                else f"three even column counts summing to {n} (qkv_weight's rows)")
-    if (len(sizes) != 3 or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 and c % 2 == 0
-                                   for c in sizes) or sum(sizes) != n
-            or (heads_cols is not None and sizes != heads_cols)):
-        raise ValueError(f"split_sizes: expected {expected}, got {split_sizes!r}")
-    return sizes
 
 
 def _outputs(out: tuple[Tensor, ...], pass_residual: bool):

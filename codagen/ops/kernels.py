@@ -22,6 +22,7 @@ atomics, so results are deterministic.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -51,10 +52,11 @@ _QK_NORM_ROWS = 16
 
 def _on_tensor_device(fn):
     """Launch ``fn``'s kernel on its first tensor's device (:func:`codagen.backends.on_device`); a first
-    argument that is a sequence of tensors gives its first one's."""
+    argument that is a sequence of tensors gives its first one's (an empty one leaves ``fn`` to refuse it)."""
     @functools.wraps(fn)
     def launch(first, *args, **kwargs):
-        with on_device((first if isinstance(first, torch.Tensor) else first[0]).device):
+        tensor = first if isinstance(first, torch.Tensor) else next(iter(first), None)
+        with on_device(tensor.device) if tensor is not None else contextlib.nullcontext():
             return fn(first, *args, **kwargs)
     return launch
 
