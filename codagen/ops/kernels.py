@@ -46,6 +46,8 @@ __all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "rope
                                         "embedding_backward") for kind in ("", "_ref", "_triton")]
 
 _MAX_BLOCK = 2048
+#: (BLOCK, num_warps) of the cross-entropy row kernel (``bench/cross_entropy_rows.py``)
+_CROSS_ENTROPY_LAUNCH = (4096, 8)
 #: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
 _QK_NORM_ROWS = 16
 
@@ -268,35 +270,38 @@ if triton is not None:
     @triton.jit
     def _cross_entropy_logits_grad_kernel(logits_ptr, target_ptr, row_weight_ptr, row_loss_ptr, mean_z_dz_ptr,
                                           n_cols, inv_width, BLOCK: tl.constexpr):
+        """One row per program, two passes over it. Pass 1: the row's max and ``sum exp(z - max)``, the sum
+        rescaled once per block (one exp per logit); pass 2 walks the blocks backwards, so it starts on the
+        ones pass 1 read last (still in L2), and writes ``dz`` over the logits."""
         row = tl.program_id(0).to(tl.int64)
         logits_row = logits_ptr + row * n_cols
         target = tl.load(target_ptr + row)
-        # pass 1: online logsumexp per lane, and the target's logit (no column matches an ignored target)
-        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
-        lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
-        target_logit = tl.zeros([BLOCK], dtype=tl.float32)
+        row_max = tl.full([], float("-inf"), tl.float32)
+        row_sum = tl.zeros([], dtype=tl.float32)
+        target_logit = tl.zeros([], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
             z = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(lane_max, z)
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a lane without columns yet stays 0
-            lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(z - shift)
-            lane_max = new_max
-            target_logit += tl.where(mask & (cols == target), z, 0.0)
-        row_max = tl.max(lane_max, axis=0)
-        lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0))
-        # pass 2: dz = (softmax(z) - onehot(target)) * row_weight, written over the logits
+            new_max = tl.maximum(row_max, tl.max(z, axis=0))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no finite logit yet: the sum stays 0
+            row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
+            row_max = new_max
+            # no column matches an ignored (negative) target, nor one past the vocabulary
+            target_logit += tl.sum(tl.where(mask & (cols == target), z, 0.0), axis=0)
+        lse = row_max + tl.log(row_sum)
+        # pass 2: dz = (softmax(z) - onehot(target)) * row_weight
         weight = tl.load(row_weight_ptr + row).to(tl.float32)
         z_dz = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        last = tl.cdiv(n_cols, BLOCK) - 1
+        for block in range(0, last + 1):
+            cols = (last - block) * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
             z = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
             dz = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * weight
             z_dz += tl.where(mask, z * dz, 0.0)
             tl.store(logits_row + cols, dz.to(logits_ptr.dtype.element_ty), mask=mask)
-        tl.store(row_loss_ptr + row, lse - tl.sum(target_logit, axis=0))
+        tl.store(row_loss_ptr + row, lse - target_logit)
         tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
 
     @triton.jit
@@ -584,8 +589,9 @@ def cross_entropy_logits_grad_triton(logits: torch.Tensor, target: torch.Tensor,
     row_loss = torch.empty(m, dtype=torch.float32, device=logits.device)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=logits.device)
     if m:
+        block, warps = _CROSS_ENTROPY_LAUNCH
         _cross_entropy_logits_grad_kernel[(m,)](logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width,
-                                                BLOCK=_block(vocab))
+                                                BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=warps)
     return row_loss, mean_z_dz
 
 
