@@ -82,8 +82,11 @@ def cases(vocab: int, width: int = 2048) -> tuple[int, torch.Tensor, torch.Tenso
     mean_z_dz = torch.empty(rows, device=dev)
 
     def kernel(fn, block, warps):
-        return lambda: fn[(rows,)](logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width,
-                                   BLOCK=block, num_warps=warps)
+        def run():
+            fn[(rows,)](logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width, BLOCK=block,
+                        num_warps=warps)
+            return row_loss, mean_z_dz
+        return run
 
     found = {"kernel": lambda: kernels.cross_entropy_logits_grad(logits, target, row_weight, width),
              "lane_online": kernel(_lane_online_kernel, 2048, 4)}
@@ -93,9 +96,9 @@ def cases(vocab: int, width: int = 2048) -> tuple[int, torch.Tensor, torch.Tenso
     want = kernels.cross_entropy_logits_grad_ref(want_logits, target, row_weight, width)
     for name, run in found.items():
         logits.copy_(fresh)
-        run()
-        torch.testing.assert_close(row_loss, want[0], rtol=1e-4, atol=1e-4, msg=name)
-        torch.testing.assert_close(mean_z_dz, want[1], rtol=1e-3, atol=1e-6, msg=name)
+        got = run()
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-3, atol=1e-6, msg=name)
         torch.testing.assert_close(logits.float(), want_logits.float(), rtol=1e-2, atol=1e-6, msg=name)
     return rows, fresh, logits, found
 
