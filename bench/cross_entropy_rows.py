@@ -9,7 +9,8 @@ and one write of the chunk; its math one ``exp`` per logit per pass. This times,
 the op uses (``cross_entropy.chunk_rows``: 512 MiB of logits):
 
 ``kernel``           the launcher (the shipped BLOCK and num_warps);
-``block*_warps*``    the kernel at other launch parameters;
+``b*_w*_s*_p*``      the kernel at other launch parameters: BLOCK, warps, load pipeline stages, programs
+                     per SM (``p0``: one per row);
 ``lane_online``      the kernel it replaced: a running max per lane rather than per block (two exps per
                      logit in pass 1), pass 2 in the same order as pass 1, 2048 x 4 warps;
 ``copy_same_bytes``  ``logits.copy_(fresh)``: one read and one write of the chunk, the memory system's pace;
@@ -33,7 +34,10 @@ from codagen.bench.common import environment, median_ms
 from codagen.ops import kernels
 from codagen.ops.cross_entropy import chunk_rows
 
-VARIANTS = ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))
+#: (BLOCK, num_warps, pipeline stages, programs per SM; 0: one program per row)
+VARIANTS = ((2048, 4, 1, 0), (2048, 4, 1, 4), (2048, 4, 1, 8), (2048, 4, 2, 4), (2048, 4, 3, 4), (2048, 4, 3, 8),
+            (4096, 8, 1, 0), (4096, 8, 1, 3), (4096, 8, 2, 2), (4096, 8, 2, 3), (4096, 8, 3, 2), (4096, 8, 3, 3),
+            (4096, 4, 2, 3), (8192, 8, 2, 2))
 
 
 @triton.jit
@@ -81,16 +85,26 @@ def cases(vocab: int, width: int = 2048) -> tuple[int, torch.Tensor, torch.Tenso
     row_loss = torch.empty(rows, device=dev)
     mean_z_dz = torch.empty(rows, device=dev)
 
-    def kernel(fn, block, warps):
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+
+    def kernel(block, warps, stages, per_sm):
+        grid = min(rows, per_sm * sms) if per_sm else rows
+
         def run():
-            fn[(rows,)](logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width, BLOCK=block,
-                        num_warps=warps)
+            kernels._cross_entropy_logits_grad_kernel[(grid,)](
+                logits, target, row_weight, row_loss, mean_z_dz, rows, vocab, 1.0 / width, BLOCK=block, STAGES=stages,
+                num_warps=warps)
             return row_loss, mean_z_dz
         return run
 
+    def lane_online():
+        _lane_online_kernel[(rows,)](logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width, BLOCK=2048,
+                                     num_warps=4)
+        return row_loss, mean_z_dz
+
     found = {"kernel": lambda: kernels.cross_entropy_logits_grad(logits, target, row_weight, width),
-             "lane_online": kernel(_lane_online_kernel, 2048, 4)}
-    found.update({f"block{b}_warps{w}": kernel(kernels._cross_entropy_logits_grad_kernel, b, w) for b, w in VARIANTS})
+             "lane_online": lane_online}
+    found.update({f"b{b}_w{w}_s{st}_p{p}": kernel(b, w, st, p) for b, w, st, p in VARIANTS})
     # every kernel gives the reference's numbers (each from the same logits)
     want_logits = fresh.clone()
     want = kernels.cross_entropy_logits_grad_ref(want_logits, target, row_weight, width)
@@ -121,7 +135,7 @@ def main():
             records.append({"suite": "cross_entropy_rows", "name": name, "shape": {"rows": rows, "vocab": vocab},
                             "median_ms": ms, "with_restore_ms": with_restore_ms, "restore_ms": restore_ms,
                             "tb_per_s": 2 * chunk_bytes / ms / 1e9})
-            print(f"vocab {vocab:<7} rows {rows:<5} {name:<16} {ms:7.3f} ms {records[-1]['tb_per_s']:5.2f} TB/s",
+            print(f"vocab {vocab:<7} rows {rows:<5} {name:<18} {ms:7.3f} ms {records[-1]['tb_per_s']:5.2f} TB/s",
                   flush=True)
     if args.out:
         path = Path(args.out) / "cross-entropy-rows.json"

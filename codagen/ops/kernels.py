@@ -46,8 +46,9 @@ __all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "rope
                                         "embedding_backward") for kind in ("", "_ref", "_triton")]
 
 _MAX_BLOCK = 2048
-#: (BLOCK, num_warps) of the cross-entropy row kernel (``bench/cross_entropy_rows.py``)
-_CROSS_ENTROPY_LAUNCH = (4096, 8)
+#: (BLOCK, num_warps, load pipeline stages, programs per SM) of the cross-entropy row kernel
+#: (``bench/cross_entropy_rows.py``)
+_CROSS_ENTROPY_LAUNCH = (4096, 8, 2, 3)
 #: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
 _QK_NORM_ROWS = 16
 
@@ -269,40 +270,41 @@ if triton is not None:
 
     @triton.jit
     def _cross_entropy_logits_grad_kernel(logits_ptr, target_ptr, row_weight_ptr, row_loss_ptr, mean_z_dz_ptr,
-                                          n_cols, inv_width, BLOCK: tl.constexpr):
-        """One row per program, two passes over it. Pass 1: the row's max and ``sum exp(z - max)``, the sum
-        rescaled once per block (one exp per logit); pass 2 walks the blocks backwards, so it starts on the
-        ones pass 1 read last (still in L2), and writes ``dz`` over the logits."""
-        row = tl.program_id(0).to(tl.int64)
-        logits_row = logits_ptr + row * n_cols
-        target = tl.load(target_ptr + row)
-        row_max = tl.full([], float("-inf"), tl.float32)
-        row_sum = tl.zeros([], dtype=tl.float32)
-        target_logit = tl.zeros([], dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            z = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(row_max, tl.max(z, axis=0))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no finite logit yet: the sum stays 0
-            row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
-            row_max = new_max
-            # no column matches an ignored (negative) target, nor one past the vocabulary
-            target_logit += tl.sum(tl.where(mask & (cols == target), z, 0.0), axis=0)
-        lse = row_max + tl.log(row_sum)
-        # pass 2: dz = (softmax(z) - onehot(target)) * row_weight
-        weight = tl.load(row_weight_ptr + row).to(tl.float32)
-        z_dz = tl.zeros([BLOCK], dtype=tl.float32)
-        last = tl.cdiv(n_cols, BLOCK) - 1
-        for block in range(0, last + 1):
-            cols = (last - block) * BLOCK + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            z = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
-            dz = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * weight
-            z_dz += tl.where(mask, z * dz, 0.0)
-            tl.store(logits_row + cols, dz.to(logits_ptr.dtype.element_ty), mask=mask)
-        tl.store(row_loss_ptr + row, lse - target_logit)
-        tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
+                                          n_rows, n_cols, inv_width, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+        """Rows ``pid, pid + programs, ...``; two passes over each. Pass 1: the row's max and
+        ``sum exp(z - max)``, the sum rescaled once per block (one exp per logit); pass 2 walks the blocks
+        backwards, so it starts on the ones pass 1 read last, and writes ``dz`` over the logits. The grid
+        is a few programs per SM: the rows in flight must stay in L2 until pass 2 reads them again."""
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            logits_row = logits_ptr + tl.cast(row, tl.int64) * n_cols
+            target = tl.load(target_ptr + row)
+            row_max = tl.full([], float("-inf"), tl.float32)
+            row_sum = tl.zeros([], dtype=tl.float32)
+            target_logit = tl.zeros([], dtype=tl.float32)
+            for start in tl.range(0, n_cols, BLOCK, num_stages=STAGES):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                z = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                new_max = tl.maximum(row_max, tl.max(z, axis=0))
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no finite logit yet: the sum stays 0
+                row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
+                row_max = new_max
+                # no column matches an ignored (negative) target, nor one past the vocabulary
+                target_logit += tl.sum(tl.where(mask & (cols == target), z, 0.0), axis=0)
+            lse = row_max + tl.log(row_sum)
+            # pass 2: dz = (softmax(z) - onehot(target)) * row_weight
+            weight = tl.load(row_weight_ptr + row).to(tl.float32)
+            z_dz = tl.zeros([BLOCK], dtype=tl.float32)
+            last = tl.cdiv(n_cols, BLOCK) - 1
+            for block in tl.range(0, last + 1, num_stages=STAGES):
+                cols = (last - block) * BLOCK + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                z = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+                dz = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * weight
+                z_dz += tl.where(mask, z * dz, 0.0)
+                tl.store(logits_row + cols, dz.to(logits_ptr.dtype.element_ty), mask=mask)
+            tl.store(row_loss_ptr + row, lse - target_logit)
+            tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
 
     @triton.jit
     def _scale_cast_kernel(src_ptr, factor_ptr, out_ptr, numel, BLOCK: tl.constexpr):
@@ -589,10 +591,19 @@ def cross_entropy_logits_grad_triton(logits: torch.Tensor, target: torch.Tensor,
     row_loss = torch.empty(m, dtype=torch.float32, device=logits.device)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=logits.device)
     if m:
-        block, warps = _CROSS_ENTROPY_LAUNCH
-        _cross_entropy_logits_grad_kernel[(m,)](logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width,
-                                                BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=warps)
+        block, warps, stages, programs_per_sm = _CROSS_ENTROPY_LAUNCH
+        _cross_entropy_logits_grad_kernel[(_row_programs(m, logits.device, programs_per_sm),)](
+            logits, target, row_weight, row_loss, mean_z_dz, m, vocab, 1.0 / width,
+            BLOCK=min(block, triton.next_power_of_2(vocab)), STAGES=stages, num_warps=warps)
     return row_loss, mean_z_dz
+
+
+def _row_programs(rows: int, device: torch.device, programs_per_sm: int) -> int:
+    """Grid of a kernel that loops over rows: ``programs_per_sm`` per SM (every row's own program on CPU,
+    under the interpreter)."""
+    if device.type != "cuda":
+        return rows
+    return min(rows, programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 # --------------------------------------------------------------------------------------------------
