@@ -11,8 +11,8 @@ the op uses (``cross_entropy.chunk_rows``: 512 MiB of logits):
 ``kernel``           the launcher (the shipped BLOCK and num_warps);
 ``b*_w*_s*_p*``      the kernel at other launch parameters: BLOCK, warps, load pipeline stages, programs
                      per SM (``p0``: one per row);
-``lane_online``      the kernel it replaced: a running max per lane rather than per block (two exps per
-                     logit in pass 1), pass 2 in the same order as pass 1, 2048 x 4 warps;
+``lane_online``      the kernel it replaced: a running max per logit lane rather than per group of 8
+                     (two exps per logit in pass 1), pass 2 in the same order as pass 1, 2048 x 4 warps;
 ``copy_same_bytes``  ``logits.copy_(fresh)``: one read and one write of the chunk, the memory system's pace;
 
 The kernel rewrites its input, and the logits must not turn into gradients of gradients between timed
@@ -35,9 +35,9 @@ from codagen.ops import kernels
 from codagen.ops.cross_entropy import chunk_rows
 
 #: (BLOCK, num_warps, pipeline stages, programs per SM; 0: one program per row)
-VARIANTS = ((2048, 4, 1, 0), (2048, 4, 1, 4), (2048, 4, 1, 8), (2048, 4, 2, 4), (2048, 4, 3, 4), (2048, 4, 3, 8),
-            (4096, 8, 1, 0), (4096, 8, 1, 3), (4096, 8, 2, 2), (4096, 8, 2, 3), (4096, 8, 3, 2), (4096, 8, 3, 3),
-            (4096, 4, 2, 3), (8192, 8, 2, 2))
+VARIANTS = ((1024, 4, 1, 0), (2048, 4, 1, 0), (4096, 4, 1, 0), (4096, 8, 1, 0), (8192, 8, 1, 0),
+            (2048, 4, 1, 4), (2048, 4, 1, 8), (2048, 4, 2, 4), (2048, 4, 2, 8),
+            (4096, 8, 1, 2), (4096, 8, 1, 4), (4096, 8, 2, 2), (4096, 8, 2, 4), (8192, 8, 2, 2))
 
 
 @triton.jit
@@ -92,8 +92,8 @@ def cases(vocab: int, width: int = 2048) -> tuple[int, torch.Tensor, torch.Tenso
 
         def run():
             kernels._cross_entropy_logits_grad_kernel[(grid,)](
-                logits, target, row_weight, row_loss, mean_z_dz, rows, vocab, 1.0 / width, BLOCK=block, STAGES=stages,
-                num_warps=warps)
+                logits, target, row_weight, row_loss, mean_z_dz, rows, vocab, 1.0 / width, BLOCK=block,
+                GROUP=kernels._CROSS_ENTROPY_GROUP, STAGES=stages, num_warps=warps)
             return row_loss, mean_z_dz
         return run
 

@@ -48,7 +48,9 @@ __all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "rope
 _MAX_BLOCK = 2048
 #: (BLOCK, num_warps, load pipeline stages, programs per SM) of the cross-entropy row kernel
 #: (``bench/cross_entropy_rows.py``)
-_CROSS_ENTROPY_LAUNCH = (4096, 8, 2, 3)
+_CROSS_ENTROPY_LAUNCH = (2048, 4, 1, 0)
+#: logits per running max in its pass 1: 16 bytes of bf16, one thread's vector load
+_CROSS_ENTROPY_GROUP = 8
 #: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
 _QK_NORM_ROWS = 16
 
@@ -270,28 +272,33 @@ if triton is not None:
 
     @triton.jit
     def _cross_entropy_logits_grad_kernel(logits_ptr, target_ptr, row_weight_ptr, row_loss_ptr, mean_z_dz_ptr,
-                                          n_rows, n_cols, inv_width, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-        """Rows ``pid, pid + programs, ...``; two passes over each. Pass 1: the row's max and
-        ``sum exp(z - max)``, the sum rescaled once per block (one exp per logit); pass 2 walks the blocks
-        backwards, so it starts on the ones pass 1 read last, and writes ``dz`` over the logits. The grid
-        is a few programs per SM: the rows in flight must stay in L2 until pass 2 reads them again."""
+                                          n_rows, n_cols, inv_width, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                                          STAGES: tl.constexpr):
+        """Rows ``pid, pid + programs, ...``; two passes over each.
+
+        Pass 1 keeps a running max and ``sum exp(z - max)`` per group of GROUP adjacent logits (a thread's
+        own 16-byte vector): one exp per logit plus one per group, and no exchange between threads until
+        the row's end. Pass 2 walks the blocks backwards, so it starts on the ones pass 1 read last (still
+        in L2), and writes ``dz`` over the logits."""
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             logits_row = logits_ptr + tl.cast(row, tl.int64) * n_cols
             target = tl.load(target_ptr + row)
-            row_max = tl.full([], float("-inf"), tl.float32)
-            row_sum = tl.zeros([], dtype=tl.float32)
-            target_logit = tl.zeros([], dtype=tl.float32)
+            group_max = tl.full([BLOCK // GROUP], float("-inf"), tl.float32)
+            group_sum = tl.zeros([BLOCK // GROUP], dtype=tl.float32)
+            target_logit = tl.zeros([BLOCK], dtype=tl.float32)
             for start in tl.range(0, n_cols, BLOCK, num_stages=STAGES):
                 cols = start + tl.arange(0, BLOCK)
                 mask = cols < n_cols
                 z = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                new_max = tl.maximum(row_max, tl.max(z, axis=0))
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no finite logit yet: the sum stays 0
-                row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
-                row_max = new_max
                 # no column matches an ignored (negative) target, nor one past the vocabulary
-                target_logit += tl.sum(tl.where(mask & (cols == target), z, 0.0), axis=0)
-            lse = row_max + tl.log(row_sum)
+                target_logit += tl.where(mask & (cols == target), z, 0.0)
+                z = tl.reshape(z, [BLOCK // GROUP, GROUP])
+                new_max = tl.maximum(group_max, tl.max(z, axis=1))
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no finite logit yet: the sum stays 0
+                group_sum = group_sum * tl.exp(group_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
+                group_max = new_max
+            row_max = tl.max(group_max, axis=0)
+            lse = row_max + tl.log(tl.sum(group_sum * tl.exp(group_max - row_max), axis=0))
             # pass 2: dz = (softmax(z) - onehot(target)) * row_weight
             weight = tl.load(row_weight_ptr + row).to(tl.float32)
             z_dz = tl.zeros([BLOCK], dtype=tl.float32)
@@ -303,7 +310,7 @@ if triton is not None:
                 dz = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * weight
                 z_dz += tl.where(mask, z * dz, 0.0)
                 tl.store(logits_row + cols, dz.to(logits_ptr.dtype.element_ty), mask=mask)
-            tl.store(row_loss_ptr + row, lse - target_logit)
+            tl.store(row_loss_ptr + row, lse - tl.sum(target_logit, axis=0))
             tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
 
     @triton.jit
@@ -594,14 +601,15 @@ def cross_entropy_logits_grad_triton(logits: torch.Tensor, target: torch.Tensor,
         block, warps, stages, programs_per_sm = _CROSS_ENTROPY_LAUNCH
         _cross_entropy_logits_grad_kernel[(_row_programs(m, logits.device, programs_per_sm),)](
             logits, target, row_weight, row_loss, mean_z_dz, m, vocab, 1.0 / width,
-            BLOCK=min(block, triton.next_power_of_2(vocab)), STAGES=stages, num_warps=warps)
+            BLOCK=max(min(block, triton.next_power_of_2(vocab)), _CROSS_ENTROPY_GROUP), GROUP=_CROSS_ENTROPY_GROUP,
+            STAGES=stages, num_warps=warps)
     return row_loss, mean_z_dz
 
 
 def _row_programs(rows: int, device: torch.device, programs_per_sm: int) -> int:
-    """Grid of a kernel that loops over rows: ``programs_per_sm`` per SM (every row's own program on CPU,
-    under the interpreter)."""
-    if device.type != "cuda":
+    """Grid of a kernel that loops over rows: ``programs_per_sm`` per SM (0, or on CPU under the
+    interpreter: a program per row)."""
+    if device.type != "cuda" or not programs_per_sm:
         return rows
     return min(rows, programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
 
