@@ -9,8 +9,7 @@ and one write of the chunk; its math one ``exp`` per logit per pass. This times,
 the op uses (``cross_entropy.chunk_rows``: 512 MiB of logits):
 
 ``kernel``           the launcher (the shipped BLOCK and num_warps);
-``b*_w*_s*_p*``      the kernel at other launch parameters: BLOCK, warps, load pipeline stages, programs
-                     per SM (``p0``: one per row);
+``block*_warps*``    the kernel at other launch parameters;
 ``lane_online``      the kernel it replaced: a running max per logit lane rather than per group of 8
                      (two exps per logit in pass 1), pass 2 in the same order as pass 1, 2048 x 4 warps;
 ``copy_same_bytes``  ``logits.copy_(fresh)``: one read and one write of the chunk, the memory system's pace;
@@ -39,10 +38,8 @@ from codagen.bench.common import environment, median_ms, timed_rounds
 from codagen.ops import kernels
 from codagen.ops.cross_entropy import chunk_rows
 
-#: (BLOCK, num_warps, pipeline stages, programs per SM; 0: one program per row)
-VARIANTS = ((1024, 4, 1, 0), (2048, 4, 1, 0), (4096, 4, 1, 0), (4096, 8, 1, 0), (8192, 8, 1, 0),
-            (2048, 4, 1, 4), (2048, 4, 1, 8), (2048, 4, 2, 4), (2048, 4, 2, 8),
-            (4096, 8, 1, 2), (4096, 8, 1, 4), (4096, 8, 2, 2), (4096, 8, 2, 4), (8192, 8, 2, 2))
+#: (BLOCK, num_warps) besides the launcher's
+VARIANTS = ((1024, 4), (2048, 4), (4096, 4), (8192, 8))
 
 
 @triton.jit
@@ -90,21 +87,17 @@ def cases(vocab: int, width: int = 2048) -> tuple[int, torch.Tensor, torch.Tenso
     row_loss = torch.empty(rows, device=dev)
     mean_z_dz = torch.empty(rows, device=dev)
 
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-
-    def kernel(block, warps, stages, per_sm):
-        grid = min(rows, per_sm * sms) if per_sm else rows
-
+    def kernel(block, warps):
         def run():
-            kernels._cross_entropy_logits_grad_kernel[(grid,)](
-                logits, target, row_weight, row_loss, mean_z_dz, rows, vocab, 1.0 / width, BLOCK=block,
-                GROUP=kernels._CROSS_ENTROPY_GROUP, STAGES=stages, num_warps=warps)
+            kernels._cross_entropy_logits_grad_kernel[(rows,)](
+                logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width, BLOCK=block,
+                GROUP=kernels._CROSS_ENTROPY_GROUP, num_warps=warps)
             return row_loss, mean_z_dz
         return run
 
     found = {"kernel": lambda: kernels.cross_entropy_logits_grad(logits, target, row_weight, width),
              "lane_online": lambda: lane_online_launcher(logits, target, row_weight, width)}
-    found.update({f"b{b}_w{w}_s{st}_p{p}": kernel(b, w, st, p) for b, w, st, p in VARIANTS})
+    found.update({f"block{b}_warps{w}": kernel(b, w) for b, w in VARIANTS})
     # every kernel gives the reference's numbers (each from the same logits)
     want_logits = fresh.clone()
     want = kernels.cross_entropy_logits_grad_ref(want_logits, target, row_weight, width)

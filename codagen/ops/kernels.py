@@ -8,7 +8,8 @@
   does this in the down-projection's input-gradient epilogue instead);
 - :func:`mean_row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is;
 - :func:`cross_entropy_logits_grad`: a chunk of logits -> each row's loss, its gradient (in place) and
-  ``mean_z_dz`` (two passes over the row: online logsumexp, then softmax minus one-hot);
+  ``mean_z_dz`` (two passes over the row: a logsumexp kept per group of 8 logits, then softmax minus
+  one-hot);
 - :func:`scale_cast`: ``(src * factor).to(dtype)`` with ``factor`` a device scalar, one rounding (the LM
   head's saved gradients times the loss gradient);
 - :func:`embedding_backward`: the embedding table's gradient, each vocabulary row's tokens summed in
@@ -46,9 +47,8 @@ __all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "rope
                                         "embedding_backward") for kind in ("", "_ref", "_triton")]
 
 _MAX_BLOCK = 2048
-#: (BLOCK, num_warps, load pipeline stages, programs per SM) of the cross-entropy row kernel
-#: (``bench/cross_entropy_rows.py``)
-_CROSS_ENTROPY_LAUNCH = (4096, 8, 1, 0)
+#: (BLOCK, num_warps) of the cross-entropy row kernel (``bench/cross_entropy_rows.py``)
+_CROSS_ENTROPY_LAUNCH = (4096, 8)
 #: logits per running max in its pass 1: 16 bytes of bf16, one thread's vector load
 _CROSS_ENTROPY_GROUP = 8
 #: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
@@ -272,44 +272,43 @@ if triton is not None:
 
     @triton.jit
     def _cross_entropy_logits_grad_kernel(logits_ptr, target_ptr, row_weight_ptr, row_loss_ptr, mean_z_dz_ptr,
-                                          n_rows, n_cols, inv_width, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                                          STAGES: tl.constexpr):
-        """Rows ``pid, pid + programs, ...``; two passes over each.
+                                          n_cols, inv_width, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+        """One row per program, two passes over it.
 
         Pass 1 keeps a running max and ``sum exp(z - max)`` per group of GROUP adjacent logits (a thread's
         own 16-byte vector): one exp per logit plus one per group, and no exchange between threads until
         the row's end. Pass 2 walks the blocks backwards, so it starts on the ones pass 1 read last (still
         in L2), and writes ``dz`` over the logits."""
-        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-            logits_row = logits_ptr + tl.cast(row, tl.int64) * n_cols
-            target = tl.load(target_ptr + row)
-            # an ignored (negative) target, or one past the vocabulary, has no logit
-            target_logit = tl.load(logits_row + target, mask=(target >= 0) & (target < n_cols), other=0.0)
-            group_max = tl.full([BLOCK // GROUP], float("-inf"), tl.float32)
-            group_sum = tl.zeros([BLOCK // GROUP], dtype=tl.float32)
-            for start in tl.range(0, n_cols, BLOCK, num_stages=STAGES):
-                cols = start + tl.arange(0, BLOCK)
-                z = tl.load(logits_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-                z = tl.reshape(z, [BLOCK // GROUP, GROUP])
-                new_max = tl.maximum(group_max, tl.max(z, axis=1))
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no finite logit yet: the sum stays 0
-                group_sum = group_sum * tl.exp(group_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
-                group_max = new_max
-            row_max = tl.max(group_max, axis=0)
-            lse = row_max + tl.log(tl.sum(group_sum * tl.exp(group_max - row_max), axis=0))
-            # pass 2: dz = (softmax(z) - onehot(target)) * row_weight
-            weight = tl.load(row_weight_ptr + row).to(tl.float32)
-            z_dz = tl.zeros([BLOCK], dtype=tl.float32)
-            last = tl.cdiv(n_cols, BLOCK) - 1
-            for block in tl.range(0, last + 1, num_stages=STAGES):
-                cols = (last - block) * BLOCK + tl.arange(0, BLOCK)
-                mask = cols < n_cols
-                z = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
-                dz = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * weight
-                z_dz += z * dz  # 0 past the row's end (z = 0 there)
-                tl.store(logits_row + cols, dz.to(logits_ptr.dtype.element_ty), mask=mask)
-            tl.store(row_loss_ptr + row, lse - target_logit.to(tl.float32))
-            tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
+        row = tl.program_id(0).to(tl.int64)
+        logits_row = logits_ptr + row * n_cols
+        target = tl.load(target_ptr + row)
+        # an ignored (negative) target, or one past the vocabulary, has no logit
+        target_logit = tl.load(logits_row + target, mask=(target >= 0) & (target < n_cols), other=0.0)
+        group_max = tl.full([BLOCK // GROUP], float("-inf"), tl.float32)
+        group_sum = tl.zeros([BLOCK // GROUP], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            z = tl.load(logits_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+            z = tl.reshape(z, [BLOCK // GROUP, GROUP])
+            new_max = tl.maximum(group_max, tl.max(z, axis=1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no finite logit yet: the sum stays 0
+            group_sum = group_sum * tl.exp(group_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
+            group_max = new_max
+        row_max = tl.max(group_max, axis=0)
+        lse = row_max + tl.log(tl.sum(group_sum * tl.exp(group_max - row_max), axis=0))
+        # pass 2: dz = (softmax(z) - onehot(target)) * row_weight
+        weight = tl.load(row_weight_ptr + row).to(tl.float32)
+        z_dz = tl.zeros([BLOCK], dtype=tl.float32)
+        last = tl.cdiv(n_cols, BLOCK) - 1
+        for block in range(0, last + 1):
+            cols = (last - block) * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            z = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+            dz = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * weight
+            z_dz += z * dz  # 0 past the row's end (z = 0 there)
+            tl.store(logits_row + cols, dz.to(logits_ptr.dtype.element_ty), mask=mask)
+        tl.store(row_loss_ptr + row, lse - target_logit.to(tl.float32))
+        tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
 
     @triton.jit
     def _scale_cast_kernel(src_ptr, factor_ptr, out_ptr, numel, BLOCK: tl.constexpr):
@@ -596,20 +595,12 @@ def cross_entropy_logits_grad_triton(logits: torch.Tensor, target: torch.Tensor,
     row_loss = torch.empty(m, dtype=torch.float32, device=logits.device)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=logits.device)
     if m:
-        block, warps, stages, programs_per_sm = _CROSS_ENTROPY_LAUNCH
-        _cross_entropy_logits_grad_kernel[(_row_programs(m, logits.device, programs_per_sm),)](
-            logits, target, row_weight, row_loss, mean_z_dz, m, vocab, 1.0 / width,
+        block, warps = _CROSS_ENTROPY_LAUNCH
+        _cross_entropy_logits_grad_kernel[(m,)](
+            logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width,
             BLOCK=max(min(block, triton.next_power_of_2(vocab)), _CROSS_ENTROPY_GROUP), GROUP=_CROSS_ENTROPY_GROUP,
-            STAGES=stages, num_warps=warps)
+            num_warps=warps)
     return row_loss, mean_z_dz
-
-
-def _row_programs(rows: int, device: torch.device, programs_per_sm: int) -> int:
-    """Grid of a kernel that loops over rows: ``programs_per_sm`` per SM (0, or on CPU under the
-    interpreter: a program per row)."""
-    if device.type != "cuda" or not programs_per_sm:
-        return rows
-    return min(rows, programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 # --------------------------------------------------------------------------------------------------
