@@ -305,7 +305,7 @@ if triton is not None:
             mask = cols < n_cols
             z = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
             dz = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * weight
-            z_dz += z * dz  # 0 past the row's end (z = 0 there)
+            z_dz += tl.where(mask, z * dz, 0.0)  # past the row's end dz = exp(-lse) may overflow
             tl.store(logits_row + cols, dz.to(logits_ptr.dtype.element_ty), mask=mask)
         tl.store(row_loss_ptr + row, lse - target_logit.to(tl.float32))
         tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
