@@ -39,7 +39,8 @@ from codagen.ops import kernels
 from codagen.ops.cross_entropy import chunk_rows
 
 #: (BLOCK, num_warps) besides the launcher's
-VARIANTS = ((1024, 4), (2048, 4), (4096, 4), (8192, 8))
+VARIANTS = ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 16), (8192, 8), (8192, 16), (16384, 16), (16384, 32),
+            (32768, 32))
 
 
 @triton.jit
