@@ -70,6 +70,18 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             ids[: tokens // 2] = vocab - 1
             got, want = k.embedding_backward_triton(grad_out, ids, vocab), k.embedding_backward_ref(grad_out, ids, vocab)
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        # finishing a GEMM's fp32 tile partials: more rows than one program takes, more tiles than one step
+        # (row finisher: 64 a step; column finisher: 64 columns a program), a row stride wider than the tiles
+        if dtype == torch.float32:
+            for rows, tiles in ((1, 1), (300, 16), (70, 172)):
+                partial = 10 * torch.rand(rows, tiles + 3)[:, 1:1 + tiles]
+                torch.testing.assert_close(k.finish_rstd_triton(partial, 2048, 1e-5), k.finish_rstd_ref(partial, 2048, 1e-5))
+                torch.testing.assert_close(k.finish_row_mean_triton(partial, 77), k.finish_row_mean_ref(partial, 77))
+            for tiles, cols in ((1, 1), (130, 100)):
+                partial = torch.randn(tiles, cols)
+                for out_dtype in (torch.float32, torch.float16):
+                    torch.testing.assert_close(k.finish_col_sum_triton(partial, out_dtype),
+                                               k.finish_col_sum_ref(partial, out_dtype), rtol=1e-3, atol=1e-4)
         # QK-norm backward: 17 rows (two row blocks, the last ragged); head_dim 6 (3 pairs in a 4-wide block) and 16
         for heads, kv_heads, head_dim in ((2, 1, 6), (4, 2, 16)):
             m, n = 17, (heads + 2 * kv_heads) * head_dim

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from codagen.backends import execute
-from codagen.epilogue import finish, library
+from codagen.epilogue import library
 
 from . import _checks as check
 from . import kernels
@@ -50,7 +50,7 @@ def consumer_rms_norm_backward(grad_z: Tensor, weight: Tensor, x: Tensor, rstd: 
         program = library.rms_norm_backward("add")
         tensors["grad_residual"] = grad_residual
     out = execute(program, grad_z, weight, **tensors)
-    grad_norm_weight = finish.sum_col_partials(out.pop("partial_grad_norm_weight")).to(norm_weight.dtype)
+    grad_norm_weight = kernels.finish_col_sum(out.pop("partial_grad_norm_weight"), norm_weight.dtype)
     grad_weight = execute(library.weight_grad(), grad_z, out.pop("normed"))["grad_weight"]  # n is freed here
     return out["grad_x"], grad_norm_weight, grad_weight
 
@@ -88,7 +88,7 @@ def rms_norm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, 
 def _out_proj_residual_rms_op(inp: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor,
                               eps: float) -> tuple[Tensor, Tensor, Tensor]:
     out = execute(library.residual_rms_stats(), inp, weight, residual=residual, norm_weight=norm_weight)
-    rstd = finish.rstd_from_partial_sumsq(out["partial_sumsq"], residual.shape[1], eps)
+    rstd = kernels.finish_rstd(out["partial_sumsq"], residual.shape[1], eps)
     return out["residual_out"], out["normed"], rstd
 
 
@@ -464,7 +464,7 @@ def _swiglu_down_backward_op(grad_x_out: Tensor, preact: Tensor, down_weight: Te
     """B4 + B5: ``(grad_preact, mean_z_dz, grad_down_weight)``."""
     # B4: grad_act = grad_x_out @ W_down with the SwiGLU backward in its epilogue (recomputes act for B5)
     b4 = execute(library.swiglu_backward(), grad_x_out, down_weight, preact=preact)
-    mean_z_dz = finish.sum_row_partials(b4["partial_z_dz"]) / down_weight.shape[0]
+    mean_z_dz = kernels.finish_row_mean(b4["partial_z_dz"], down_weight.shape[0])
     grad_down_weight = execute(library.weight_grad(), grad_x_out, b4["act"])["grad_weight"]  # B5
     return b4["grad_preact"], mean_z_dz, grad_down_weight
 

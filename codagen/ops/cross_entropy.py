@@ -108,7 +108,7 @@ def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tenso
         row_loss[rows], mean_z_dz = kernels.cross_entropy_logits_grad(grad_logits, target[rows], row_weight[rows], d)
         norm = execute(library.rms_norm_backward("accumulate"), grad_logits, lm_head_weight, residual=x[rows],
                        rstd=rstd[rows], norm_weight=norm_weight, mean_z_dz=mean_z_dz, grad_residual=grad_x[rows])
-        grad_norm_weight += finish.sum_col_partials(norm["partial_grad_norm_weight"])
+        grad_norm_weight += kernels.finish_col_sum(norm["partial_grad_norm_weight"], cd)
         if grad_weight is None:
             grad_weight = execute(library.weight_grad(dtype="float32" if wide else "input"), grad_logits,
                                   norm["normed"])["grad_weight"]

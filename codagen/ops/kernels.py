@@ -13,7 +13,10 @@
 - :func:`scale_cast`: ``(src * factor).to(dtype)`` with ``factor`` a device scalar, one rounding (the LM
   head's saved gradients times the loss gradient);
 - :func:`embedding_backward`: the embedding table's gradient, each vocabulary row's tokens summed in
-  token order (8 rows x one column block per program).
+  token order (8 rows x one column block per program);
+- :func:`finish_rstd`, :func:`finish_row_mean`, :func:`finish_col_sum`: a fused GEMM's tile partials
+  finished into ``rstd``, ``mean_z_dz`` or a norm weight's gradient, one launch each (the ``_ref`` twins
+  are :mod:`codagen.epilogue.finish`'s; in PyTorch each is two to four launches).
 
 Each comes as ``foo_ref`` (PyTorch), ``foo_triton`` (one launch of a module-level ``@triton.jit`` kernel)
 and the dispatcher ``foo``: the kernel for CUDA tensors when the selected backend is ``triton`` and the
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from codagen.backends import on_device, reference, resolve_backend_name
+from codagen.epilogue import finish
 
 from ._checks import stats_dtype
 from .layouts import kv_heads_of
@@ -44,7 +48,8 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 
 __all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "rope_qk_norm_backward", "swiglu_backward",
                                         "mean_row_dot", "cross_entropy_logits_grad", "scale_cast",
-                                        "embedding_backward") for kind in ("", "_ref", "_triton")]
+                                        "embedding_backward", "finish_rstd", "finish_row_mean", "finish_col_sum")
+           for kind in ("", "_ref", "_triton")]
 
 _MAX_BLOCK = 2048
 #: (BLOCK, num_warps) of the cross-entropy row kernel (``bench/cross_entropy_rows.py``)
@@ -338,6 +343,39 @@ if triton is not None:
                     acc += tl.load(grad_out_ptr + token * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
                 tl.store(grad_weight_ptr + vocab_row * n_cols + cols, acc.to(grad_weight_ptr.dtype.element_ty),
                          mask=mask)
+
+    @triton.jit
+    def _finish_row_partials_kernel(partial_ptr, out_ptr, n_rows, n_tiles, row_stride, scale, eps,
+                                    RSQRT: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr):
+        """ROWS rows per program, TILES partials of each a step: ``out[m] = scale * sum_t partial[m, t]``,
+        then ``rsqrt(out + eps)`` (RSQRT)."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        total = tl.zeros([ROWS], dtype=tl.float32)
+        for start in range(0, n_tiles, TILES):
+            tiles = start + tl.arange(0, TILES)
+            mask = (rows < n_rows)[:, None] & (tiles < n_tiles)[None, :]
+            partial = tl.load(partial_ptr + rows.to(tl.int64)[:, None] * row_stride + tiles[None, :], mask=mask,
+                              other=0.0)
+            total += tl.sum(partial, axis=1)
+        total = total * scale
+        if RSQRT:
+            total = 1.0 / tl.sqrt(total + eps)
+        tl.store(out_ptr + rows, total, mask=rows < n_rows)
+
+    @triton.jit
+    def _finish_col_partials_kernel(partial_ptr, out_ptr, n_tiles, n_cols, row_stride, TILES: tl.constexpr,
+                                    BLOCK: tl.constexpr):
+        """One column block per program: ``out[n] = sum_t partial[t, n]`` in fp32, TILES rows of partials a
+        step, rounded once to ``out``'s dtype."""
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_tiles, TILES):
+            tiles = start + tl.arange(0, TILES)
+            mask = (tiles < n_tiles)[:, None] & (cols < n_cols)[None, :]
+            partial = tl.load(partial_ptr + tiles.to(tl.int64)[:, None] * row_stride + cols[None, :], mask=mask,
+                              other=0.0)
+            acc += tl.sum(partial, axis=0)
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -656,3 +694,75 @@ def embedding_backward_triton(grad_out: torch.Tensor, ids: torch.Tensor, vocab: 
         _embedding_backward_kernel[(triton.cdiv(vocab, rows), triton.cdiv(d, block))](
             grad_out, token_order, row_start, grad_weight, vocab, d, ROWS=rows, BLOCK=block)
     return grad_weight
+
+
+# --------------------------------------------------------------------------------------------------
+# finishing reductions of a fused GEMM's tile partials
+# --------------------------------------------------------------------------------------------------
+#: partials per program (the row finisher), columns per program (the column finisher), and at most
+#: this many tiles' partials a step
+_FINISH_ELEMENTS, _FINISH_COLUMNS, _FINISH_MAX_TILES = 4096, 64, 64
+
+
+def finish_rstd_ref(partial_sumsq: torch.Tensor, width: int, eps: float) -> torch.Tensor:
+    return finish.rstd_from_partial_sumsq(partial_sumsq, width, eps)
+
+
+def finish_rstd(partial_sumsq: torch.Tensor, width: int, eps: float) -> torch.Tensor:
+    """``rstd[m] = rsqrt(sum_t partial_sumsq[m, t] / width + eps)``."""
+    return (finish_rstd_triton if _use_triton(partial_sumsq) else finish_rstd_ref)(partial_sumsq, width, eps)
+
+
+@_on_tensor_device
+def finish_rstd_triton(partial_sumsq: torch.Tensor, width: int, eps: float) -> torch.Tensor:
+    return _finish_rows(partial_sumsq, 1.0 / width, eps, rsqrt=True)
+
+
+def finish_row_mean_ref(partial: torch.Tensor, width: int) -> torch.Tensor:
+    return finish.sum_row_partials(partial) / width
+
+
+def finish_row_mean(partial: torch.Tensor, width: int) -> torch.Tensor:
+    """``out[m] = sum_t partial[m, t] / width`` (``mean_z_dz`` from a program's ``partial_z_dz``)."""
+    return (finish_row_mean_triton if _use_triton(partial) else finish_row_mean_ref)(partial, width)
+
+
+@_on_tensor_device
+def finish_row_mean_triton(partial: torch.Tensor, width: int) -> torch.Tensor:
+    return _finish_rows(partial, 1.0 / width, 0.0, rsqrt=False)
+
+
+def _finish_rows(partial: torch.Tensor, scale: float, eps: float, rsqrt: bool) -> torch.Tensor:
+    """One launch of the row finisher over fp32 ``partial`` [M, tiles] (unit column stride)."""
+    m, n_tiles = partial.shape
+    if partial.stride(1) != 1:
+        partial = partial.contiguous()
+    out = torch.empty(m, dtype=partial.dtype, device=partial.device)
+    if m:
+        tiles = min(triton.next_power_of_2(max(n_tiles, 1)), _FINISH_MAX_TILES)
+        rows = min(triton.next_power_of_2(m), _FINISH_ELEMENTS // tiles)
+        _finish_row_partials_kernel[(triton.cdiv(m, rows),)](partial, out, m, n_tiles, partial.stride(0), scale, eps,
+                                                             RSQRT=rsqrt, ROWS=rows, TILES=tiles)
+    return out
+
+
+def finish_col_sum_ref(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return finish.sum_col_partials(partial).to(dtype)
+
+
+def finish_col_sum(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out[n] = sum_t partial[t, n]`` rounded once to ``dtype`` (a norm weight's gradient from its partials)."""
+    return (finish_col_sum_triton if _use_triton(partial) else finish_col_sum_ref)(partial, dtype)
+
+
+@_on_tensor_device
+def finish_col_sum_triton(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n_tiles, n = partial.shape
+    if partial.stride(1) != 1:
+        partial = partial.contiguous()
+    out = torch.empty(n, dtype=dtype, device=partial.device)
+    if n:
+        tiles = min(triton.next_power_of_2(max(n_tiles, 1)), _FINISH_MAX_TILES)
+        _finish_col_partials_kernel[(triton.cdiv(n, _FINISH_COLUMNS),)](
+            partial, out, n_tiles, n, partial.stride(0), TILES=tiles, BLOCK=_FINISH_COLUMNS)
+    return out
