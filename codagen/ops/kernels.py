@@ -345,37 +345,22 @@ if triton is not None:
                          mask=mask)
 
     @triton.jit
-    def _finish_row_partials_kernel(partial_ptr, out_ptr, n_rows, n_tiles, row_stride, scale, eps,
-                                    RSQRT: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr):
-        """ROWS rows per program, TILES partials of each a step: ``out[m] = scale * sum_t partial[m, t]``,
-        then ``rsqrt(out + eps)`` (RSQRT)."""
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        total = tl.zeros([ROWS], dtype=tl.float32)
+    def _finish_partials_kernel(partial_ptr, out_ptr, n_out, n_tiles, out_stride, tile_stride, scale, eps,
+                                RSQRT: tl.constexpr, OUTS: tl.constexpr, TILES: tl.constexpr):
+        """OUTS outputs per program, TILES partials of each a step: ``out[i] = scale * sum_t partial[i, t]``
+        in fp32, then ``rsqrt(out + eps)`` (RSQRT), rounded once to ``out``'s dtype. Row partials [M, tiles]
+        come with ``tile_stride = 1``, column partials [tiles, N] with ``out_stride = 1``."""
+        outs = tl.program_id(0) * OUTS + tl.arange(0, OUTS)
+        total = tl.zeros([OUTS], dtype=tl.float32)
         for start in range(0, n_tiles, TILES):
             tiles = start + tl.arange(0, TILES)
-            mask = (rows < n_rows)[:, None] & (tiles < n_tiles)[None, :]
-            partial = tl.load(partial_ptr + rows.to(tl.int64)[:, None] * row_stride + tiles[None, :], mask=mask,
-                              other=0.0)
-            total += tl.sum(partial, axis=1)
+            mask = (outs < n_out)[:, None] & (tiles < n_tiles)[None, :]
+            at = outs.to(tl.int64)[:, None] * out_stride + tiles.to(tl.int64)[None, :] * tile_stride
+            total += tl.sum(tl.load(partial_ptr + at, mask=mask, other=0.0), axis=1)
         total = total * scale
         if RSQRT:
             total = 1.0 / tl.sqrt(total + eps)
-        tl.store(out_ptr + rows, total, mask=rows < n_rows)
-
-    @triton.jit
-    def _finish_col_partials_kernel(partial_ptr, out_ptr, n_tiles, n_cols, row_stride, TILES: tl.constexpr,
-                                    BLOCK: tl.constexpr):
-        """One column block per program: ``out[n] = sum_t partial[t, n]`` in fp32, TILES rows of partials a
-        step, rounded once to ``out``'s dtype."""
-        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, n_tiles, TILES):
-            tiles = start + tl.arange(0, TILES)
-            mask = (tiles < n_tiles)[:, None] & (cols < n_cols)[None, :]
-            partial = tl.load(partial_ptr + tiles.to(tl.int64)[:, None] * row_stride + cols[None, :], mask=mask,
-                              other=0.0)
-            acc += tl.sum(partial, axis=0)
-        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+        tl.store(out_ptr + outs, total.to(out_ptr.dtype.element_ty), mask=outs < n_out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -699,9 +684,8 @@ def embedding_backward_triton(grad_out: torch.Tensor, ids: torch.Tensor, vocab: 
 # --------------------------------------------------------------------------------------------------
 # finishing reductions of a fused GEMM's tile partials
 # --------------------------------------------------------------------------------------------------
-#: partials per program (the row finisher), columns per program (the column finisher), and at most
-#: this many tiles' partials a step
-_FINISH_ELEMENTS, _FINISH_COLUMNS, _FINISH_MAX_TILES = 4096, 64, 64
+#: partials one program of a finisher reads a step, and at most this many tiles' partials of an output
+_FINISH_ELEMENTS, _FINISH_MAX_TILES = 4096, 64
 
 
 def finish_rstd_ref(partial_sumsq: torch.Tensor, width: int, eps: float) -> torch.Tensor:
@@ -715,7 +699,7 @@ def finish_rstd(partial_sumsq: torch.Tensor, width: int, eps: float) -> torch.Te
 
 @_on_tensor_device
 def finish_rstd_triton(partial_sumsq: torch.Tensor, width: int, eps: float) -> torch.Tensor:
-    return _finish_rows(partial_sumsq, 1.0 / width, eps, rsqrt=True)
+    return _finish(partial_sumsq, over_rows=False, dtype=torch.float32, scale=1.0 / width, eps=eps, rsqrt=True)
 
 
 def finish_row_mean_ref(partial: torch.Tensor, width: int) -> torch.Tensor:
@@ -729,21 +713,7 @@ def finish_row_mean(partial: torch.Tensor, width: int) -> torch.Tensor:
 
 @_on_tensor_device
 def finish_row_mean_triton(partial: torch.Tensor, width: int) -> torch.Tensor:
-    return _finish_rows(partial, 1.0 / width, 0.0, rsqrt=False)
-
-
-def _finish_rows(partial: torch.Tensor, scale: float, eps: float, rsqrt: bool) -> torch.Tensor:
-    """One launch of the row finisher over fp32 ``partial`` [M, tiles] (unit column stride)."""
-    m, n_tiles = partial.shape
-    if partial.stride(1) != 1:
-        partial = partial.contiguous()
-    out = torch.empty(m, dtype=partial.dtype, device=partial.device)
-    if m:
-        tiles = min(triton.next_power_of_2(max(n_tiles, 1)), _FINISH_MAX_TILES)
-        rows = min(triton.next_power_of_2(m), _FINISH_ELEMENTS // tiles)
-        _finish_row_partials_kernel[(triton.cdiv(m, rows),)](partial, out, m, n_tiles, partial.stride(0), scale, eps,
-                                                             RSQRT=rsqrt, ROWS=rows, TILES=tiles)
-    return out
+    return _finish(partial, over_rows=False, dtype=torch.float32, scale=1.0 / width)
 
 
 def finish_col_sum_ref(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -757,12 +727,19 @@ def finish_col_sum(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @_on_tensor_device
 def finish_col_sum_triton(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    n_tiles, n = partial.shape
-    if partial.stride(1) != 1:
-        partial = partial.contiguous()
-    out = torch.empty(n, dtype=dtype, device=partial.device)
-    if n:
+    return _finish(partial, over_rows=True, dtype=dtype)
+
+
+def _finish(partial: torch.Tensor, *, over_rows: bool, dtype: torch.dtype, scale: float = 1.0, eps: float = 0.0,
+            rsqrt: bool = False) -> torch.Tensor:
+    """One launch of the finisher over fp32 ``partial``: a sum along its rows (``over_rows``: the tiles are
+    rows, one output per column) or along its columns (one output per row)."""
+    n_tiles, n_out = partial.shape if over_rows else partial.shape[::-1]
+    tile_stride, out_stride = partial.stride() if over_rows else partial.stride()[::-1]
+    out = torch.empty(n_out, dtype=dtype, device=partial.device)
+    if n_out:
         tiles = min(triton.next_power_of_2(max(n_tiles, 1)), _FINISH_MAX_TILES)
-        _finish_col_partials_kernel[(triton.cdiv(n, _FINISH_COLUMNS),)](
-            partial, out, n_tiles, n, partial.stride(0), TILES=tiles, BLOCK=_FINISH_COLUMNS)
+        outs = min(triton.next_power_of_2(n_out), _FINISH_ELEMENTS // tiles)
+        _finish_partials_kernel[(triton.cdiv(n_out, outs),)](partial, out, n_out, n_tiles, out_stride, tile_stride,
+                                                             scale, eps, RSQRT=rsqrt, OUTS=outs, TILES=tiles)
     return out
