@@ -71,7 +71,7 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             got, want = k.embedding_backward_triton(grad_out, ids, vocab), k.embedding_backward_ref(grad_out, ids, vocab)
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
         # finishing a GEMM's fp32 tile partials: more rows than one program takes, more tiles than one step
-        # (row finisher: 64 a step; column finisher: 64 columns a program), a row stride wider than the tiles
+        # (64 tiles a step), a row stride wider than the tiles
         if dtype == torch.float32:
             for rows, tiles in ((1, 1), (300, 16), (70, 172)):
                 partial = 10 * torch.rand(rows, tiles + 3)[:, 1:1 + tiles]
