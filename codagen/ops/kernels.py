@@ -521,11 +521,12 @@ def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: to
     partial = torch.empty(blocks, 2 * hd, dtype=torch.float32, device=preact.device)
     if m:
         _rope_qk_norm_backward_kernel[(blocks,)](
-            grad_q, grad_k, grad_v, *(g.stride(0) for g in grads), preact, positions, frequencies, q_norm_weight, k_norm_weight, grad_z, mean_z_dz, partial,
+            grad_q, grad_k, grad_v, *(g.stride(0) for g in grads), preact, positions, frequencies, q_norm_weight,
+            k_norm_weight, grad_z, mean_z_dz, partial,
             m, n // 2, hd // 2, num_heads, num_heads + num_kv_heads, eps, 1.0 / width,
             ROWS=_QK_NORM_ROWS, HEAD_BLOCK=triton.next_power_of_2(hd // 2), BLOCK=_block(n // 2),
             INTERPRETER=_interpreting())
-    grad_norm_weight = partial.sum(0)
+    grad_norm_weight = finish_col_sum_triton(partial, torch.float32)
     return grad_z, mean_z_dz, grad_norm_weight[:hd], grad_norm_weight[hd:]
 
 
