@@ -3,7 +3,12 @@
 If CPU enqueue time >= wall time the provider is launch-bound; if the kernel sum ~ wall time, the
 kernels themselves are slow and the top-kernel table says which. Usage (GPU; from the repository root,
 where codagen is not pip-installed the root must be on the path):
-    PYTHONPATH=. python bench/profile_block.py [--shape llama3-1b] [--providers eager codagen]
+    PYTHONPATH=. python bench/profile_block.py [--shape llama3-1b] [--providers eager codagen] [--warm-s 2]
+
+``--warm-s`` runs each provider back to back for that long before the profiled steps, so that the GPU
+sits at its power cap as it does in the benchmark's timed rounds; without it the profiled steps follow a
+short burst and run at higher clocks, and kernels compare differently (attention most: see
+``bench/attention_in_block.py``).
 """
 import argparse
 import time
@@ -36,6 +41,8 @@ def main():
     parser.add_argument("--providers", nargs="+", default=["eager", "codagen"])
     parser.add_argument("--top", type=int, default=18)
     parser.add_argument("--sequence", action="store_true", help="also list one step's kernels in launch order")
+    parser.add_argument("--warm-s", type=float, default=0.0,
+                        help="run the provider back to back this many seconds first (the power-capped state)")
     parser.add_argument("--layers", type=int, default=0,
                         help="profile a training step of a model of this many blocks (LM head included) instead")
     args = parser.parse_args()
@@ -48,6 +55,10 @@ def main():
         step = factories[name]()
         for _ in range(3):
             step()
+        deadline = time.perf_counter() + args.warm_s
+        while time.perf_counter() < deadline:
+            step()
+            torch.cuda.synchronize()
         wall, cpu_ms = back_to_back(step)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
