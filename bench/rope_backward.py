@@ -15,11 +15,17 @@ This times, per shape:
 
 and the kernel at other (BLOCK, num_warps) than the launcher's. Prints a table of ms and TB/s (three
 [M, N] bf16 passes over the time); writes the JSON to ``--out``.
+
+``--qk-norm`` times B1 with QK-norm (Qwen3: ``rope_qk_norm_backward``, head_dim 128) instead, against the same
+``add_same_bytes``; ``--baseline FILE`` also times the launcher of a saved ``codagen/ops/kernels.py``
+(``git show REV:codagen/ops/kernels.py > FILE``), checked against today's output.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -72,22 +78,66 @@ def cases(m: int, q_cols: int, kv_cols: int) -> dict:
     return found
 
 
+def qk_norm_cases(m: int, q_cols: int, kv_cols: int, baseline=None, head_dim: int = 128) -> dict:
+    """B1 with QK-norm: today's launcher (and ``baseline``'s), on the three gradient blocks."""
+    from codagen import ops
+    dev, dt = "cuda", torch.bfloat16
+    heads, kv_heads = q_cols // head_dim, kv_cols // head_dim
+    grads = [torch.randn(m, c, device=dev, dtype=dt) for c in (q_cols, kv_cols, kv_cols)]
+    preact = torch.randn(m, q_cols + 2 * kv_cols, device=dev, dtype=dt)
+    positions = torch.arange(m, device=dev).remainder(8192).float()
+    frequencies = ops.rope_frequencies(heads, kv_heads, head_dim, device=dev)
+    q_norm, k_norm = (1 + 0.1 * torch.randn(head_dim, device=dev, dtype=dt) for _ in range(2))
+    args = (preact, positions, frequencies, q_norm, k_norm, heads, 1e-6, 2048)
+    out = torch.empty_like(preact)
+    grad_qkv = torch.cat(grads, 1)
+    found = {"qk_norm": lambda: kernels.rope_qk_norm_backward(grads, *args),
+             "add_same_bytes": lambda: torch.add(grad_qkv, preact, out=out)}
+    want = kernels.rope_qk_norm_backward_ref([grad_qkv.float()], preact.float(), *args[1:])
+    got = kernels.rope_qk_norm_backward(grads, *args)
+    for name, a, b in zip(("grad_z", "mean_z_dz", "grad_q_norm", "grad_k_norm"), got, want):
+        scale = max(1.0, b.abs().max().item())
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2 * scale, msg=name)
+    if baseline is not None:
+        found["qk_norm_baseline"] = lambda: baseline.rope_qk_norm_backward(grads, *args)
+        for name, a, b in zip(("grad_z", "mean_z_dz", "grad_q_norm", "grad_k_norm"), got,
+                              baseline.rope_qk_norm_backward(grads, *args)):
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2, msg=f"baseline {name}")
+    return found
+
+
+def load_baseline(path: str):
+    """A saved kernels.py as a sibling module of today's, so that its relative imports resolve."""
+    name = "codagen.ops.kernels_baseline"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--out", default=None, help="directory for the JSON (default: none written)")
+    parser.add_argument("--qk-norm", action="store_true", help="B1 with QK-norm (head_dim 128 shapes only)")
+    parser.add_argument("--baseline", default=None, help="a saved codagen/ops/kernels.py to time beside (--qk-norm)")
     args = parser.parse_args()
+    baseline = load_baseline(args.baseline) if args.baseline else None
     records = []
     for shape in args.shapes:
         m, q_cols, kv_cols = SHAPES[shape]
         n = q_cols + 2 * kv_cols
-        for name, fn in cases(m, q_cols, kv_cols).items():
+        if args.qk_norm and (q_cols % 128 or kv_cols % 128):
+            continue
+        made = qk_norm_cases(m, q_cols, kv_cols, baseline) if args.qk_norm else cases(m, q_cols, kv_cols)
+        for name, fn in made.items():
             ms = median_ms(fn, warmup_ms=25, rep_ms=200)
             records.append({"suite": "rope_backward", "name": name, "shape": {"m": m, "q": q_cols, "kv": kv_cols},
                             "median_ms": ms, "tb_per_s": 3 * m * n * 2 / ms / 1e9})
             print(f"{shape:<10} {name:<18} {ms:7.3f} ms {records[-1]['tb_per_s']:5.2f} TB/s", flush=True)
     if args.out:
-        path = Path(args.out) / "rope-backward.json"
+        path = Path(args.out) / ("rope-qk-norm-backward.json" if args.qk_norm else "rope-backward.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"env": environment(), "records": records}, indent=1) + "\n")
         print(f"wrote {path}")

@@ -56,8 +56,11 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 got_logits, want_logits = logits.clone(), logits.clone()
                 got = k.cross_entropy_logits_grad_triton(got_logits, target, row_weight, 5)
                 want = k.cross_entropy_logits_grad_ref(want_logits, target, row_weight, 5)
-                for a, b in zip(got + (got_logits,), want + (want_logits,)):
-                    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+                # the loss (lse - z[target]) and sum z dz cancel terms as large as the logits: rounding errors
+                # of that size remain (in fp32 at logits near -200, tens of ulps of 200)
+                scale = max(1.0, logits.float().abs().max().item())
+                for a, b, atol in zip(got + (got_logits,), want + (want_logits,), (tol * scale, tol * scale, tol)):
+                    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=atol)
             factor = torch.tensor(0.37)
             for out_dtype in (dtype, torch.float32):  # exact in fp32; the interpreter rounds to bf16 by truncation
                 exact = out_dtype == torch.float32
@@ -82,8 +85,11 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 for out_dtype in (torch.float32, torch.float16):
                     torch.testing.assert_close(k.finish_col_sum_triton(partial, out_dtype),
                                                k.finish_col_sum_ref(partial, out_dtype), rtol=1e-3, atol=1e-4)
-        # QK-norm backward: 17 rows (two row blocks, the last ragged); head_dim 6 (3 pairs in a 4-wide block) and 16
-        for heads, kv_heads, head_dim in ((2, 1, 6), (4, 2, 16)):
+        # QK-norm backward: 17 rows (two row blocks, the last ragged); head_dim 6 (3 pairs in a 4-wide block) and
+        # 16; narrower steps (max_block): one head a step, or 2 heads (6 Q heads in 3 steps, 3 K heads in 2, the
+        # last ragged), V's columns in two steps (the last ragged)
+        for heads, kv_heads, head_dim, max_block in ((2, 1, 6, 1024), (4, 2, 16, 1024), (4, 2, 6, 8), (6, 3, 6, 16)):
+            k._ROPE_MAX_BLOCK = max_block
             m, n = 17, (heads + 2 * kv_heads) * head_dim
             grad, preact = torch.randn(m, n).to(dtype), torch.randn(m, n).to(dtype)
             positions = torch.randint(0, 4096, (m,)).float()
@@ -97,6 +103,7 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 for name, a, b in zip(("grad_z", "mean_z_dz", "grad_q_norm", "grad_k_norm"), got, want):
                     scale = max(1.0, b.float().abs().max().item())
                     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10 * scale, msg=name)
+        k._ROPE_MAX_BLOCK = 1024
     print("kernels ok")
 """)
 

@@ -58,6 +58,8 @@ _CROSS_ENTROPY_LAUNCH = (4096, 8)
 _CROSS_ENTROPY_GROUP = 8
 #: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
 _QK_NORM_ROWS = 16
+#: B1's widest step: 4 warps x 8 bf16 columns, one 16-byte load per thread and tensor
+_ROPE_MAX_BLOCK = 1024
 
 
 def _on_tensor_device(fn):
@@ -86,8 +88,8 @@ def _block(columns: int) -> int:
 
 
 def _rope_block(columns: int) -> int:
-    """B1's columns per step: at most 1024 (4 warps x 8 bf16 = one 16-byte load per thread and tensor)."""
-    return min(max(triton.next_power_of_2(columns), 2), 1024)
+    """B1's columns per step: at most :data:`_ROPE_MAX_BLOCK`."""
+    return min(max(triton.next_power_of_2(columns), 2), _ROPE_MAX_BLOCK)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,21 +115,36 @@ if triton is not None:
             tl.store(normed_ptr + row * n_cols + cols, (x * gamma).to(normed_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_backward_chunk(grad_ptr, qkv_ptr, grad_z_ptr, frequencies_ptr, n_valid, position,
-                             BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
-        """BLOCK columns of a row from an even column on (``n_valid`` of them in bounds): rotate them back
-        and store them; return their lanes' share of ``sum qkv * grad``. The loads are contiguous: the pairs
-        are split apart in registers (``reshape`` + ``split``), not loaded even and odd with stride 2."""
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_valid
-        g0, g1 = tl.split(tl.reshape(tl.load(grad_ptr + cols, mask=mask, other=0.0).to(tl.float32), [BLOCK // 2, 2]))
-        y0, y1 = tl.split(tl.reshape(tl.load(qkv_ptr + cols, mask=mask, other=0.0).to(tl.float32), [BLOCK // 2, 2]))
+    def _load_pairs(ptr, mask, HALF: tl.constexpr):
+        """2 HALF contiguous values from ``ptr`` (``mask`` per column) as fp32 ``(even, odd)`` columns, split
+        in registers: one contiguous load instead of two loads with stride 2."""
+        values = tl.load(ptr + tl.arange(0, 2 * HALF), mask=mask, other=0.0).to(tl.float32)
+        return tl.split(tl.reshape(values, [HALF, 2]))
+
+    @triton.jit
+    def _store_pairs(ptr, even, odd, mask, HALF: tl.constexpr):
+        """The inverse of :func:`_load_pairs`: ``even`` and ``odd`` interleaved back, one contiguous store."""
+        values = tl.reshape(tl.join(even, odd), [2 * HALF])
+        tl.store(ptr + tl.arange(0, 2 * HALF), values.to(ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_backward_chunk(grad_ptr, values_ptr, grad_z_ptr, frequencies_ptr, n_valid, position,
+                             PRE_ROPE: tl.constexpr, BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+        """BLOCK columns of a row from an even column on (``n_valid`` of them in bounds): rotate the gradient
+        back and store it; return the lanes' share of ``sum z * dz``. ``values`` are the RoPE outputs
+        (dotted with the incoming gradient: rotations preserve dot products) or, ``PRE_ROPE``, its inputs
+        (dotted with the rotated-back gradient)."""
+        mask = tl.arange(0, BLOCK) < n_valid
+        g0, g1 = _load_pairs(grad_ptr, mask, BLOCK // 2)
+        y0, y1 = _load_pairs(values_ptr, mask, BLOCK // 2)
         pair = tl.arange(0, BLOCK // 2)
         frequency = tl.load(frequencies_ptr + pair, mask=2 * pair < n_valid, other=0.0).to(tl.float32)
         cos, sin = cos_sin(position * frequency, INTERPRETER)
-        grad_z = tl.reshape(tl.join(g0 * cos + g1 * sin, g1 * cos - g0 * sin), [BLOCK])  # rotate by -theta
-        tl.store(grad_z_ptr + cols, grad_z.to(grad_z_ptr.dtype.element_ty), mask=mask)
-        return y0 * g0 + y1 * g1  # rotations preserve dot products: sum y.dy = sum z.dz
+        u0, u1 = g0 * cos + g1 * sin, g1 * cos - g0 * sin  # rotate by -theta
+        _store_pairs(grad_z_ptr, u0, u1, mask, BLOCK // 2)
+        if PRE_ROPE:
+            return y0 * u0 + y1 * u1
+        return y0 * g0 + y1 * g1
 
     @triton.jit
     def _rope_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, k_stride, v_stride, q_cols, k_cols,
@@ -142,104 +159,115 @@ if triton is not None:
         z_dz = tl.zeros([BLOCK // 2], dtype=tl.float32)
         for start in range(0, q_cols, BLOCK):
             z_dz += _rope_backward_chunk(grad_q_ptr + row * q_stride + start, qkv_row + start, grad_z_row + start,
-                                         frequencies_ptr + start // 2, q_cols - start, position, BLOCK, INTERPRETER)
+                                         frequencies_ptr + start // 2, q_cols - start, position, False, BLOCK,
+                                         INTERPRETER)
         for start in range(0, k_cols, BLOCK):
             column = q_cols + start
             z_dz += _rope_backward_chunk(grad_k_ptr + row * k_stride + start, qkv_row + column, grad_z_row + column,
-                                         frequencies_ptr + column // 2, k_cols - start, position, BLOCK, INTERPRETER)
+                                         frequencies_ptr + column // 2, k_cols - start, position, False, BLOCK,
+                                         INTERPRETER)
         for start in range(0, v_cols, BLOCK):
             column = q_cols + k_cols + start
             z_dz += _rope_backward_chunk(grad_v_ptr + row * v_stride + start, qkv_row + column, grad_z_row + column,
-                                         frequencies_ptr + column // 2, v_cols - start, position, BLOCK, INTERPRETER)
+                                         frequencies_ptr + column // 2, v_cols - start, position, False, BLOCK,
+                                         INTERPRETER)
         tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
+
+    @triton.jit
+    def _qk_norm_heads_backward(grad_ptr, preact_ptr, grad_z_ptr, frequencies_ptr, gamma_even, gamma_odd, n_heads,
+                                head_dim, position, row_ok, eps, HEADS: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+                                INTERPRETER: tl.constexpr):
+        """Up to HEADS adjacent heads of one kind (Q or K; ``n_heads`` of them left) of one row as one
+        ``[HEADS, 2 HEAD_BLOCK]`` tile, loaded contiguously, pairs split in registers: rotate the gradient
+        back, QK-norm backward per head, store ``dz``. Returns this tile's ``sum z dz`` and its share of the
+        norm weight's gradient (even and odd columns). Masked lanes load 0 and contribute 0."""
+        head = tl.arange(0, HEADS)[:, None]
+        col = tl.arange(0, 2 * HEAD_BLOCK)[None, :]
+        pair = tl.arange(0, HEAD_BLOCK)[None, :]
+        half_head = head_dim // 2
+        mask = (head < n_heads) & (col < head_dim) & row_ok
+        at = head * head_dim + col
+        g0, g1 = tl.split(tl.reshape(tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32), [HEADS, HEAD_BLOCK, 2]))
+        z0, z1 = tl.split(tl.reshape(tl.load(preact_ptr + at, mask=mask, other=0.0).to(tl.float32), [HEADS, HEAD_BLOCK, 2]))
+        pair_mask = (head < n_heads) & (pair < half_head) & row_ok
+        theta = position * tl.load(frequencies_ptr + head * half_head + pair, mask=pair_mask, other=0.0).to(tl.float32)
+        cos, sin = cos_sin(theta, INTERPRETER)
+        u0 = g0 * cos + g1 * sin  # rotated back by -theta: the gradient of the QK-norm output
+        u1 = g1 * cos - g0 * sin
+        inv_head_dim = 1.0 / head_dim
+        rho = (1.0 / tl.sqrt(tl.sum(z0 * z0 + z1 * z1, axis=1) * inv_head_dim + eps))[:, None]
+        zhat0, zhat1 = z0 * rho, z1 * rho
+        gg0, gg1 = gamma_even[None, :] * u0, gamma_odd[None, :] * u1
+        mean_zhat_gg = (tl.sum(zhat0 * gg0 + zhat1 * gg1, axis=1) * inv_head_dim)[:, None]
+        dz0 = rho * (gg0 - zhat0 * mean_zhat_gg)
+        dz1 = rho * (gg1 - zhat1 * mean_zhat_gg)
+        dz = tl.reshape(tl.join(dz0, dz1), [HEADS, 2 * HEAD_BLOCK])
+        tl.store(grad_z_ptr + at, dz.to(grad_z_ptr.dtype.element_ty), mask=mask)
+        z_dz = tl.sum(tl.sum(z0 * dz0 + z1 * dz1, axis=1), axis=0)
+        return z_dz, tl.sum(u0 * zhat0, axis=0), tl.sum(u1 * zhat1, axis=0)
 
     @triton.jit
     def _rope_qk_norm_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, k_stride, v_stride, preact_ptr,
                                       positions_ptr, frequencies_ptr, q_norm_weight_ptr, k_norm_weight_ptr,
                                       grad_z_ptr, mean_z_dz_ptr, partial_grad_norm_weight_ptr,
-                                      n_rows, n_pairs, half_head, num_heads, num_norm_heads, eps, inv_width,
-                                      ROWS: tl.constexpr, HEAD_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                                      INTERPRETER: tl.constexpr):
-        """ROWS rows per program; each row's Q/K heads one at a time (their pairs as even/odd halves),
-        then its remaining (V) columns in blocks. The gradient arrives as the q, k and v column blocks, read
-        in place. Norm-weight gradients accumulate over the program's rows and heads in registers and leave
-        as one partial row per program (no atomics)."""
+                                      n_rows, n_pairs, head_dim, num_heads, num_kv_heads, eps, inv_width,
+                                      ROWS: tl.constexpr, HEADS: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+                                      BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+        """ROWS rows per program; each row's Q heads, then K heads, HEADS at a time
+        (:func:`_qk_norm_heads_backward`), then its V columns BLOCK at a time (rotated back only). The
+        gradient arrives as the q, k and v column blocks, read in place. Norm-weight gradients accumulate
+        over the program's rows in registers and leave as one partial row per program (no atomics)."""
         block = tl.program_id(0)
-        j = tl.arange(0, HEAD_BLOCK)  # pair index inside a head: columns 2j, 2j + 1
-        in_head = j < half_head
-        q_gamma_even = tl.load(q_norm_weight_ptr + 2 * j, mask=in_head, other=0.0).to(tl.float32)
-        q_gamma_odd = tl.load(q_norm_weight_ptr + 2 * j + 1, mask=in_head, other=0.0).to(tl.float32)
-        k_gamma_even = tl.load(k_norm_weight_ptr + 2 * j, mask=in_head, other=0.0).to(tl.float32)
-        k_gamma_odd = tl.load(k_norm_weight_ptr + 2 * j + 1, mask=in_head, other=0.0).to(tl.float32)
+        half_head = head_dim // 2
+        in_head_cols = tl.arange(0, 2 * HEAD_BLOCK) < head_dim
+        q_gamma_even, q_gamma_odd = _load_pairs(q_norm_weight_ptr, in_head_cols, HEAD_BLOCK)
+        k_gamma_even, k_gamma_odd = _load_pairs(k_norm_weight_ptr, in_head_cols, HEAD_BLOCK)
         grad_q_even = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
         grad_q_odd = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
         grad_k_even = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
         grad_k_odd = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
-        inv_head_dim = 0.5 / half_head
-        out_ty = grad_z_ptr.dtype.element_ty
+        q_cols = num_heads * head_dim
+        qk_cols = q_cols + num_kv_heads * head_dim
         for r in range(ROWS):
             row = block * ROWS + r
             row_ok = row < n_rows
-            offset = row.to(tl.int64) * 2 * n_pairs
-            qk_cols = 2 * num_norm_heads * half_head
+            preact_row = preact_ptr + row.to(tl.int64) * 2 * n_pairs
+            grad_z_row = grad_z_ptr + row.to(tl.int64) * 2 * n_pairs
             position = tl.load(positions_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
-            z_dz = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
-            for head in range(num_norm_heads):
-                pair = head * half_head + j
-                mask = in_head & row_ok
-                theta = position * tl.load(frequencies_ptr + pair, mask=mask, other=0.0).to(tl.float32)
-                cos, sin = cos_sin(theta, INTERPRETER)
-                even, odd = offset + 2 * pair, offset + 2 * pair + 1
-                if head < num_heads:
-                    grad_head = grad_q_ptr + row.to(tl.int64) * q_stride + head * 2 * half_head
-                else:
-                    grad_head = grad_k_ptr + row.to(tl.int64) * k_stride + (head - num_heads) * 2 * half_head
-                g0 = tl.load(grad_head + 2 * j, mask=mask, other=0.0).to(tl.float32)
-                g1 = tl.load(grad_head + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)
-                u0 = g0 * cos + g1 * sin  # rotated back by -theta: the gradient of the QK-norm output
-                u1 = g1 * cos - g0 * sin
-                z0 = tl.load(preact_ptr + even, mask=mask, other=0.0).to(tl.float32)
-                z1 = tl.load(preact_ptr + odd, mask=mask, other=0.0).to(tl.float32)
-                rho = 1.0 / tl.sqrt(tl.sum(z0 * z0 + z1 * z1, axis=0) * inv_head_dim + eps)
-                is_q = head < num_heads
-                gamma0 = tl.where(is_q, q_gamma_even, k_gamma_even)
-                gamma1 = tl.where(is_q, q_gamma_odd, k_gamma_odd)
-                zhat0, zhat1 = z0 * rho, z1 * rho
-                gg0, gg1 = gamma0 * u0, gamma1 * u1
-                mean_zhat_gg = tl.sum(zhat0 * gg0 + zhat1 * gg1, axis=0) * inv_head_dim
-                dz0 = rho * (gg0 - zhat0 * mean_zhat_gg)
-                dz1 = rho * (gg1 - zhat1 * mean_zhat_gg)
-                tl.store(grad_z_ptr + even, dz0.to(out_ty), mask=mask)
-                tl.store(grad_z_ptr + odd, dz1.to(out_ty), mask=mask)
-                z_dz += z0 * dz0 + z1 * dz1
-                grad_q_even += tl.where(is_q, u0 * zhat0, 0.0)
-                grad_q_odd += tl.where(is_q, u1 * zhat1, 0.0)
-                grad_k_even += tl.where(is_q, 0.0, u0 * zhat0)
-                grad_k_odd += tl.where(is_q, 0.0, u1 * zhat1)
-            v_dz = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(num_norm_heads * half_head, n_pairs, BLOCK):  # V: rotate back only
-                pair = start + tl.arange(0, BLOCK)
-                mask = (pair < n_pairs) & row_ok
-                theta = position * tl.load(frequencies_ptr + pair, mask=mask, other=0.0).to(tl.float32)
-                cos, sin = cos_sin(theta, INTERPRETER)
-                even, odd = offset + 2 * pair, offset + 2 * pair + 1
-                grad_row = grad_v_ptr + row.to(tl.int64) * v_stride - qk_cols
-                g0 = tl.load(grad_row + 2 * pair, mask=mask, other=0.0).to(tl.float32)
-                g1 = tl.load(grad_row + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
-                u0 = g0 * cos + g1 * sin
-                u1 = g1 * cos - g0 * sin
-                z0 = tl.load(preact_ptr + even, mask=mask, other=0.0).to(tl.float32)
-                z1 = tl.load(preact_ptr + odd, mask=mask, other=0.0).to(tl.float32)
-                tl.store(grad_z_ptr + even, u0.to(out_ty), mask=mask)
-                tl.store(grad_z_ptr + odd, u1.to(out_ty), mask=mask)
-                v_dz += z0 * u0 + z1 * u1
-            tl.store(mean_z_dz_ptr + row, (tl.sum(z_dz, axis=0) + tl.sum(v_dz, axis=0)) * inv_width, mask=row_ok)
-        # partial row of this program: [q_norm grad | k_norm grad], each head_dim wide in pair order
-        partial = partial_grad_norm_weight_ptr + block.to(tl.int64) * 4 * half_head
-        tl.store(partial + 2 * j, grad_q_even, mask=in_head)
-        tl.store(partial + 2 * j + 1, grad_q_odd, mask=in_head)
-        tl.store(partial + 2 * half_head + 2 * j, grad_k_even, mask=in_head)
-        tl.store(partial + 2 * half_head + 2 * j + 1, grad_k_odd, mask=in_head)
+            z_dz = 0.0
+            grad_q_row = grad_q_ptr + row.to(tl.int64) * q_stride
+            for first in range(0, num_heads, HEADS):
+                column = first * head_dim
+                part, even, odd = _qk_norm_heads_backward(
+                    grad_q_row + column, preact_row + column, grad_z_row + column, frequencies_ptr + first * half_head,
+                    q_gamma_even, q_gamma_odd, num_heads - first, head_dim, position, row_ok, eps, HEADS, HEAD_BLOCK,
+                    INTERPRETER)
+                z_dz += part
+                grad_q_even += even
+                grad_q_odd += odd
+            grad_k_row = grad_k_ptr + row.to(tl.int64) * k_stride
+            for first in range(0, num_kv_heads, HEADS):
+                column = q_cols + first * head_dim
+                part, even, odd = _qk_norm_heads_backward(
+                    grad_k_row + first * head_dim, preact_row + column, grad_z_row + column,
+                    frequencies_ptr + column // 2, k_gamma_even, k_gamma_odd, num_kv_heads - first, head_dim,
+                    position, row_ok, eps, HEADS, HEAD_BLOCK, INTERPRETER)
+                z_dz += part
+                grad_k_even += even
+                grad_k_odd += odd
+            v_dz = tl.zeros([BLOCK // 2], dtype=tl.float32)
+            grad_v_row = grad_v_ptr + row.to(tl.int64) * v_stride
+            for start in range(0, 2 * n_pairs - qk_cols, BLOCK):  # V: rotate back only
+                column = qk_cols + start
+                n_valid = tl.where(row_ok, 2 * n_pairs - column, 0)
+                v_dz += _rope_backward_chunk(grad_v_row + start, preact_row + column, grad_z_row + column,
+                                             frequencies_ptr + column // 2, n_valid, position, True, BLOCK,
+                                             INTERPRETER)
+            tl.store(mean_z_dz_ptr + row, (z_dz + tl.sum(v_dz, axis=0)) * inv_width, mask=row_ok)
+        # partial row of this program: [q_norm grad | k_norm grad], each head_dim wide
+        partial = partial_grad_norm_weight_ptr + block.to(tl.int64) * 2 * head_dim
+        _store_pairs(partial, grad_q_even, grad_q_odd, in_head_cols, HEAD_BLOCK)
+        _store_pairs(partial + head_dim, grad_k_even, grad_k_odd, in_head_cols, HEAD_BLOCK)
 
     @triton.jit
     def _swiglu_backward_kernel(grad_ptr, preact_ptr, grad_preact_ptr, mean_z_dz_ptr, n_out, inv_width,
@@ -520,12 +548,13 @@ def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: to
     blocks = -(-m // _QK_NORM_ROWS)
     partial = torch.empty(blocks, 2 * hd, dtype=torch.float32, device=preact.device)
     if m:
+        head_block = triton.next_power_of_2(hd // 2)
         _rope_qk_norm_backward_kernel[(blocks,)](
             grad_q, grad_k, grad_v, *(g.stride(0) for g in grads), preact, positions, frequencies, q_norm_weight,
             k_norm_weight, grad_z, mean_z_dz, partial,
-            m, n // 2, hd // 2, num_heads, num_heads + num_kv_heads, eps, 1.0 / width,
-            ROWS=_QK_NORM_ROWS, HEAD_BLOCK=triton.next_power_of_2(hd // 2), BLOCK=_block(n // 2),
-            INTERPRETER=_interpreting())
+            m, n // 2, hd, num_heads, num_kv_heads, eps, 1.0 / width,
+            ROWS=_QK_NORM_ROWS, HEADS=max(1, _ROPE_MAX_BLOCK // (2 * head_block)), HEAD_BLOCK=head_block,
+            BLOCK=_rope_block(widths[2]), INTERPRETER=_interpreting())
     grad_norm_weight = finish_col_sum_triton(partial, torch.float32)
     return grad_z, mean_z_dz, grad_norm_weight[:hd], grad_norm_weight[hd:]
 
