@@ -40,7 +40,8 @@ SHAPES = {  # tokens, q columns, k (= v) columns
     "d8192": (16384, 8192, 8192),
 }
 VARIANTS = ((512, 4), (1024, 4), (2048, 4), (2048, 8))
-QK_NORM_VARIANTS = ((1, 1024), (2, 1024), (4, 1024), (8, 1024), (4, 512), (4, 2048))  # (rows per program, step)
+QK_NORM_VARIANTS = ((16, 2048, 4), (16, 2048, 8), (32, 2048, 8), (16, 4096, 8), (32, 4096, 8), (64, 2048, 8),
+                    (32, 4096, 16))  # kernels._QK_NORM_LAUNCH: rows per program, columns per step, warps
 
 
 def cases(m: int, q_cols: int, kv_cols: int) -> dict:
@@ -99,16 +100,15 @@ def qk_norm_cases(m: int, q_cols: int, kv_cols: int, baseline=None, head_dim: in
     for name, a, b in zip(("grad_z", "mean_z_dz", "grad_q_norm", "grad_k_norm"), got, want):
         scale = max(1.0, b.abs().max().item())
         torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2 * scale, msg=name)
-    def variant(rows, max_block):
+    def variant(launch):
         def run():
-            saved = kernels._QK_NORM_ROWS, kernels._ROPE_MAX_BLOCK
-            kernels._QK_NORM_ROWS, kernels._ROPE_MAX_BLOCK = rows, max_block
+            saved, kernels._QK_NORM_LAUNCH = kernels._QK_NORM_LAUNCH, launch
             try:
                 kernels.rope_qk_norm_backward(grads, *args)
             finally:
-                kernels._QK_NORM_ROWS, kernels._ROPE_MAX_BLOCK = saved
+                kernels._QK_NORM_LAUNCH = saved
         return run
-    found.update({f"rows{rows}_block{block}": variant(rows, block) for rows, block in QK_NORM_VARIANTS})
+    found.update({"rows{}_step{}_warps{}".format(*launch): variant(launch) for launch in QK_NORM_VARIANTS})
     if baseline is not None:
         found["qk_norm_baseline"] = lambda: baseline.rope_qk_norm_backward(grads, *args)
         for name, a, b in zip(("grad_z", "mean_z_dz", "grad_q_norm", "grad_k_norm"), got,

@@ -57,9 +57,8 @@ _CROSS_ENTROPY_LAUNCH = (4096, 8)
 #: logits per running max in its pass 1: 16 bytes of bf16, one thread's vector load
 _CROSS_ENTROPY_GROUP = 8
 #: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
-_QK_NORM_ROWS = 16
-#: B1's widest step: 4 warps x 8 bf16 columns, one 16-byte load per thread and tensor
-_ROPE_MAX_BLOCK = 1024
+#: QK-norm B1 launch: rows per program, columns per step (whole heads), warps
+_QK_NORM_LAUNCH = (16, 1024, 4)
 
 
 def _on_tensor_device(fn):
@@ -88,8 +87,8 @@ def _block(columns: int) -> int:
 
 
 def _rope_block(columns: int) -> int:
-    """B1's columns per step: at most :data:`_ROPE_MAX_BLOCK`."""
-    return min(max(triton.next_power_of_2(columns), 2), _ROPE_MAX_BLOCK)
+    """B1's columns per step: at most 1024 (4 warps x 8 bf16 = one 16-byte load per thread and tensor)."""
+    return min(max(triton.next_power_of_2(columns), 2), 1024)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -533,7 +532,7 @@ def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: to
                                  frequencies: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
                                  num_heads: int, eps: float, width: int):
     """:func:`rope_qk_norm_backward_ref` as one kernel launch (fp16/bf16/fp32) + the finishing sum of the
-    per-program norm-weight gradient partials ``[cdiv(M, 16), 2 head_dim]``."""
+    per-program norm-weight gradient partials ``[cdiv(M, rows per program), 2 head_dim]``."""
     m, n = preact.shape
     hd = q_norm_weight.shape[0]
     num_kv_heads = kv_heads_of(n, hd, num_heads)
@@ -545,7 +544,8 @@ def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: to
     preact = preact.contiguous()  # the kernel steps its rows by N
     grad_z = torch.empty(m, n, dtype=grad_q.dtype, device=preact.device)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=preact.device)
-    blocks = -(-m // _QK_NORM_ROWS)
+    rows, step, warps = _QK_NORM_LAUNCH
+    blocks = -(-m // rows)
     partial = torch.empty(blocks, 2 * hd, dtype=torch.float32, device=preact.device)
     if m:
         head_block = triton.next_power_of_2(hd // 2)
@@ -553,8 +553,8 @@ def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: to
             grad_q, grad_k, grad_v, *(g.stride(0) for g in grads), preact, positions, frequencies, q_norm_weight,
             k_norm_weight, grad_z, mean_z_dz, partial,
             m, n // 2, hd, num_heads, num_kv_heads, eps, 1.0 / width,
-            ROWS=_QK_NORM_ROWS, HEADS=max(1, _ROPE_MAX_BLOCK // (2 * head_block)), HEAD_BLOCK=head_block,
-            BLOCK=_rope_block(widths[2]), INTERPRETER=_interpreting())
+            ROWS=rows, HEADS=max(1, step // (2 * head_block)), HEAD_BLOCK=head_block,
+            BLOCK=min(max(triton.next_power_of_2(widths[2]), 2), step), INTERPRETER=_interpreting(), num_warps=warps)
     grad_norm_weight = finish_col_sum_triton(partial, torch.float32)
     return grad_z, mean_z_dz, grad_norm_weight[:hd], grad_norm_weight[hd:]
 
