@@ -58,7 +58,7 @@ _CROSS_ENTROPY_LAUNCH = (4096, 8)
 _CROSS_ENTROPY_GROUP = 8
 #: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
 #: QK-norm B1 launch: rows per program, columns per step (whole heads), warps
-_QK_NORM_LAUNCH = (16, 1024, 4)
+_QK_NORM_LAUNCH = (16, 2048, 4)
 
 
 def _on_tensor_device(fn):
@@ -178,8 +178,9 @@ if triton is not None:
                                 INTERPRETER: tl.constexpr):
         """Up to HEADS adjacent heads of one kind (Q or K; ``n_heads`` of them left) of one row as one
         ``[HEADS, 2 HEAD_BLOCK]`` tile, loaded contiguously, pairs split in registers: rotate the gradient
-        back, QK-norm backward per head, store ``dz``. Returns this tile's ``sum z dz`` and its share of the
-        norm weight's gradient (even and odd columns). Masked lanes load 0 and contribute 0."""
+        back, QK-norm backward per head, store ``dz``. Returns the tile's ``z dz`` and its terms of the norm
+        weight's gradient (even and odd columns), unreduced: the caller sums them once per row and once per
+        program, not once per step (a sum across heads crosses warps). Masked lanes load 0 and return 0."""
         head = tl.arange(0, HEADS)[:, None]
         col = tl.arange(0, 2 * HEAD_BLOCK)[None, :]
         pair = tl.arange(0, HEAD_BLOCK)[None, :]
@@ -202,8 +203,7 @@ if triton is not None:
         dz1 = rho * (gg1 - zhat1 * mean_zhat_gg)
         dz = tl.reshape(tl.join(dz0, dz1), [HEADS, 2 * HEAD_BLOCK])
         tl.store(grad_z_ptr + at, dz.to(grad_z_ptr.dtype.element_ty), mask=mask)
-        z_dz = tl.sum(tl.sum(z0 * dz0 + z1 * dz1, axis=1), axis=0)
-        return z_dz, tl.sum(u0 * zhat0, axis=0), tl.sum(u1 * zhat1, axis=0)
+        return z0 * dz0 + z1 * dz1, u0 * zhat0, u1 * zhat1
 
     @triton.jit
     def _rope_qk_norm_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, k_stride, v_stride, preact_ptr,
@@ -221,10 +221,10 @@ if triton is not None:
         in_head_cols = tl.arange(0, 2 * HEAD_BLOCK) < head_dim
         q_gamma_even, q_gamma_odd = _load_pairs(q_norm_weight_ptr, in_head_cols, HEAD_BLOCK)
         k_gamma_even, k_gamma_odd = _load_pairs(k_norm_weight_ptr, in_head_cols, HEAD_BLOCK)
-        grad_q_even = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
-        grad_q_odd = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
-        grad_k_even = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
-        grad_k_odd = tl.zeros([HEAD_BLOCK], dtype=tl.float32)
+        grad_q_even = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
+        grad_q_odd = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
+        grad_k_even = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
+        grad_k_odd = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
         q_cols = num_heads * head_dim
         qk_cols = q_cols + num_kv_heads * head_dim
         for r in range(ROWS):
@@ -233,7 +233,7 @@ if triton is not None:
             preact_row = preact_ptr + row.to(tl.int64) * 2 * n_pairs
             grad_z_row = grad_z_ptr + row.to(tl.int64) * 2 * n_pairs
             position = tl.load(positions_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
-            z_dz = 0.0
+            z_dz = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
             grad_q_row = grad_q_ptr + row.to(tl.int64) * q_stride
             for first in range(0, num_heads, HEADS):
                 column = first * head_dim
@@ -262,11 +262,13 @@ if triton is not None:
                 v_dz += _rope_backward_chunk(grad_v_row + start, preact_row + column, grad_z_row + column,
                                              frequencies_ptr + column // 2, n_valid, position, True, BLOCK,
                                              INTERPRETER)
-            tl.store(mean_z_dz_ptr + row, (z_dz + tl.sum(v_dz, axis=0)) * inv_width, mask=row_ok)
+            row_z_dz = tl.sum(tl.sum(z_dz, axis=1), axis=0) + tl.sum(v_dz, axis=0)
+            tl.store(mean_z_dz_ptr + row, row_z_dz * inv_width, mask=row_ok)
         # partial row of this program: [q_norm grad | k_norm grad], each head_dim wide
         partial = partial_grad_norm_weight_ptr + block.to(tl.int64) * 2 * head_dim
-        _store_pairs(partial, grad_q_even, grad_q_odd, in_head_cols, HEAD_BLOCK)
-        _store_pairs(partial + head_dim, grad_k_even, grad_k_odd, in_head_cols, HEAD_BLOCK)
+        _store_pairs(partial, tl.sum(grad_q_even, axis=0), tl.sum(grad_q_odd, axis=0), in_head_cols, HEAD_BLOCK)
+        _store_pairs(partial + head_dim, tl.sum(grad_k_even, axis=0), tl.sum(grad_k_odd, axis=0), in_head_cols,
+                     HEAD_BLOCK)
 
     @triton.jit
     def _swiglu_backward_kernel(grad_ptr, preact_ptr, grad_preact_ptr, mean_z_dz_ptr, n_out, inv_width,
