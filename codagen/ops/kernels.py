@@ -58,7 +58,7 @@ _CROSS_ENTROPY_LAUNCH = (4096, 8)
 _CROSS_ENTROPY_GROUP = 8
 #: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
 #: QK-norm B1 launch: rows per program, columns per step (whole heads), warps
-_QK_NORM_LAUNCH = (16, 2048, 4)
+_QK_NORM_LAUNCH = (16, 1024, 4)
 
 
 def _on_tensor_device(fn):
