@@ -40,7 +40,8 @@ SHAPES = {  # tokens, q columns, k (= v) columns
     "d8192": (16384, 8192, 8192),
 }
 VARIANTS = ((512, 4), (1024, 4), (2048, 4), (2048, 8))
-QK_NORM_VARIANTS = ((16, 2048, 4), (32, 1024, 4), (8, 1024, 4), (16, 1024, 8), (16, 512, 4))  # kernels._QK_NORM_LAUNCH: rows per program, columns per step, warps
+#: kernels._QK_NORM_LAUNCH values: rows per program, columns per step, warps
+QK_NORM_VARIANTS = ((16, 2048, 4), (32, 1024, 4), (8, 1024, 4), (16, 1024, 8), (16, 512, 4))
 
 
 def cases(m: int, q_cols: int, kv_cols: int) -> dict:

@@ -15,8 +15,9 @@ Providers (the same weights and inputs; every GEMM in ``nn.Linear`` layout):
 
 Block shapes: M = 16384 tokens (2 x 8192); the paper's MHA blocks d in {2048, 4096, 8192} with
 f = round_up(8d/3, 256), head_dim 128; LLaMA-3 1B (d 2048, f 8192, GQA 32/8, hd 64) and 8B (d 4096,
-f 14336, GQA 32/8, hd 128). Records go to ``bench/results/<date>-block.json`` (``--out`` to change)
-with a bar chart beside it; every provider runs in its own try/except, and a failure is recorded.
+f 14336, GQA 32/8, hd 128); Qwen3-8B (d 4096, f 12288, GQA 32/8, hd 128) with QK-norm, an RMSNorm over
+each Q and K head before RoPE (in every provider but the speed-of-light line, which has no such work).
+Records go to ``bench/results/<date>-block.json`` (``--out`` to change) with a bar chart beside it; every provider runs in its own try/except, and a failure is recorded.
 ``--smoke`` runs tiny shapes on CPU (wall-clock timing) to check the harness itself.
 """
 from __future__ import annotations
@@ -57,6 +58,7 @@ class BlockShape:
     heads: int
     kv_heads: int
     head_dim: int
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each Q and K head (weights q_norm, k_norm [head_dim])
 
     @classmethod
     def mha(cls, d: int) -> "BlockShape":
@@ -73,8 +75,10 @@ SHAPES = {
     "d8192": BlockShape.mha(8192),
     "llama3-1b": BlockShape(2048, 8192, 32, 8, 64),
     "llama3-8b": BlockShape(4096, 14336, 32, 8, 128),
+    "qwen3-8b": BlockShape(4096, 12288, 32, 8, 128, qk_norm=True),
 }
-SMOKE_SHAPES = {"smoke-mha": BlockShape(64, 192, 2, 2, 32), "smoke-gqa": BlockShape(64, 160, 4, 2, 16)}
+SMOKE_SHAPES = {"smoke-mha": BlockShape(64, 192, 2, 2, 32), "smoke-gqa": BlockShape(64, 160, 4, 2, 16),
+                "smoke-qk-norm": BlockShape(64, 160, 4, 2, 16, qk_norm=True)}
 EPS = 1e-5
 
 
@@ -105,7 +109,8 @@ def liger_ops() -> dict:
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
     fused_ce = LigerFusedLinearCrossEntropyLoss()
-    return {"rms": lambda x, w: LigerRMSNormFunction.apply(x, w, EPS),
+    # (contiguous: Liger's RMSNorm views its input as rows; QK-norm's q and k are column views of the QKV output)
+    return {"rms": lambda x, w: LigerRMSNormFunction.apply(x.contiguous(), w, EPS),
             "rope": lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos[0], sin[0]),
             "swiglu": lambda g, u: LigerSiLUMulFunction.apply(g.contiguous(), u.contiguous()),
             "ce": lambda h, w, t: fused_ce(w, h, t)}
@@ -116,8 +121,10 @@ def eager_block(x, p: dict, cos, sin, s: BlockShape, batch: int, seq: int, o=EAG
     ``gate_up = [gate; up]``)."""
     h = o["rms"](x, p["attn_norm"])
     q, k, v = (h @ p["qkv"].t()).split((s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim), -1)
-    q = q.view(batch, seq, s.heads, s.head_dim).transpose(1, 2)
-    k = k.view(batch, seq, s.kv_heads, s.head_dim).transpose(1, 2)
+    q, k = q.view(batch, seq, s.heads, s.head_dim), k.view(batch, seq, s.kv_heads, s.head_dim)
+    if s.qk_norm:  # Qwen3: RMSNorm over each head, before RoPE
+        q, k = o["rms"](q, p["q_norm"]), o["rms"](k, p["k_norm"])
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.view(batch, seq, s.kv_heads, s.head_dim).transpose(1, 2)
     q, k = o["rope"](q, k, cos, sin)
     a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.kv_heads != s.heads)
@@ -149,8 +156,11 @@ def block_weights(s: BlockShape, device, dtype) -> dict:
 
     def norm(d):
         return (1 + 0.1 * torch.randn(d, device=device, dtype=dtype)).requires_grad_()
-    return {"attn_norm": norm(s.d), "qkv": w(s.qkv, s.d), "o": w(s.d, s.heads * s.head_dim), "mlp_norm": norm(s.d),
-            "gate_up": w(2 * s.f, s.d), "down": w(s.d, s.f), "next_norm": norm(s.d)}
+    p = {"attn_norm": norm(s.d), "qkv": w(s.qkv, s.d), "o": w(s.d, s.heads * s.head_dim), "mlp_norm": norm(s.d),
+         "gate_up": w(2 * s.f, s.d), "down": w(s.d, s.f), "next_norm": norm(s.d)}
+    if s.qk_norm:
+        p.update(q_norm=norm(s.head_dim), k_norm=norm(s.head_dim))
+    return p
 
 
 def codagen_block_weights(p: dict, s: BlockShape) -> tuple[BlockWeights, torch.Tensor]:
@@ -159,9 +169,11 @@ def codagen_block_weights(p: dict, s: BlockShape) -> tuple[BlockWeights, torch.T
         q, k, v = p["qkv"].split((s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim))
         gate, up = p["gate_up"].chunk(2)
         fused = {"qkv": fuse_qkv(q, k, v, s.head_dim), "gate_up": ops.interleave_gate_up(gate, up)}
+        fused.update({name: ops.rope_pairs_from_half_split(p[name], s.head_dim)  # pair order, as the Q/K rows
+                      for name in ("q_norm", "k_norm") if name in p})
     leaf = {name: (fused.get(name, t)).detach().clone().requires_grad_() for name, t in p.items()}
     blk = BlockWeights(attn_norm=leaf["attn_norm"], qkv=leaf["qkv"], o=leaf["o"], mlp_norm=leaf["mlp_norm"],
-                       gate_up=leaf["gate_up"], down=leaf["down"])
+                       gate_up=leaf["gate_up"], down=leaf["down"], q_norm=leaf.get("q_norm"), k_norm=leaf.get("k_norm"))
     return blk, leaf["next_norm"]
 
 
@@ -274,7 +286,8 @@ def speed_of_light_block(s: BlockShape, batch: int, seq: int, device, dtype) -> 
 def model_providers(s: BlockShape, layers: int, vocab: int, batch: int, seq: int, device, dtype) -> dict:
     """name -> factory of one training step's fwd+bwd (loss over all tokens) of a ``layers``-block model."""
     config = LlamaConfig(vocab_size=vocab, hidden_size=s.d, intermediate_size=s.f, num_layers=layers,
-                         num_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim, rope_theta=500000.0)
+                         num_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim, rope_theta=500000.0,
+                         qk_norm=s.qk_norm)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     targets = torch.randint(0, vocab, (batch, seq), device=device)
     cos, sin = rope_tables(s, seq, device, dtype)

@@ -187,8 +187,10 @@ if triton is not None:
         half_head = head_dim // 2
         mask = (head < n_heads) & (col < head_dim) & row_ok
         at = head * head_dim + col
-        g0, g1 = tl.split(tl.reshape(tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32), [HEADS, HEAD_BLOCK, 2]))
-        z0, z1 = tl.split(tl.reshape(tl.load(preact_ptr + at, mask=mask, other=0.0).to(tl.float32), [HEADS, HEAD_BLOCK, 2]))
+        g = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(preact_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        g0, g1 = tl.split(tl.reshape(g, [HEADS, HEAD_BLOCK, 2]))
+        z0, z1 = tl.split(tl.reshape(z, [HEADS, HEAD_BLOCK, 2]))
         pair_mask = (head < n_heads) & (pair < half_head) & row_ok
         theta = position * tl.load(frequencies_ptr + head * half_head + pair, mask=pair_mask, other=0.0).to(tl.float32)
         cos, sin = cos_sin(theta, INTERPRETER)
