@@ -110,3 +110,33 @@ def test_scale_cast_is_one_rounding_of_the_fp32_product():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         got = kernels.scale_cast(src, factor, dtype)
         assert torch.equal(got, (src * factor).to(dtype)), dtype
+
+
+def test_bf16_lm_head_cross_entropy_without_grad_two_x_rule():
+    """Evaluation (no gradient): one fused GEMM per chunk and one finishing launch, several chunks (the
+    chunk size made small), an ignored row, vocabulary 5000 (not a tile multiple); the 2x rule against
+    fp32, with eager bf16 (logits rounded to bf16, cross-entropy in fp32) as the yardstick."""
+    from codagen import ops
+    from codagen.ops import cross_entropy
+
+    tokens, d, vocab = 1000, 512, 5000
+    x = torch.randn(tokens, d, device="cuda").bfloat16()
+    gamma = (1 + 0.1 * torch.randn(d, device="cuda")).bfloat16()
+    weight = (torch.randn(vocab, d, device="cuda") / d ** 0.5).bfloat16()
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    target[3] = -100
+    normed, rstd = ops.rms_norm_stats(x, gamma, 1e-5)
+    budget = cross_entropy.CHUNK_BYTES
+    cross_entropy.CHUNK_BYTES = 256 * vocab * 2  # 256 rows a chunk: four chunks, the last ragged
+    try:
+        with torch.no_grad():
+            got = ops.rms_lm_head_cross_entropy(x, normed, rstd, gamma, weight, target)
+    finally:
+        cross_entropy.CHUNK_BYTES = budget
+
+    def reference(dtype):
+        h = torch.nn.functional.rms_norm(x.to(dtype), (d,), gamma.to(dtype), 1e-5)
+        return torch.nn.functional.cross_entropy((h @ weight.to(dtype).t()).float(), target)
+    exact = reference(torch.float32)
+    fused_err, eager_err = ((v - exact).abs().item() for v in (got, reference(torch.bfloat16)))
+    assert fused_err <= 2 * eager_err + 1e-6, (fused_err, eager_err)

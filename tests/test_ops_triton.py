@@ -80,6 +80,13 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 partial = 10 * torch.rand(rows, tiles + 3)[:, 1:1 + tiles]
                 torch.testing.assert_close(k.finish_rstd_triton(partial, 2048, 1e-5), k.finish_rstd_ref(partial, 2048, 1e-5))
                 torch.testing.assert_close(k.finish_row_mean_triton(partial, 77), k.finish_row_mean_ref(partial, 77))
+            # cross-entropy rows: logsumexp of the partials minus the target's; a row of -inf partials (-inf)
+            for rows, tiles in ((1, 1), (300, 16), (70, 172)):
+                partial_lse = 30 * torch.randn(rows, tiles + 3)[:, 1:1 + tiles]
+                partial_lse[rows // 2] = float("-inf")
+                partial_target = torch.randn(rows, tiles)
+                torch.testing.assert_close(k.finish_cross_entropy_triton(partial_lse, partial_target),
+                                           k.finish_cross_entropy_ref(partial_lse, partial_target))
             for tiles, cols in ((1, 1), (130, 100)):
                 partial = torch.randn(tiles, cols)
                 for out_dtype in (torch.float32, torch.float16):

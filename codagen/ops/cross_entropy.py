@@ -16,8 +16,9 @@ Backward only scales the three saved gradients by the incoming loss gradient
 low-precision computation: logits rounded to the activation dtype, the rest in fp32.
 
 Evaluation (no gradient): one GEMM per chunk whose epilogue keeps per-tile partial logsumexps of the
-fp32 logits and picks the target logit (``rms_lm_head_cross_entropy``); finished:
-``lse[m] = logsumexp_t(partial_lse)``, ``loss[m] = lse[m] - z[m, target[m]]``. No logits are stored.
+fp32 logits and picks the target logit (``rms_lm_head_cross_entropy``); finished in one launch
+(:func:`codagen.ops.kernels.finish_cross_entropy`): ``loss[m] = logsumexp_t(partial_lse) - z[m, target[m]]``.
+No logits are stored.
 
 Chunking bounds the only vocabulary-sized buffer, one chunk of logits, to :data:`CHUNK_BYTES`.
 """
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 
 from codagen.backends import execute
-from codagen.epilogue import finish, library
+from codagen.epilogue import library
 
 from . import _checks as check
 from . import kernels
@@ -64,16 +65,14 @@ def _ce_op(normed: Tensor, rstd: Tensor, lm_head_weight: Tensor, target: Tensor,
     """The loss alone: fused epilogue partials, no logits stored."""
     m = normed.shape[0]
     cd = stats_dtype(normed.dtype)
-    lse = normed.new_empty(m, dtype=cd)
-    target_logit = normed.new_empty(m, dtype=cd)
+    row_loss = normed.new_empty(m, dtype=cd)
     for start in range(0, m, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
         out = execute(library.rms_lm_head_cross_entropy(), normed[rows], lm_head_weight, rstd=rstd[rows],
                       target=target[rows])
-        lse[rows] = finish.logsumexp_from_partials(out["partial_lse"])
-        target_logit[rows] = finish.sum_row_partials(out["partial_target"])
+        row_loss[rows] = kernels.finish_cross_entropy(out["partial_lse"], out["partial_target"])
     valid, row_weight = _row_weight(target, ignore_index, mean, cd)
-    return (row_weight * torch.where(valid, lse - target_logit, 0.0)).sum()
+    return (row_weight * torch.where(valid, row_loss, 0.0)).sum()
 
 
 @_ce_op.register_fake

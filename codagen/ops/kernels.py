@@ -14,9 +14,10 @@
   head's saved gradients times the loss gradient);
 - :func:`embedding_backward`: the embedding table's gradient, each vocabulary row's tokens summed in
   token order (8 rows x one column block per program);
-- :func:`finish_rstd`, :func:`finish_row_mean`, :func:`finish_col_sum`: a fused GEMM's tile partials
-  finished into ``rstd``, ``mean_z_dz`` or a norm weight's gradient, one launch each (the ``_ref`` twins
-  are :mod:`codagen.epilogue.finish`'s; in PyTorch each is two to four launches).
+- :func:`finish_rstd`, :func:`finish_row_mean`, :func:`finish_col_sum`, :func:`finish_cross_entropy`: a
+  fused GEMM's tile partials finished into ``rstd``, ``mean_z_dz``, a norm weight's gradient or each row's
+  cross-entropy, one launch each (the ``_ref`` twins are :mod:`codagen.epilogue.finish`'s; in PyTorch each
+  is two to four launches).
 
 Each comes as ``foo_ref`` (PyTorch), ``foo_triton`` (one launch of a module-level ``@triton.jit`` kernel)
 and the dispatcher ``foo``: the kernel for CUDA tensors when the selected backend is ``triton`` and the
@@ -48,7 +49,8 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 
 __all__ = [f"{name}{kind}" for name in ("rms_norm_stats", "rope_backward", "rope_qk_norm_backward", "swiglu_backward",
                                         "mean_row_dot", "cross_entropy_logits_grad", "scale_cast",
-                                        "embedding_backward", "finish_rstd", "finish_row_mean", "finish_col_sum")
+                                        "embedding_backward", "finish_rstd", "finish_row_mean", "finish_col_sum",
+                                        "finish_cross_entropy")
            for kind in ("", "_ref", "_triton")]
 
 _MAX_BLOCK = 2048
@@ -56,8 +58,8 @@ _MAX_BLOCK = 2048
 _CROSS_ENTROPY_LAUNCH = (4096, 8)
 #: logits per running max in its pass 1: 16 bytes of bf16, one thread's vector load
 _CROSS_ENTROPY_GROUP = 8
-#: rows per program of the QK-norm backward: its norm-weight gradient partials are [cdiv(M, 16), 2 head_dim]
-#: QK-norm B1 launch: rows per program, columns per step (whole heads), warps
+#: QK-norm B1 launch (``bench/rope_backward.py --qk-norm``): rows per program (its norm-weight gradient
+#: partials are [cdiv(M, rows), 2 head_dim]), columns per step (whole heads), warps
 _QK_NORM_LAUNCH = (16, 1024, 4)
 
 
@@ -392,6 +394,30 @@ if triton is not None:
         if RSQRT:
             total = 1.0 / tl.sqrt(total + eps)
         tl.store(out_ptr + outs, total.to(out_ptr.dtype.element_ty), mask=outs < n_out)
+
+
+    @triton.jit
+    def _finish_cross_entropy_kernel(partial_lse_ptr, partial_target_ptr, row_loss_ptr, n_rows, n_tiles,
+                                     lse_stride, target_stride, ROWS: tl.constexpr, TILES: tl.constexpr):
+        """ROWS rows per program: ``row_loss = logsumexp_t(partial_lse[m, t]) - sum_t partial_target[m, t]``,
+        the logsumexp kept online (running max and sum) over steps of TILES partials."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < n_rows
+        running_max = tl.full([ROWS], float("-inf"), tl.float32)
+        running_sum = tl.zeros([ROWS], dtype=tl.float32)
+        target = tl.zeros([ROWS], dtype=tl.float32)
+        for start in range(0, n_tiles, TILES):
+            tiles = start + tl.arange(0, TILES)
+            mask = row_ok[:, None] & (tiles < n_tiles)[None, :]
+            lse_at = rows.to(tl.int64)[:, None] * lse_stride + tiles[None, :]
+            partial = tl.load(partial_lse_ptr + lse_at, mask=mask, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(partial, axis=1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row of -inf stays -inf, not nan
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(partial - shift[:, None]), axis=1)
+            running_max = new_max
+            target_at = rows.to(tl.int64)[:, None] * target_stride + tiles[None, :]
+            target += tl.sum(tl.load(partial_target_ptr + target_at, mask=mask, other=0.0).to(tl.float32), axis=1)
+        tl.store(row_loss_ptr + rows, running_max + tl.log(running_sum) - target, mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -762,6 +788,33 @@ def finish_col_sum(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @_on_tensor_device
 def finish_col_sum_triton(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _finish(partial, over_rows=True, dtype=dtype)
+
+
+def finish_cross_entropy_ref(partial_lse: torch.Tensor, partial_target: torch.Tensor) -> torch.Tensor:
+    return finish.logsumexp_from_partials(partial_lse) - finish.sum_row_partials(partial_target)
+
+
+def finish_cross_entropy(partial_lse: torch.Tensor, partial_target: torch.Tensor) -> torch.Tensor:
+    """``row_loss[m] = logsumexp_t(partial_lse[m, t]) - sum_t partial_target[m, t]`` (the LM head's
+    cross-entropy per row from ``rms_lm_head_cross_entropy``'s partials; ignored rows are masked later)."""
+    impl = finish_cross_entropy_triton if _use_triton(partial_lse) else finish_cross_entropy_ref
+    return impl(partial_lse, partial_target)
+
+
+@_on_tensor_device
+def finish_cross_entropy_triton(partial_lse: torch.Tensor, partial_target: torch.Tensor) -> torch.Tensor:
+    n_rows, n_tiles = partial_lse.shape
+    if partial_target.shape != partial_lse.shape or partial_lse.stride(1) != 1 or partial_target.stride(1) != 1:
+        raise ValueError(f"partial_lse, partial_target: expected two [rows, tiles] partials with unit column "
+                         f"stride, got {tuple(partial_lse.shape)} and {tuple(partial_target.shape)}")
+    row_loss = torch.empty(n_rows, dtype=torch.float32, device=partial_lse.device)
+    if n_rows:
+        tiles = min(triton.next_power_of_2(max(n_tiles, 1)), _FINISH_MAX_TILES)
+        rows = min(triton.next_power_of_2(n_rows), _FINISH_ELEMENTS // tiles)
+        _finish_cross_entropy_kernel[(triton.cdiv(n_rows, rows),)](
+            partial_lse, partial_target, row_loss, n_rows, n_tiles, partial_lse.stride(0), partial_target.stride(0),
+            ROWS=rows, TILES=tiles)
+    return row_loss
 
 
 def _finish(partial: torch.Tensor, *, over_rows: bool, dtype: torch.dtype, scale: float = 1.0, eps: float = 0.0,
