@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 
 import torch
@@ -28,7 +27,7 @@ import torch
 from codagen.backends import get_backend
 from codagen.backends.triton.configs import KernelConfig
 from codagen.bench.block import SHAPES, block_providers
-from codagen.bench.common import median_ms, timed_rounds, write_results
+from codagen.bench.common import median_ms, ratio_records, timed_rounds, write_results
 
 
 def wide_table(entries: dict, within: float) -> tuple[dict, list[str]]:
@@ -87,13 +86,7 @@ def main(argv=None) -> int:
                 step()
             steps[f"codagen_{name}"] = run
         times = timed_rounds(steps, args.rounds, median_ms)
-        sol = statistics.median(times["speed_of_light"])
-        for name, rounds in times.items():
-            ms = statistics.median(rounds)
-            records.append({"suite": "tile_choice_ab", "shape": shape, "provider": name, "median_ms": ms,
-                            "round_ms": rounds, "vs_speed_of_light": ms / sol})
-            print(f"{shape:10s} {name:18s} {ms:7.3f} ms  {ms / sol:.3f}x SOL  rounds "
-                  + " ".join(f"{r:.3f}" for r in rounds), flush=True)
+        records += ratio_records("tile_choice_ab", shape, times, "speed_of_light")
         del steps
         torch.cuda.empty_cache()
     if args.out:

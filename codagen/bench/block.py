@@ -263,8 +263,15 @@ def block_providers(s: BlockShape, batch: int, seq: int, device, dtype) -> tuple
     return factories, check
 
 
-def speed_of_light_block(s: BlockShape, batch: int, seq: int, device, dtype) -> Callable[[], None]:
-    """The block's GEMMs (y = a W^T, dA = dy W, dW = dy^T a, per weight) and SDPA fwd+bwd, nothing else."""
+def cublas_gemms(a: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor) -> None:
+    """One weight's three GEMMs on cuBLAS: ``a W^T``, ``dy W``, ``dy^T a``."""
+    a @ weight.t(), grad_out @ weight, grad_out.t() @ a
+
+
+def speed_of_light_block(s: BlockShape, batch: int, seq: int, device, dtype,
+                         gemms_of: Callable[..., None] = cublas_gemms) -> Callable[[], None]:
+    """The block's GEMMs (y = a W^T, dA = dy W, dW = dy^T a, per weight; ``gemms_of(a, W, dy)`` runs them)
+    and SDPA fwd+bwd, nothing else."""
     m = batch * seq
     gemms = []
     for n, k in ((s.qkv, s.d), (s.d, s.heads * s.head_dim), (2 * s.f, s.d), (s.d, s.f)):
@@ -277,7 +284,7 @@ def speed_of_light_block(s: BlockShape, batch: int, seq: int, device, dtype) -> 
 
     def run():
         for a, w, dy in gemms:
-            a @ w.t(), dy @ w, dy.t() @ a
+            gemms_of(a, w, dy)
         q.grad = k.grad = v.grad = None
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.kv_heads != s.heads).backward(grad_attn)
     return run

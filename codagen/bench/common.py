@@ -98,6 +98,20 @@ def timed_rounds(functions: dict, rounds: int, timer: Callable[[Callable], float
     return times
 
 
+def ratio_records(suite: str, shape: str, times: dict[str, list[float]], reference: str) -> list[dict]:
+    """One record per name of ``times`` (round times from :func:`timed_rounds`): the median of its rounds,
+    the rounds, and that median over ``reference``'s; each also printed as a line."""
+    base = statistics.median(times[reference])
+    records = []
+    for name, rounds in times.items():
+        ms = statistics.median(rounds)
+        records.append({"suite": suite, "shape": shape, "provider": name, "median_ms": ms, "round_ms": rounds,
+                        f"vs_{reference}": ms / base})
+        print(f"{shape:10s} {name:22s} {ms:7.3f} ms  {ms / base:.3f}x {reference}  rounds "
+              + " ".join(f"{r:.3f}" for r in rounds), flush=True)
+    return records
+
+
 def write_results(suite: str, records: list[dict], out_dir: str | os.PathLike | None = None) -> Path:
     """Write ``{"env", "records"}`` to ``<out_dir>/<date>-<suite>.json`` and return the path."""
     env = environment()
