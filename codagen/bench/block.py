@@ -458,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.smoke:
         device, dtype, batch, seq = torch.device("cpu"), torch.float32, 2, 64
-        shapes, model_shape, vocab, layers = SMOKE_SHAPES, SMOKE_SHAPES["smoke-gqa"], 128, args.layers or 2
+        shapes, model_shape, vocab = SMOKE_SHAPES, SMOKE_SHAPES["smoke-gqa"], 128
+        layers = 2 if args.layers is None else args.layers  # 0 skips the model, as on the GPU
     else:
         if not torch.cuda.is_available():
             print("codagen bench block needs a CUDA GPU (use --smoke to check the harness on CPU)", file=sys.stderr)
