@@ -80,11 +80,12 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 partial = 10 * torch.rand(rows, tiles + 3)[:, 1:1 + tiles]
                 torch.testing.assert_close(k.finish_rstd_triton(partial, 2048, 1e-5), k.finish_rstd_ref(partial, 2048, 1e-5))
                 torch.testing.assert_close(k.finish_row_mean_triton(partial, 77), k.finish_row_mean_ref(partial, 77))
-            # cross-entropy rows: logsumexp of the partials minus the target's; a row of -inf partials (-inf)
+            # cross-entropy rows: logsumexp of the partials minus the target's; a row of -inf partials (-inf);
+            # a row stride wider than the tiles, and target partials transposed (any strides)
             for rows, tiles in ((1, 1), (300, 16), (70, 172)):
                 partial_lse = 30 * torch.randn(rows, tiles + 3)[:, 1:1 + tiles]
                 partial_lse[rows // 2] = float("-inf")
-                partial_target = torch.randn(rows, tiles)
+                partial_target = torch.randn(tiles, rows).t()
                 torch.testing.assert_close(k.finish_cross_entropy_triton(partial_lse, partial_target),
                                            k.finish_cross_entropy_ref(partial_lse, partial_target))
             for tiles, cols in ((1, 1), (130, 100)):
@@ -142,6 +143,13 @@ def test_rope_backward_launchers_refuse_blocks_they_cannot_read():
                                          r"grad_v\] \(\(8, 4, 4\) columns\), got widths \[4, 8, 4\]"):
         k.rope_qk_norm_backward_triton(list(grad.split((4, 8, 4), dim=1)), qkv, positions, frequencies, norm, norm,
                                        heads, 1e-6, 5)
+
+
+def test_finish_cross_entropy_refuses_partials_of_two_shapes():
+    from codagen.ops import kernels as k
+
+    with pytest.raises(ValueError, match=r"partial_target: expected the shape of partial_lse \(5, 3\), got \(5, 4\)"):
+        k.finish_cross_entropy_triton(torch.zeros(5, 3), torch.zeros(5, 4))
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])

@@ -88,9 +88,10 @@ def _block(columns: int) -> int:
     return min(triton.next_power_of_2(max(columns, 1)), _MAX_BLOCK)
 
 
-def _rope_block(columns: int) -> int:
-    """B1's columns per step: at most 1024 (4 warps x 8 bf16 = one 16-byte load per thread and tensor)."""
-    return min(max(triton.next_power_of_2(columns), 2), 1024)
+def _rope_block(columns: int, limit: int = 1024) -> int:
+    """B1's columns per step: at most ``limit`` (1024: 4 warps x 8 bf16 = one 16-byte load per thread and
+    tensor)."""
+    return min(max(triton.next_power_of_2(columns), 2), limit)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,6 +149,18 @@ if triton is not None:
         return y0 * g0 + y1 * g1
 
     @triton.jit
+    def _rope_backward_columns(grad_ptr, values_ptr, grad_z_ptr, frequencies_ptr, n_cols, position,
+                               PRE_ROPE: tl.constexpr, BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+        """A row's ``n_cols`` columns of one column block, BLOCK at a time (:func:`_rope_backward_chunk`);
+        returns the lanes' share of their ``sum z * dz``."""
+        z_dz = tl.zeros([BLOCK // 2], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            z_dz += _rope_backward_chunk(grad_ptr + start, values_ptr + start, grad_z_ptr + start,
+                                         frequencies_ptr + start // 2, n_cols - start, position, PRE_ROPE, BLOCK,
+                                         INTERPRETER)
+        return z_dz
+
+    @triton.jit
     def _rope_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, k_stride, v_stride, q_cols, k_cols,
                               v_cols, qkv_ptr, positions_ptr, frequencies_ptr, grad_z_ptr, mean_z_dz_ptr, inv_width,
                               BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
@@ -157,57 +170,57 @@ if triton is not None:
         n = q_cols + k_cols + v_cols
         position = tl.load(positions_ptr + row).to(tl.float32)
         qkv_row, grad_z_row = qkv_ptr + row * n, grad_z_ptr + row * n
-        z_dz = tl.zeros([BLOCK // 2], dtype=tl.float32)
-        for start in range(0, q_cols, BLOCK):
-            z_dz += _rope_backward_chunk(grad_q_ptr + row * q_stride + start, qkv_row + start, grad_z_row + start,
-                                         frequencies_ptr + start // 2, q_cols - start, position, False, BLOCK,
-                                         INTERPRETER)
-        for start in range(0, k_cols, BLOCK):
-            column = q_cols + start
-            z_dz += _rope_backward_chunk(grad_k_ptr + row * k_stride + start, qkv_row + column, grad_z_row + column,
-                                         frequencies_ptr + column // 2, k_cols - start, position, False, BLOCK,
-                                         INTERPRETER)
-        for start in range(0, v_cols, BLOCK):
-            column = q_cols + k_cols + start
-            z_dz += _rope_backward_chunk(grad_v_ptr + row * v_stride + start, qkv_row + column, grad_z_row + column,
-                                         frequencies_ptr + column // 2, v_cols - start, position, False, BLOCK,
-                                         INTERPRETER)
+        z_dz = _rope_backward_columns(grad_q_ptr + row * q_stride, qkv_row, grad_z_row, frequencies_ptr, q_cols,
+                                      position, False, BLOCK, INTERPRETER)
+        z_dz += _rope_backward_columns(grad_k_ptr + row * k_stride, qkv_row + q_cols, grad_z_row + q_cols,
+                                       frequencies_ptr + q_cols // 2, k_cols, position, False, BLOCK, INTERPRETER)
+        column = q_cols + k_cols
+        z_dz += _rope_backward_columns(grad_v_ptr + row * v_stride, qkv_row + column, grad_z_row + column,
+                                       frequencies_ptr + column // 2, v_cols, position, False, BLOCK, INTERPRETER)
         tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
 
     @triton.jit
     def _qk_norm_heads_backward(grad_ptr, preact_ptr, grad_z_ptr, frequencies_ptr, gamma_even, gamma_odd, n_heads,
                                 head_dim, position, row_ok, eps, HEADS: tl.constexpr, HEAD_BLOCK: tl.constexpr,
                                 INTERPRETER: tl.constexpr):
-        """Up to HEADS adjacent heads of one kind (Q or K; ``n_heads`` of them left) of one row as one
-        ``[HEADS, 2 HEAD_BLOCK]`` tile, loaded contiguously, pairs split in registers: rotate the gradient
-        back, QK-norm backward per head, store ``dz``. Returns the tile's ``z dz`` and its terms of the norm
-        weight's gradient (even and odd columns), unreduced: the caller sums them once per row and once per
-        program, not once per step (a sum across heads crosses warps). Masked lanes load 0 and return 0."""
+        """A row's ``n_heads`` heads of one kind (Q or K), HEADS at a time as one ``[HEADS, 2 HEAD_BLOCK]``
+        tile, loaded contiguously, pairs split in registers: rotate the gradient back, QK-norm backward
+        per head, store ``dz``. Returns the row's ``z dz`` and its terms of the norm weight's gradient
+        (even and odd columns) unreduced across heads: the caller sums them once per row and once per
+        program, not once per step (a sum across heads crosses warps). Masked lanes load 0 and add 0."""
         head = tl.arange(0, HEADS)[:, None]
         col = tl.arange(0, 2 * HEAD_BLOCK)[None, :]
         pair = tl.arange(0, HEAD_BLOCK)[None, :]
         half_head = head_dim // 2
-        mask = (head < n_heads) & (col < head_dim) & row_ok
-        at = head * head_dim + col
-        g = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(preact_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        g0, g1 = tl.split(tl.reshape(g, [HEADS, HEAD_BLOCK, 2]))
-        z0, z1 = tl.split(tl.reshape(z, [HEADS, HEAD_BLOCK, 2]))
-        pair_mask = (head < n_heads) & (pair < half_head) & row_ok
-        theta = position * tl.load(frequencies_ptr + head * half_head + pair, mask=pair_mask, other=0.0).to(tl.float32)
-        cos, sin = cos_sin(theta, INTERPRETER)
-        u0 = g0 * cos + g1 * sin  # rotated back by -theta: the gradient of the QK-norm output
-        u1 = g1 * cos - g0 * sin
         inv_head_dim = 1.0 / head_dim
-        rho = (1.0 / tl.sqrt(tl.sum(z0 * z0 + z1 * z1, axis=1) * inv_head_dim + eps))[:, None]
-        zhat0, zhat1 = z0 * rho, z1 * rho
-        gg0, gg1 = gamma_even[None, :] * u0, gamma_odd[None, :] * u1
-        mean_zhat_gg = (tl.sum(zhat0 * gg0 + zhat1 * gg1, axis=1) * inv_head_dim)[:, None]
-        dz0 = rho * (gg0 - zhat0 * mean_zhat_gg)
-        dz1 = rho * (gg1 - zhat1 * mean_zhat_gg)
-        dz = tl.reshape(tl.join(dz0, dz1), [HEADS, 2 * HEAD_BLOCK])
-        tl.store(grad_z_ptr + at, dz.to(grad_z_ptr.dtype.element_ty), mask=mask)
-        return z0 * dz0 + z1 * dz1, u0 * zhat0, u1 * zhat1
+        z_dz = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
+        grad_gamma_even = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
+        grad_gamma_odd = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
+        for first in range(0, n_heads, HEADS):
+            in_step = (first + head < n_heads) & row_ok
+            mask = in_step & (col < head_dim)
+            at = (first + head) * head_dim + col
+            g = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(preact_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            g0, g1 = tl.split(tl.reshape(g, [HEADS, HEAD_BLOCK, 2]))
+            z0, z1 = tl.split(tl.reshape(z, [HEADS, HEAD_BLOCK, 2]))
+            frequency = tl.load(frequencies_ptr + (first + head) * half_head + pair,
+                                mask=in_step & (pair < half_head), other=0.0).to(tl.float32)
+            cos, sin = cos_sin(position * frequency, INTERPRETER)
+            u0 = g0 * cos + g1 * sin  # rotated back by -theta: the gradient of the QK-norm output
+            u1 = g1 * cos - g0 * sin
+            rho = (1.0 / tl.sqrt(tl.sum(z0 * z0 + z1 * z1, axis=1) * inv_head_dim + eps))[:, None]
+            zhat0, zhat1 = z0 * rho, z1 * rho
+            gg0, gg1 = gamma_even[None, :] * u0, gamma_odd[None, :] * u1
+            mean_zhat_gg = (tl.sum(zhat0 * gg0 + zhat1 * gg1, axis=1) * inv_head_dim)[:, None]
+            dz0 = rho * (gg0 - zhat0 * mean_zhat_gg)
+            dz1 = rho * (gg1 - zhat1 * mean_zhat_gg)
+            dz = tl.reshape(tl.join(dz0, dz1), [HEADS, 2 * HEAD_BLOCK])
+            tl.store(grad_z_ptr + at, dz.to(grad_z_ptr.dtype.element_ty), mask=mask)
+            z_dz += z0 * dz0 + z1 * dz1
+            grad_gamma_even += u0 * zhat0
+            grad_gamma_odd += u1 * zhat1
+        return z_dz, grad_gamma_even, grad_gamma_odd
 
     @triton.jit
     def _rope_qk_norm_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, k_stride, v_stride, preact_ptr,
@@ -216,12 +229,11 @@ if triton is not None:
                                       n_rows, n_pairs, head_dim, num_heads, num_kv_heads, eps, inv_width,
                                       ROWS: tl.constexpr, HEADS: tl.constexpr, HEAD_BLOCK: tl.constexpr,
                                       BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
-        """ROWS rows per program; each row's Q heads, then K heads, HEADS at a time
-        (:func:`_qk_norm_heads_backward`), then its V columns BLOCK at a time (rotated back only). The
-        gradient arrives as the q, k and v column blocks, read in place. Norm-weight gradients accumulate
-        over the program's rows in registers and leave as one partial row per program (no atomics)."""
+        """ROWS rows per program; each row's Q heads, then K heads (:func:`_qk_norm_heads_backward`), then
+        its V columns BLOCK at a time (rotated back only). The gradient arrives as the q, k and v column
+        blocks, read in place. Norm-weight gradients accumulate over the program's rows in registers and
+        leave as one partial row per program (no atomics)."""
         block = tl.program_id(0)
-        half_head = head_dim // 2
         in_head_cols = tl.arange(0, 2 * HEAD_BLOCK) < head_dim
         q_gamma_even, q_gamma_odd = _load_pairs(q_norm_weight_ptr, in_head_cols, HEAD_BLOCK)
         k_gamma_even, k_gamma_odd = _load_pairs(k_norm_weight_ptr, in_head_cols, HEAD_BLOCK)
@@ -237,36 +249,22 @@ if triton is not None:
             preact_row = preact_ptr + row.to(tl.int64) * 2 * n_pairs
             grad_z_row = grad_z_ptr + row.to(tl.int64) * 2 * n_pairs
             position = tl.load(positions_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
-            z_dz = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
-            grad_q_row = grad_q_ptr + row.to(tl.int64) * q_stride
-            for first in range(0, num_heads, HEADS):
-                column = first * head_dim
-                part, even, odd = _qk_norm_heads_backward(
-                    grad_q_row + column, preact_row + column, grad_z_row + column, frequencies_ptr + first * half_head,
-                    q_gamma_even, q_gamma_odd, num_heads - first, head_dim, position, row_ok, eps, HEADS, HEAD_BLOCK,
-                    INTERPRETER)
-                z_dz += part
-                grad_q_even += even
-                grad_q_odd += odd
-            grad_k_row = grad_k_ptr + row.to(tl.int64) * k_stride
-            for first in range(0, num_kv_heads, HEADS):
-                column = q_cols + first * head_dim
-                part, even, odd = _qk_norm_heads_backward(
-                    grad_k_row + first * head_dim, preact_row + column, grad_z_row + column,
-                    frequencies_ptr + column // 2, k_gamma_even, k_gamma_odd, num_kv_heads - first, head_dim,
-                    position, row_ok, eps, HEADS, HEAD_BLOCK, INTERPRETER)
-                z_dz += part
-                grad_k_even += even
-                grad_k_odd += odd
-            v_dz = tl.zeros([BLOCK // 2], dtype=tl.float32)
-            grad_v_row = grad_v_ptr + row.to(tl.int64) * v_stride
-            for start in range(0, 2 * n_pairs - qk_cols, BLOCK):  # V: rotate back only
-                column = qk_cols + start
-                n_valid = tl.where(row_ok, 2 * n_pairs - column, 0)
-                v_dz += _rope_backward_chunk(grad_v_row + start, preact_row + column, grad_z_row + column,
-                                             frequencies_ptr + column // 2, n_valid, position, True, BLOCK,
-                                             INTERPRETER)
-            row_z_dz = tl.sum(tl.sum(z_dz, axis=1), axis=0) + tl.sum(v_dz, axis=0)
+            q_z_dz, q_even, q_odd = _qk_norm_heads_backward(
+                grad_q_ptr + row.to(tl.int64) * q_stride, preact_row, grad_z_row, frequencies_ptr, q_gamma_even,
+                q_gamma_odd, num_heads, head_dim, position, row_ok, eps, HEADS, HEAD_BLOCK, INTERPRETER)
+            k_z_dz, k_even, k_odd = _qk_norm_heads_backward(
+                grad_k_ptr + row.to(tl.int64) * k_stride, preact_row + q_cols, grad_z_row + q_cols,
+                frequencies_ptr + q_cols // 2, k_gamma_even, k_gamma_odd, num_kv_heads, head_dim, position, row_ok,
+                eps, HEADS, HEAD_BLOCK, INTERPRETER)
+            grad_q_even += q_even
+            grad_q_odd += q_odd
+            grad_k_even += k_even
+            grad_k_odd += k_odd
+            v_dz = _rope_backward_columns(  # V: rotated back only; none of a row past the end
+                grad_v_ptr + row.to(tl.int64) * v_stride, preact_row + qk_cols, grad_z_row + qk_cols,
+                frequencies_ptr + qk_cols // 2, tl.where(row_ok, 2 * n_pairs - qk_cols, 0), position, True, BLOCK,
+                INTERPRETER)
+            row_z_dz = tl.sum(tl.sum(q_z_dz + k_z_dz, axis=1), axis=0) + tl.sum(v_dz, axis=0)
             tl.store(mean_z_dz_ptr + row, row_z_dz * inv_width, mask=row_ok)
         # partial row of this program: [q_norm grad | k_norm grad], each head_dim wide
         partial = partial_grad_norm_weight_ptr + block.to(tl.int64) * 2 * head_dim
@@ -395,10 +393,10 @@ if triton is not None:
             total = 1.0 / tl.sqrt(total + eps)
         tl.store(out_ptr + outs, total.to(out_ptr.dtype.element_ty), mask=outs < n_out)
 
-
     @triton.jit
     def _finish_cross_entropy_kernel(partial_lse_ptr, partial_target_ptr, row_loss_ptr, n_rows, n_tiles,
-                                     lse_stride, target_stride, ROWS: tl.constexpr, TILES: tl.constexpr):
+                                     lse_row_stride, lse_tile_stride, target_row_stride, target_tile_stride,
+                                     ROWS: tl.constexpr, TILES: tl.constexpr):
         """ROWS rows per program: ``row_loss = logsumexp_t(partial_lse[m, t]) - sum_t partial_target[m, t]``,
         the logsumexp kept online (running max and sum) over steps of TILES partials."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -409,13 +407,14 @@ if triton is not None:
         for start in range(0, n_tiles, TILES):
             tiles = start + tl.arange(0, TILES)
             mask = row_ok[:, None] & (tiles < n_tiles)[None, :]
-            lse_at = rows.to(tl.int64)[:, None] * lse_stride + tiles[None, :]
+            lse_at = rows.to(tl.int64)[:, None] * lse_row_stride + tiles.to(tl.int64)[None, :] * lse_tile_stride
             partial = tl.load(partial_lse_ptr + lse_at, mask=mask, other=float("-inf")).to(tl.float32)
             new_max = tl.maximum(running_max, tl.max(partial, axis=1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row of -inf stays -inf, not nan
             running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(partial - shift[:, None]), axis=1)
             running_max = new_max
-            target_at = rows.to(tl.int64)[:, None] * target_stride + tiles[None, :]
+            target_at = (rows.to(tl.int64)[:, None] * target_row_stride
+                         + tiles.to(tl.int64)[None, :] * target_tile_stride)
             target += tl.sum(tl.load(partial_target_ptr + target_at, mask=mask, other=0.0).to(tl.float32), axis=1)
         tl.store(row_loss_ptr + rows, running_max + tl.log(running_sum) - target, mask=row_ok)
 
@@ -584,7 +583,7 @@ def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: to
             k_norm_weight, grad_z, mean_z_dz, partial,
             m, n // 2, hd, num_heads, num_kv_heads, eps, 1.0 / width,
             ROWS=rows, HEADS=max(1, step // (2 * head_block)), HEAD_BLOCK=head_block,
-            BLOCK=min(max(triton.next_power_of_2(widths[2]), 2), step), INTERPRETER=_interpreting(), num_warps=warps)
+            BLOCK=_rope_block(widths[2], step), INTERPRETER=_interpreting(), num_warps=warps)
     grad_norm_weight = finish_col_sum_triton(partial, torch.float32)
     return grad_z, mean_z_dz, grad_norm_weight[:hd], grad_norm_weight[hd:]
 
@@ -804,17 +803,23 @@ def finish_cross_entropy(partial_lse: torch.Tensor, partial_target: torch.Tensor
 @_on_tensor_device
 def finish_cross_entropy_triton(partial_lse: torch.Tensor, partial_target: torch.Tensor) -> torch.Tensor:
     n_rows, n_tiles = partial_lse.shape
-    if partial_target.shape != partial_lse.shape or partial_lse.stride(1) != 1 or partial_target.stride(1) != 1:
-        raise ValueError(f"partial_lse, partial_target: expected two [rows, tiles] partials with unit column "
-                         f"stride, got {tuple(partial_lse.shape)} and {tuple(partial_target.shape)}")
+    if partial_target.shape != partial_lse.shape:
+        raise ValueError(f"partial_target: expected the shape of partial_lse {tuple(partial_lse.shape)}, got "
+                         f"{tuple(partial_target.shape)}")
     row_loss = torch.empty(n_rows, dtype=torch.float32, device=partial_lse.device)
     if n_rows:
-        tiles = min(triton.next_power_of_2(max(n_tiles, 1)), _FINISH_MAX_TILES)
-        rows = min(triton.next_power_of_2(n_rows), _FINISH_ELEMENTS // tiles)
+        rows, tiles = _finish_step(n_rows, n_tiles)
         _finish_cross_entropy_kernel[(triton.cdiv(n_rows, rows),)](
-            partial_lse, partial_target, row_loss, n_rows, n_tiles, partial_lse.stride(0), partial_target.stride(0),
+            partial_lse, partial_target, row_loss, n_rows, n_tiles, *partial_lse.stride(), *partial_target.stride(),
             ROWS=rows, TILES=tiles)
     return row_loss
+
+
+def _finish_step(n_out: int, n_tiles: int) -> tuple[int, int]:
+    """(outputs per program, tiles per step) of a finisher: at most :data:`_FINISH_MAX_TILES` tiles and
+    :data:`_FINISH_ELEMENTS` partials a step."""
+    tiles = min(triton.next_power_of_2(max(n_tiles, 1)), _FINISH_MAX_TILES)
+    return min(triton.next_power_of_2(n_out), _FINISH_ELEMENTS // tiles), tiles
 
 
 def _finish(partial: torch.Tensor, *, over_rows: bool, dtype: torch.dtype, scale: float = 1.0, eps: float = 0.0,
@@ -825,8 +830,7 @@ def _finish(partial: torch.Tensor, *, over_rows: bool, dtype: torch.dtype, scale
     tile_stride, out_stride = partial.stride() if over_rows else partial.stride()[::-1]
     out = torch.empty(n_out, dtype=dtype, device=partial.device)
     if n_out:
-        tiles = min(triton.next_power_of_2(max(n_tiles, 1)), _FINISH_MAX_TILES)
-        outs = min(triton.next_power_of_2(n_out), _FINISH_ELEMENTS // tiles)
+        outs, tiles = _finish_step(n_out, n_tiles)
         _finish_partials_kernel[(triton.cdiv(n_out, outs),)](partial, out, n_out, n_tiles, out_stride, tile_stride,
                                                              scale, eps, RSQRT=rsqrt, OUTS=outs, TILES=tiles)
     return out
