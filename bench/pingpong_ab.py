@@ -13,8 +13,6 @@ A kernel given as ``name:model:piece_n`` runs with that piece width only, else w
         [--kernels lm_head_ce:d2048 o_proj_residual_rms:d2048:32 ...] [--rounds 3] [--rep-ms 60] [--out DIR]
 """
 import argparse
-import importlib.util
-import sys
 import tempfile
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import torch
 
 from codagen.backends.triton import pingpong, pingpong_codegen
 from codagen.backends.triton.backend import _num_sms, _set_allocator, _smem_limit
-from codagen.bench.common import median_ms, timed_rounds, write_results
+from codagen.bench.common import load_module, median_ms, timed_rounds, write_results
 from codagen.bench.kernels import MODELS, gemm, kernel_cases, random_inputs
 from codagen.epilogue.bind import bind, set_poison_outputs
 
@@ -31,17 +29,9 @@ DEFAULT_KERNELS = ["lm_head_ce:d2048", "lm_head_ce_bwd:d2048", "o_proj_residual_
 _modules = Path(tempfile.mkdtemp(prefix="codagen-ab-"))
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def baseline_module(path: str):
     """A saved pingpong.py as a sibling module, so its relative imports resolve."""
-    return _load(f"codagen.backends.triton.{Path(path).stem}", Path(path))
+    return load_module(f"codagen.backends.triton.{Path(path).stem}", path)
 
 
 def kernel_on(schedule, program):
@@ -50,7 +40,7 @@ def kernel_on(schedule, program):
         f"from {pingpong.__name__} import", f"from {schedule.__name__} import")
     path = _modules / f"{program.name}_{schedule.__name__.rsplit('.', 1)[1]}.py"
     path.write_text(source)
-    return getattr(_load(path.stem, path), f"{program.name}_kernel")
+    return getattr(load_module(path.stem, path), f"{program.name}_kernel")
 
 
 def main():

@@ -22,10 +22,8 @@ the stamp after the mainloop prevents that, and the timeline describes the kerne
 """
 import argparse
 import datetime
-import importlib.util
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +33,7 @@ import torch
 from codagen.backends.triton import pingpong, pingpong_codegen
 from codagen.backends.triton.backend import TritonBackend, _num_sms, _smem_limit
 from codagen.backends.triton.configs import KernelConfig
-from codagen.bench.common import write_results
+from codagen.bench.common import load_module, write_results
 from codagen.bench.kernels import MODELS, gemm, kernel_cases, random_inputs
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
@@ -49,10 +47,7 @@ def timeline_kernel(program):
     """The program's ping-pong kernel with stamps, loaded from a module file (``@gluon.jit`` reads it)."""
     path = _modules / f"{program.name}_timeline.py"
     path.write_text(pingpong_codegen.generate(program, timeline=True))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
+    module = load_module(path.stem, path)
     return getattr(module, f"{program.name}_kernel"), module.TIMELINE_TILES.value
 
 

@@ -23,14 +23,12 @@ and the kernel at other (BLOCK, num_warps) than the launcher's. Prints a table o
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-from codagen.bench.common import environment, median_ms
+from codagen.bench.common import environment, load_module, median_ms
 from codagen.ops import kernels
 
 SHAPES = {  # tokens, q columns, k (= v) columns
@@ -117,16 +115,6 @@ def qk_norm_cases(m: int, q_cols: int, kv_cols: int, baseline=None, head_dim: in
     return found
 
 
-def load_baseline(path: str):
-    """A saved kernels.py as a sibling module of today's, so that its relative imports resolve."""
-    name = "codagen.ops.kernels_baseline"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -134,7 +122,7 @@ def main():
     parser.add_argument("--qk-norm", action="store_true", help="B1 with QK-norm (head_dim 128 shapes only)")
     parser.add_argument("--baseline", default=None, help="a saved codagen/ops/kernels.py to time beside (--qk-norm)")
     args = parser.parse_args()
-    baseline = load_baseline(args.baseline) if args.baseline else None
+    baseline = load_module("codagen.ops.kernels_baseline", args.baseline) if args.baseline else None
     records = []
     for shape in args.shapes:
         m, q_cols, kv_cols = SHAPES[shape]

@@ -9,17 +9,20 @@ Schema (one file per run under ``bench/results/``)::
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-__all__ = ["environment", "median_ms", "wall_ms", "timed_rounds", "write_results", "RESULTS_DIR"]
+__all__ = ["environment", "median_ms", "wall_ms", "timed_rounds", "ratio_records", "load_module",
+           "write_results", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -110,6 +113,17 @@ def ratio_records(suite: str, shape: str, times: dict[str, list[float]], referen
         print(f"{shape:10s} {name:22s} {ms:7.3f} ms  {ms / base:.3f}x {reference}  rounds "
               + " ".join(f"{r:.3f}" for r in rounds), flush=True)
     return records
+
+
+def load_module(name: str, path: str | os.PathLike):
+    """Import the file ``path`` as module ``name`` (registered in ``sys.modules``): a saved copy of one of
+    codagen's modules named as its sibling (``codagen.ops.kernels_baseline``), so that its relative imports
+    resolve, for an A/B beside today's; or generated source that ``@jit`` must read from a file."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_results(suite: str, records: list[dict], out_dir: str | os.PathLike | None = None) -> Path:
