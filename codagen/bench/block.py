@@ -17,7 +17,8 @@ Block shapes: M = 16384 tokens (2 x 8192); the paper's MHA blocks d in {2048, 40
 f = round_up(8d/3, 256), head_dim 128; LLaMA-3 1B (d 2048, f 8192, GQA 32/8, hd 64) and 8B (d 4096,
 f 14336, GQA 32/8, hd 128); Qwen3-8B (d 4096, f 12288, GQA 32/8, hd 128) with QK-norm, an RMSNorm over
 each Q and K head before RoPE (in every provider but the speed-of-light line, which has no such work).
-Records go to ``bench/results/<date>-block.json`` (``--out`` to change) with a bar chart beside it; every provider runs in its own try/except, and a failure is recorded.
+Records go to ``bench/results/<date>-block.json`` (``--out`` to change) with a bar chart beside it;
+every provider runs in its own try/except, and a failure is recorded.
 ``--smoke`` runs tiny shapes on CPU (wall-clock timing) to check the harness itself.
 """
 from __future__ import annotations
@@ -173,7 +174,8 @@ def codagen_block_weights(p: dict, s: BlockShape) -> tuple[BlockWeights, torch.T
                       for name in ("q_norm", "k_norm") if name in p})
     leaf = {name: (fused.get(name, t)).detach().clone().requires_grad_() for name, t in p.items()}
     blk = BlockWeights(attn_norm=leaf["attn_norm"], qkv=leaf["qkv"], o=leaf["o"], mlp_norm=leaf["mlp_norm"],
-                       gate_up=leaf["gate_up"], down=leaf["down"], q_norm=leaf.get("q_norm"), k_norm=leaf.get("k_norm"))
+                       gate_up=leaf["gate_up"], down=leaf["down"], q_norm=leaf.get("q_norm"),
+                       k_norm=leaf.get("k_norm"))
     return blk, leaf["next_norm"]
 
 
