@@ -136,3 +136,26 @@ def test_timed_rounds_rotate_the_order_and_drop_what_fails():
         return 1.0
     with pytest.raises(RuntimeError, match="out of resources"):  # without on_error the failure propagates
         timed_rounds({n: n for n in "abc"}, 2, failing_timer)
+
+
+def test_ratio_records_take_each_median_over_the_references(capsys):
+    from codagen.bench.common import ratio_records
+    records = ratio_records("suite", "shape", {"line": [3.0, 1.0, 2.0], "fused": [4.0, 6.0, 5.0]}, "line")
+    assert [(r["provider"], r["median_ms"], r["vs_line"]) for r in records] == [("line", 2.0, 1.0),
+                                                                                 ("fused", 5.0, 2.5)]
+    assert records[1]["round_ms"] == [4.0, 6.0, 5.0] and records[1]["suite"] == "suite"
+    assert "2.500x line" in capsys.readouterr().out
+
+
+def test_load_module_imports_a_saved_copy_as_a_sibling(tmp_path):
+    """A saved module with relative imports loads beside today's under the name given."""
+    import sys
+
+    from codagen.bench.common import load_module
+    path = tmp_path / "saved.py"
+    path.write_text("from .layouts import kv_heads_of\nANSWER = kv_heads_of(48, 8, 4)\n")
+    module = load_module("codagen.ops.saved_for_test", path)
+    try:
+        assert module.ANSWER == 1 and sys.modules["codagen.ops.saved_for_test"] is module
+    finally:
+        del sys.modules["codagen.ops.saved_for_test"]
