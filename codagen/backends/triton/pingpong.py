@@ -41,7 +41,7 @@ __all__ = ["supports", "refuses", "launch", "shared_memory", "BLOCK_M", "BLOCK_N
            "CONSUMER_WARPS", "OUT_BUFFERS", "PIECE_WIDTHS", "input_slots"]
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
-STAGES = 4           # A/B ring slots of 32 KiB (3 slots slowed the mainloop by 15-20%: docs/triton.md)
+STAGES = 4           # A/B ring slots of 32 KiB (3 slots: 15-20% slower; docs/notes/swiglu-backward-epilogue.md)
 CONSUMER_WARPS = 4   # one warpgroup per consumer
 PIECE_WIDTHS = (32, 16)  # epilogue column pieces the configurations offer (KernelConfig.sub_n)
 BM, BN, BK = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K)
@@ -202,7 +202,7 @@ def mainloop(a_slots, b_slots, ready, empty, turn, local, k_steps, WHICH: gl.con
     acc = warpgroup_mma_wait(0, deps=(acc,))
     # The arrives sit in a block of their own (always entered: the backend never runs this kernel with
     # K = 0). In the block the epilogue starts in, ptxas scheduled up to 1900 instructions of the LM-head
-    # epilogues above them, and the other consumer's mainloop waited for those (docs/triton.md).
+    # epilogues above them, and the other consumer's mainloop waited for those (docs/notes/pingpong-handoff.md).
     if k_steps > 0:
         mbarrier.arrive(empty.index((base + k_steps - 1) % RING))
         mbarrier.arrive(turn.index(1 - WHICH))  # the tensor cores pass to the other consumer
