@@ -41,7 +41,7 @@ __all__ = ["supports", "refuses", "launch", "shared_memory", "BLOCK_M", "BLOCK_N
            "CONSUMER_WARPS", "OUT_BUFFERS", "PIECE_WIDTHS", "input_slots"]
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
-STAGES = 4           # A/B ring slots of 32 KiB (3 slots: 15-20% slower; docs/notes/swiglu-backward-epilogue.md)
+STAGES = 4           # A/B ring slots of 32 KiB (3 slots slowed the mainloop by 15-20%: docs/triton.md)
 CONSUMER_WARPS = 4   # one warpgroup per consumer
 PIECE_WIDTHS = (32, 16)  # epilogue column pieces the configurations offer (KernelConfig.sub_n)
 BM, BN, BK = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K)
