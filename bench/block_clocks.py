@@ -3,9 +3,8 @@
     PYTHONPATH=. python bench/block_clocks.py [--shapes d2048 llama3-8b] [--providers speed_of_light compile
         codagen] [--seconds 3] [--smi-index 0] [--out DIR]
 
-The same cuDNN attention kernels take 15-20% longer inside a codagen or torch.compile block than on the
-speed-of-light line, with the same inputs (``bench/sdpa_data.py``): is the GPU clocked lower there? Each
-provider's fwd+bwd step runs back to back for ``--seconds`` (after a second of warm-up) while nvidia-smi
+Is the GPU clocked lower, or power-capped, while a provider's block runs? (docs/notes/power-cap-and-clocks.md)
+Each provider's fwd+bwd step runs back to back for ``--seconds`` (after a second of warm-up) while nvidia-smi
 samples the SM clock, the power draw and the throttle reasons every 50 ms. Reports ms per step, the
 median clock and power, the energy per step (power x time) and the throttle reasons seen
 (0x4: software power cap).

@@ -10,7 +10,7 @@ the op uses (``cross_entropy.chunk_rows``: 512 MiB of logits):
 
 ``kernel``           the launcher (the shipped BLOCK and num_warps);
 ``block*_warps*``    the kernel at other launch parameters;
-``lane_online``      the kernel it replaced: a running max per logit lane rather than per group of 8
+``lane_online``      the per-lane form: a running max per logit lane rather than per group of 8
                      (two exps per logit in pass 1), pass 2 in the same order as pass 1, 2048 x 4 warps;
 ``copy_same_bytes``  ``logits.copy_(fresh)``: one read and one write of the chunk, the memory system's pace;
 
@@ -112,7 +112,7 @@ def cases(vocab: int, width: int = 2048) -> tuple[int, torch.Tensor, torch.Tenso
 
 
 def lane_online_launcher(logits, target, row_weight, width):
-    """The replaced kernel behind the launcher's signature (``kernels.cross_entropy_logits_grad_triton``)."""
+    """The per-lane form behind the launcher's signature (``kernels.cross_entropy_logits_grad_triton``)."""
     rows, vocab = logits.shape
     row_loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     mean_z_dz = torch.empty(rows, dtype=torch.float32, device=logits.device)

@@ -8,8 +8,8 @@ and timed in alternation with the cuBLAS GEMM of its shape for ``--rounds`` roun
 in an order that rotates: in fixed order, two builds of identical device code differed by up to 4%).
 A kernel given as ``name:model:piece_n`` runs with that piece width only, else with each that fits.
 
-    git show HEAD~1:codagen/backends/triton/pingpong.py > /tmp/pingpong_before.py
-    PYTHONPATH=. python bench/pingpong_ab.py --baseline /tmp/pingpong_before.py [more.py ...]
+    git show HEAD~1:codagen/backends/triton/pingpong.py > /tmp/pingpong_saved.py
+    PYTHONPATH=. python bench/pingpong_ab.py --baseline /tmp/pingpong_saved.py [more.py ...]
         [--kernels lm_head_ce:d2048 o_proj_residual_rms:d2048:32 ...] [--rounds 3] [--rep-ms 60] [--out DIR]
 """
 import argparse
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from codagen.backends.triton import pingpong, pingpong_codegen
-from codagen.backends.triton.backend import _num_sms, _set_allocator, _smem_limit
+from codagen.backends.triton.backend import _set_allocator
 from codagen.bench.common import load_module, median_ms, timed_rounds, write_results
 from codagen.bench.kernels import MODELS, gemm, kernel_cases, random_inputs
 from codagen.epilogue.bind import bind, set_poison_outputs
@@ -54,6 +54,8 @@ def main():
     _set_allocator()
     set_poison_outputs(True)
     device = torch.device("cuda")
+    gpu = torch.cuda.get_device_properties(device)
+    smem_limit, num_sms = gpu.shared_memory_per_block_optin, gpu.multi_processor_count
     schedules = {Path(path).stem: baseline_module(path) for path in args.baseline}
     schedules["candidate"] = pingpong
     first = next(iter(schedules))
@@ -66,14 +68,14 @@ def main():
         bound = bind(program, a, b, tensors)
         kernels = {version: kernel_on(schedule, program) for version, schedule in schedules.items()}
         for piece_n in [int(p) for p in piece] or pingpong.PIECE_WIDTHS:
-            if pingpong.refuses(bound, piece_n, _smem_limit(device)):
+            if pingpong.refuses(bound, piece_n, smem_limit):
                 continue
-            slots = pingpong.input_slots(bound, piece_n, _smem_limit(device))
+            slots = pingpong.input_slots(bound, piece_n, smem_limit)
             runs, results = {}, {}
             for version, schedule in schedules.items():
                 outs = bound.allocate_outputs(pingpong.BLOCK_M, pingpong.BLOCK_N)
                 runs[version] = (lambda schedule=schedule, kernel=kernels[version], outs=outs:
-                                 schedule.launch(kernel, bound, outs, piece_n, slots, _num_sms(device)))
+                                 schedule.launch(kernel, bound, outs, piece_n, slots, num_sms))
                 runs[version]()
                 torch.cuda.synchronize()
                 results[version] = outs

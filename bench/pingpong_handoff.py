@@ -12,12 +12,9 @@ generated kernel for sm_90, disassembles it (``cuobjdump -sass``) and counts, pe
 floating-point instructions between the mainloop's final wgmma wait and the turn hand-off
 (:func:`codagen.backends.triton.sass.arithmetic_before_handoff`; ``tests/test_pingpong.py`` checks it too).
 
-Found 2026-11-30: 0-100 for most kernels, but 1460-1910 for the LM-head programs (the cross-entropy
-forward at both piece widths, its backward with 32-column pieces; 184 for one consumer with 16), whose
-epilogues start with arithmetic only (no shared-memory load, which ptxas does not move above a barrier).
-On the H200 the forward's timeline kernel, whose stamp after the mainloop is a branch and so a
-scheduling boundary, took 14-23% less time than the production kernel (docs/triton.md, sixth session).
-Fixed in the seventh session (the arrives in a branch of their own): 0 for every kernel.
+The mainloop puts the arrives in a branch of their own, a scheduling boundary, so every kernel counts 0;
+without it the LM-head programs, whose epilogues start with arithmetic only, counted 1460-1910
+(docs/notes/pingpong-handoff.md).
 
     python bench/pingpong_handoff.py [program ...]
 """

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from codagen.backends.triton import pingpong, pingpong_codegen
-from codagen.backends.triton.backend import TritonBackend, _num_sms, _smem_limit
+from codagen.backends.triton.backend import TritonBackend
 from codagen.backends.triton.configs import KernelConfig
 from codagen.bench.common import load_module, write_results
 from codagen.bench.kernels import MODELS, gemm, kernel_cases, random_inputs
@@ -67,9 +67,10 @@ def phases(bound, piece_n: int) -> dict:
     kernel, tiles = timeline_kernel(bound.program)
     stamps = torch.zeros(2 * tiles * STAMPS, dtype=torch.int64, device=bound.device)
     outs = bound.allocate_outputs(pingpong.BLOCK_M, pingpong.BLOCK_N)
-    slots = pingpong.input_slots(bound, piece_n, _smem_limit(bound.device))
+    gpu = torch.cuda.get_device_properties(bound.device)
+    slots = pingpong.input_slots(bound, piece_n, gpu.shared_memory_per_block_optin)
     for _ in range(3):  # the last run's stamps are kept
-        pingpong.launch(_WithTimeline(kernel, stamps), bound, outs, piece_n, slots, _num_sms(bound.device))
+        pingpong.launch(_WithTimeline(kernel, stamps), bound, outs, piece_n, slots, gpu.multi_processor_count)
     torch.cuda.synchronize()
     ns = stamps.view(2, tiles, STAMPS).cpu().double()
     spans = {"turn wait": [], "mainloop": [], "epilogue": [], "per tile": []}

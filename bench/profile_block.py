@@ -7,8 +7,8 @@ where codagen is not pip-installed the root must be on the path):
 
 ``--warm-s`` runs each provider back to back for that long before the profiled steps, so that the GPU
 sits at its power cap as it does in the benchmark's timed rounds; without it the profiled steps follow a
-short burst and run at higher clocks, and kernels compare differently (attention most: see
-``bench/attention_in_block.py``).
+short burst and run at higher clocks, and kernels compare differently (attention most:
+docs/notes/attention-under-load.md).
 """
 import argparse
 import time

@@ -8,8 +8,8 @@ This times, per shape:
 ``three_blocks``     ``rope_backward([grad_q, grad_k, grad_v])``, the three gradients as SDPA's backward
                      leaves them (separate token-major tensors): what the decoder runs;
 ``one_block``        ``rope_backward([grad_qkv])`` on one contiguous gradient;
-``cat_then_kernel``  ``torch.cat`` of the three, then ``one_block``: what autograd made the decoder do
-                     before ``split_sizes`` (a split outside the op concatenates in its backward);
+``cat_then_kernel``  ``torch.cat`` of the three, then ``one_block``: what autograd does when q/k/v are
+                     split outside the op (without ``split_sizes``), concatenating in its backward;
 ``add_same_bytes``   ``torch.add(a, b, out=c)`` over [M, N]: two reads and a write, B1's traffic with no
                      math, the memory system's pace for it;
 

@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/tile_choice_ab.py [--shapes d2048 llama3-1b] [--within 0.04] [--rounds 5] [--out DIR]
 
 ``tuned.json`` picks each bucket's configuration by timing the kernel alone. Inside a block the GPU runs
-at its 690 W power cap (docs/benchmarks.md, eighth session), where a step's time is its energy over
+at its 690 W power cap (docs/notes/power-cap-and-clocks.md), where a step's time is its energy over
 690 W, and a kernel that is as fast alone but moves more bytes through L2 and shared memory per FLOP
 costs the *other* kernels clock. The ping-pong kernels use 128 x 128 tiles, the persistent ones 128 x 256:
 per FLOP the latter read a third less from L2. This times codagen's block with three tables, in one

@@ -1,6 +1,6 @@
 """codagen.ops on a GPU in bf16: the 2x numerics rule, peak memory, determinism, CUDA-graph capture.
 
-The 2x rule (METHOD.md): for every output and gradient, the max error of the fused bf16 computation
+The 2x rule (docs/method.md section 4): for every output and gradient, the max error of the fused bf16 computation
 against a float32 reference is at most 2x the max error of the same eager computation in bf16, + 1e-6.
 The float32 reference and both bf16 runs start from the same bf16-rounded parameters and inputs.
 """

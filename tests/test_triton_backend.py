@@ -3,7 +3,7 @@
 CPU tests run the generated kernels in the Triton interpreter (tiny shapes, 32x32x32 tiles). GPU tests
 (``-m gpu``) run compiled kernels at realistic sizes in bf16 and fp16.
 
-Numerics rule (METHOD.md, the paper's gate): for every output, after finishing partials,
+Numerics rule (docs/method.md section 4, the paper's gate): for every output, after finishing partials,
 ``max |triton - exact| <= 2 * max |pytorch_lowp - exact| + 1e-6`` where ``exact`` is the reference
 backend on float64 copies of the same inputs and ``pytorch_lowp`` is the same computation done the
 unfused PyTorch way at the input dtype (GEMM output rounded to that dtype, epilogue in fp32). With

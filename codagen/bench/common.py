@@ -81,7 +81,7 @@ def timed_rounds(functions: dict, rounds: int, timer: Callable[[Callable], float
                  on_error: Callable[[object, Exception], None] | None = None) -> dict[object, list[float]]:
     """``timer(function)`` of each of ``functions`` once per round for ``rounds`` rounds, each round
     starting one place later in the order: at the power cap the GPU's clock drifts within a round, and
-    in a fixed order two builds of identical code read up to 8% apart (docs/triton.md). Returns the
+    in a fixed order two builds of identical code read up to 8% apart (docs/notes/pingpong-handoff.md). Returns the
     times by name. A function that raises goes to ``on_error`` (raised again without one) and is not
     timed again."""
     times = {name: [] for name in functions}

@@ -78,7 +78,7 @@ class Case:
 
 
 def kernel_cases(model: Model, m: int = TOKENS, vocab: int = VOCAB) -> list[Case]:
-    """The fused GEMMs of one block (METHOD.md F1-F4, B2/B4/B6) and the LM head, with their shapes."""
+    """The fused GEMMs of one block (docs/method.md F1-F4, B2/B4/B6) and the LM head, with their shapes."""
     d, f, qkv = model.d, model.f, model.qkv
     return [
         Case("o_proj_residual_rms", "fwd", library.residual_rms_stats(), m, d, d),

@@ -1,6 +1,6 @@
 """The CODA program library: the fused GEMMs of a reparameterized LLaMA block, forward and backward.
 
-Notation (METHOD.md): rows are tokens, weights are in ``nn.Linear`` layout ``W[out, in]``. RMSNorm of
+Notation (docs/method.md): rows are tokens, weights are in ``nn.Linear`` layout ``W[out, in]``. RMSNorm of
 the residual stream ``x`` is split around the GEMMs: the producer stores ``x``, ``h = x * gamma`` and
 per-tile partial sums of ``x^2``; ``rstd = rsqrt(mean(x^2) + eps)`` is finished from those; the
 consumer GEMM multiplies its accumulator by ``rstd`` (a row scale commutes with ``@ W^T``).

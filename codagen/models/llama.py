@@ -1,6 +1,6 @@
 """A LLaMA decoder built from the fused ops and regrouped the CODA way.
 
-Each RMSNorm is split around GEMMs (METHOD.md section 2): the GEMM that produces the residual stream
+Each RMSNorm is split around GEMMs (docs/method.md section 2): the GEMM that produces the residual stream
 ``x`` also produces ``normed = x * gamma`` and ``rstd``, and the next GEMM applies ``rstd`` in its
 epilogue. So a block is three fused GEMMs plus attention::
 

@@ -1,11 +1,11 @@
 """The fused ops of a CODA-reparameterized LLaMA block (everything but attention and the LM-head loss).
 
 Every activation is a contiguous 2-D matrix ``[tokens, features]``. RMSNorm is split around the GEMMs
-(METHOD.md section 2): the producer of the residual stream ``x`` returns ``(x, normed = x * gamma, rstd)``
+(docs/method.md section 2): the producer of the residual stream ``x`` returns ``(x, normed = x * gamma, rstd)``
 with ``rstd = rsqrt(mean(x^2) + eps)``; ``normed`` and ``rstd`` are non-differentiable. The single
 consumer of that norm takes ``(x, normed, rstd, norm_weight)``, multiplies its accumulator by ``rstd``
 and, in backward, computes the whole RMSNorm backward for ``x`` and ``norm_weight`` with the row
-statistic ``mean_z_dz = sum_k z dz / d`` taken from its own output side (METHOD.md section 3).
+statistic ``mean_z_dz = sum_k z dz / d`` taken from its own output side (docs/method.md section 3).
 
 Layering: each public function validates its arguments, then calls a ``torch.autograd.Function`` whose
 forward and backward are ``torch.library`` custom ops (``codagen::...``) with fake implementations, so

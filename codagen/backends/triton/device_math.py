@@ -6,7 +6,7 @@ the same formula with numpy.
 ``sigmoid``. ``tl.sigmoid`` is ``1 / (1 + exp(-x))`` with denormal-safe ``ex2`` and ``div.full``: ptxas
 wraps both in range checks and rescaling (about 12 instructions per element). An epilogue runs on one
 or two warps per scheduler, so its time is instruction latency, not throughput; the SwiGLU backward's
-epilogue spends most of it here (docs/triton.md). ``ex2.approx.ftz`` and ``rcp.approx.ftz`` are 4
+epilogue spends most of it here (docs/notes/swiglu-backward-epilogue.md). ``ex2.approx.ftz`` + ``rcp.approx.ftz`` are 4
 instructions with the same accuracy (relative error ~2**-22 each); flushing denormals changes nothing
 representable: exp(-x) is denormal only where the sigmoid is 1 in fp32, and overflows to inf where it
 is below fp32's normal range (rcp(inf) = 0).

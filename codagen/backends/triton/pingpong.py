@@ -202,7 +202,7 @@ def mainloop(a_slots, b_slots, ready, empty, turn, local, k_steps, WHICH: gl.con
     acc = warpgroup_mma_wait(0, deps=(acc,))
     # The arrives sit in a block of their own (always entered: the backend never runs this kernel with
     # K = 0). In the block the epilogue starts in, ptxas scheduled up to 1900 instructions of the LM-head
-    # epilogues above them, and the other consumer's mainloop waited for those (docs/triton.md).
+    # epilogues above them, and the other consumer's mainloop waited for those (docs/notes/pingpong-handoff.md).
     if k_steps > 0:
         mbarrier.arrive(empty.index((base + k_steps - 1) % RING))
         mbarrier.arrive(turn.index(1 - WHICH))  # the tensor cores pass to the other consumer
