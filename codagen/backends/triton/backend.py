@@ -458,7 +458,6 @@ class TritonBackend:
         for i, cfg in enumerate(pool):
             run = self._trial(bound, launch, cfg)
             try:
-                run()
                 ms = self._time(run)
             except OutOfResources as e:
                 timings[cfg.short()] = float("nan")
@@ -485,8 +484,10 @@ class TritonBackend:
 
     @staticmethod
     def _time(run) -> float:
-        """Median milliseconds of ``run`` (one candidate's launch)."""
+        """Median milliseconds of ``run`` (one candidate's launch); the first call compiles it (and raises
+        ``OutOfResources`` for a candidate that does not fit)."""
         import triton.testing
+        run()
         return triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
 
 
