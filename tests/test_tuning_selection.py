@@ -90,7 +90,8 @@ def test_an_entry_these_operands_cannot_run_gives_its_fastest_candidate(table):
     program = library.residual_rms_stats()
     pool = h200_pool(program)
     persistent = [cfg for cfg in pool if cfg.schedule == "persistent"]
-    timings = {cfg.short(): 2.0 + i for i, cfg in enumerate(pool)} | {PINGPONG[1].short(): 1.0, persistent[2].short(): 1.5}
+    timings = {cfg.short(): 2.0 + i for i, cfg in enumerate(pool)}
+    timings |= {PINGPONG[1].short(): 1.0, persistent[2].short(): 1.5}
     key = key_at(program, 16384, 2048, 2048)
     table._entries[key] = entry(PINGPONG[1], program, timings)
     assert table.choose(key, gemm_layout(program), program, persistent, 2048) == (persistent[2], "tuned")
