@@ -200,3 +200,19 @@ def test_autotune_times_unseen_keys_once_and_resumes(monkeypatch, tmp_path):
     explicit_off = _GpuShaped(times, autotune=False)
     choose(explicit_off, program, 999, 1536, 320)
     assert explicit_off.timed == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_norm_backward", "swiglu_backward"])
+def test_gpu_unseen_shape_runs_untimed_choice_correctly(name, monkeypatch, tmp_path):
+    """On the GPU, a shape no entry holds runs its untimed choice (nothing timed) within the numerics rule."""
+    from tests.test_triton_backend import check
+    monkeypatch.setenv("CODAGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CODAGEN_TRITON_AUTOTUNE", raising=False)
+
+    def no_timing(run):
+        raise AssertionError("timed a candidate at an untuned shape by default")
+    monkeypatch.setattr(TritonBackend, "_time", staticmethod(no_timing))
+    backend = TritonBackend()
+    check(library.PROGRAMS[name](), 3000, 1536, 1024, torch.bfloat16, device="cuda", backend=backend)
+    assert set(backend.choices.values()) <= {"nearest", "layout", "heuristic"} and backend.choices
