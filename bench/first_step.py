@@ -17,7 +17,7 @@ heads, vocab 32768) at 8192 and 12288 tokens, and Llama-3.2-3B dims (d 3072, ffn
 vocab 32768 here) at 16384.
 
     PYTHONPATH=. python bench/first_step.py [--shapes d2048-8k d2048-12k 3b-16k] [--layers 2]
-        [--tune-timeout 240]
+        [--tune-timeout 180]
 
 Writes ``bench/results/<date>-first-step.json``. About 1 minute per shape without tuning; ``codagen tune``
 adds what its output reports (minutes for a new model's first shape, while Triton compiles every
@@ -91,7 +91,7 @@ def main():
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--tune-timeout", type=int, default=240, help="seconds codagen tune may run per shape")
+    parser.add_argument("--tune-timeout", type=int, default=180, help="seconds codagen tune may run per shape")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per measuring process")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "TOKENS"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help="results folder (default: bench/results)")

@@ -90,6 +90,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attention
     return out.transpose(1, 2).reshape(b * s, h * hd)
 
 
+# torch < 2.8 has no nested compile regions: there the layer is inlined into the model's graph
+_compile_region = getattr(torch.compiler, "nested_compile_region", lambda fn: fn)
+
+
 def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: torch.Tensor, eps: float,
                   spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor):
     """Run the blocks on the embeddings ``x`` [tokens, d]; return ``(x, normed, rstd)`` of the final norm.
@@ -104,7 +108,7 @@ def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: t
     return x, normed, rstd
 
 
-@torch.compiler.nested_compile_region
+@_compile_region
 def decoder_layer(x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, blk: BlockWeights, next_norm: torch.Tensor,
                   eps: float, spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor):
     """One block of :func:`decoder_stack`: ``(x, normed, rstd)`` of ``next_norm`` after it.
