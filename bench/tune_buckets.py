@@ -25,6 +25,7 @@ import torch
 
 from codagen.backends import get_backend, use_backend
 from codagen.backends.triton.backend import TritonBackend
+from codagen.backends.triton.configs import gemm_layout
 from codagen.bench.common import median_ms, timed_rounds
 from codagen.bench.kernels import MODELS, Model, kernel_cases, random_inputs
 from codagen.epilogue.bind import bind
@@ -80,7 +81,8 @@ def main():
             mark = " <-" if cfg is chosen else ""
             print(f"  {cfg.short():28s} " + "  ".join(f"{times[cfg.short(), n]:7.3f}" for n in names) +
                   f"   total {total[cfg.short()]:7.3f}{mark}")
-        backend.tuning.put(key, chosen, {s: (ms if math.isfinite(ms) else float("nan")) for s, ms in total.items()})
+        backend.tuning.put(key, chosen, {s: (ms if math.isfinite(ms) else float("nan")) for s, ms in total.items()},
+                           gemm_layout(members[0][1].program))
     print(f"\nwrote {backend.tuning.path}")
 
 

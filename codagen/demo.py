@@ -8,7 +8,6 @@ Prints both loss curves' summary and each run's tokens/s, and writes ``demo_out/
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import random
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from codagen._cli import command_parser, device_arg
 from codagen.backends import resolve_backend_name
 from codagen.models import Llama, LlamaConfig, ReferenceLlama
 
@@ -195,14 +195,14 @@ def _plot(curves: dict[str, list[float]], path: Path, title: str) -> Path | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="codagen demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = command_parser("codagen demo", __doc__)
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda[:index] (default: cuda when a GPU is available)")
     parser.add_argument("--steps", type=int, help="training steps per run (default: 300)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="demo_out", help="folder for loss.png (default: demo_out)")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = args.device
     setup = GPU_SETUP if device.type == "cuda" else CPU_SETUP
     if args.steps is not None:
         if args.steps < 2:

@@ -23,7 +23,6 @@ every provider runs in its own try/except, and a failure is recorded.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import statistics
@@ -37,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from codagen import ops
+from codagen._cli import command_parser
 from codagen.models import Llama, LlamaConfig
 from codagen.models.llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv
 from codagen.models.reference import rotate_half
@@ -445,8 +445,7 @@ def plot(records: list[dict], providers: list[str], path: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="codagen bench block", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("codagen bench block", __doc__)
     parser.add_argument("--quick", action="store_true", help="LLaMA-3 1B and 8B blocks only; a 2-layer model")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the harness, not speed")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="block shapes (default: all)")

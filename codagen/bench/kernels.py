@@ -20,7 +20,6 @@ and LLaMA-3-8B (d 4096, f 14336, GQA 32/8 heads, head_dim 128).
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import statistics
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from codagen._cli import command_parser, dtype_arg
 from codagen.backends.reference import evaluate_epilogue
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
@@ -270,14 +270,14 @@ def markdown(records: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="codagen bench kernels", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("codagen bench kernels", __doc__)
     parser.add_argument("--quick", action="store_true", help="LLaMA-3-8B shapes only, shorter timing")
     parser.add_argument("--out", default=None, help="directory for the JSON results (default bench/results)")
     parser.add_argument("--models", default=None, help=f"comma-separated subset of {list(MODELS)}")
     parser.add_argument("--kernels", default=None, help="comma-separated subset of kernel names")
     parser.add_argument("--providers", default="cublas_gemm,codagen,codagen_gemm,eager,compile")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--dtype", type=dtype_arg("bfloat16", "float16"), default=torch.bfloat16,
+                        help="operand dtype: bf16 (default) or fp16")
     parser.add_argument("--tokens", type=int, default=TOKENS)
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved timing rounds per kernel, in rotating order (default 3; 1 with --quick)")
@@ -292,10 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         [MODELS["llama3_8b"]] if args.quick else list(MODELS.values()))
     warmup_ms, rep_ms = (10, 50) if args.quick else (25, 150)
     providers = args.providers.split(",")
-    dtype = getattr(torch, args.dtype)
+    dtype = args.dtype
     backend = TritonBackend()
     env = environment()
-    print(f"# kernels on {env['gpu']}: torch {env['torch']}, triton {env['triton']}, {args.dtype}", flush=True)
+    print(f"# kernels on {env['gpu']}: torch {env['torch']}, triton {env['triton']}, {dtype}", flush=True)
     records = []
     for model in models:
         for case in kernel_cases(model, m=args.tokens):
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_results("kernels", records, args.out)
     table = markdown(records)
     Path(path).with_suffix(".md").write_text(f"GPU: {env['gpu']}; torch {env['torch']}; triton {env['triton']}; "
-                                             f"{args.dtype}; results: {path.name}\n\n{table}\n")
+                                             f"{dtype}; results: {path.name}\n\n{table}\n")
     print(table)
     print(f"wrote {path}")
     return 0

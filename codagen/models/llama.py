@@ -90,6 +90,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attention
     return out.transpose(1, 2).reshape(b * s, h * hd)
 
 
+# torch < 2.8 has no nested compile regions: there the layer is inlined into the model's graph
+_compile_region = getattr(torch.compiler, "nested_compile_region", lambda fn: fn)
+
+
 def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: torch.Tensor, eps: float,
                   spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor):
     """Run the blocks on the embeddings ``x`` [tokens, d]; return ``(x, normed, rstd)`` of the final norm.
@@ -98,32 +102,44 @@ def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: t
     Blocks with ``q_norm``/``k_norm`` apply QK-norm (eps ``eps``) in the same epilogue, before RoPE.
     """
     norms = [blk.attn_norm for blk in blocks] + [final_norm]
-    q_cols, kv_cols = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    split_sizes = (q_cols, kv_cols, kv_cols)
     normed, rstd = ops.rms_norm_stats(x, norms[0], eps)
     for blk, next_norm in zip(blocks, norms[1:]):
-        # x passes through the QKV op, so that the residual path's gradient joins its backward's store;
-        # q, k, v come back as separate views, so that their gradients reach its backward unconcatenated
-        if blk.q_norm is None and blk.k_norm is None:
-            q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
-                                          split_sizes=split_sizes, pass_residual=True)
-        else:
-            if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
-                raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
-            q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
-                                          blk.q_norm, blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps,
-                                          split_sizes=split_sizes, pass_residual=True)
-        if blk.qkv_bias is not None:
-            # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
-            angles = positions.float()[:, None] * frequencies[None, :]
-            rotated_bias = rotate_pairs(blk.qkv_bias.expand(x.shape[0], -1), angles).to(q.dtype)
-            q, k, v = (t + bias for t, bias in zip((q, k, v), rotated_bias.split(split_sizes, dim=1)))
-        attn = attention(q, k, v, spec, blk.sliding_window)
-        # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
-        residual = x if blk.o_bias is None else x + blk.o_bias
-        x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps)
-        x, normed, rstd = ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down,
-                                                      next_norm, eps)
+        x, normed, rstd = decoder_layer(x, normed, rstd, blk, next_norm, eps, spec, positions, frequencies)
+    return x, normed, rstd
+
+
+@_compile_region
+def decoder_layer(x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, blk: BlockWeights, next_norm: torch.Tensor,
+                  eps: float, spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor):
+    """One block of :func:`decoder_stack`: ``(x, normed, rstd)`` of ``next_norm`` after it.
+
+    A nested compile region: ``torch.compile`` traces one block and stamps its graph out for every
+    layer with the same shapes, so dynamo, AOTAutograd and Inductor work on one block whatever the
+    depth (``docs/notes/compile.md``). In eager mode the decorator only calls the function."""
+    q_cols, kv_cols = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    split_sizes = (q_cols, kv_cols, kv_cols)
+    # x passes through the QKV op, so that the residual path's gradient joins its backward's store;
+    # q, k, v come back as separate views, so that their gradients reach its backward unconcatenated
+    if blk.q_norm is None and blk.k_norm is None:
+        q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
+                                      split_sizes=split_sizes, pass_residual=True)
+    else:
+        if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
+            raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
+        q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
+                                      blk.q_norm, blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps,
+                                      split_sizes=split_sizes, pass_residual=True)
+    if blk.qkv_bias is not None:
+        # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
+        angles = positions.float()[:, None] * frequencies[None, :]
+        rotated_bias = rotate_pairs(blk.qkv_bias.expand(x.shape[0], -1), angles).to(q.dtype)
+        q, k, v = (t + bias for t, bias in zip((q, k, v), rotated_bias.split(split_sizes, dim=1)))
+    attn = attention(q, k, v, spec, blk.sliding_window)
+    # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
+    residual = x if blk.o_bias is None else x + blk.o_bias
+    x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps)
+    x, normed, rstd = ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down,
+                                                  next_norm, eps)
     return x, normed, rstd
 
 

@@ -29,7 +29,7 @@ from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
 from . import codegen
-from .configs import INTERPRETER_CONFIG, KernelConfig, TuningCache, cache_dir, candidates
+from .configs import INTERPRETER_CONFIG, KernelConfig, TuningCache, cache_dir, candidates, gemm_layout
 
 __all__ = ["TritonBackend", "program_source", "load_kernel", "tuning_key", "kernel_hash", "SUPPORTED_DTYPES"]
 
@@ -253,11 +253,14 @@ def _tma_ok(t: torch.Tensor) -> bool:
 class TritonBackend:
     """Fused Triton kernels: one launch per program (see the package docstring).
 
-    ``config``: force one :class:`KernelConfig` (tests, benchmarks); otherwise the tuned one.
-    ``autotune``: time the candidates on first use of a (program, dtypes, shape bucket) on this GPU;
-    default from ``CODAGEN_TRITON_AUTOTUNE`` (``1``), else the first viable candidate. A choice cached
-    on disk (or shipped) is reused unless ``CODAGEN_TRITON_RETUNE=1`` (after the candidates changed).
+    ``config``: force one :class:`KernelConfig` (tests, benchmarks); otherwise :meth:`_choose` picks one.
+    ``autotune``: time the candidates of a (program, dtypes, shape bucket) that has no tuned entry on
+    this GPU on its first use, and cache the fastest; default from ``CODAGEN_TRITON_AUTOTUNE`` (``1``
+    times, unset or ``0`` never does: the tuned entry, else the nearest tuned entry, else a heuristic,
+    see :mod:`.configs`). ``CODAGEN_TRITON_RETUNE=1`` (with tuning on) times keys that have an entry too.
     ``tma``: ``False`` forces the pointer-load mainloop and epilogue even where TMA is possible.
+    ``choices``: tuning key -> where its config came from (``tuned``, ``nearest``, ``layout``,
+    ``heuristic``, ``timed``), for ``codagen tune`` and the benchmarks.
     """
     name = "triton"
 
@@ -271,6 +274,7 @@ class TritonBackend:
         self.launches = 0           # kernel launches made by this backend object (tests count them)
         self._plans: dict[tuple, tuple[Program, _Launch, KernelConfig]] = {}
         self.last_config: KernelConfig | None = None
+        self.choices: dict[str, str] = {}
 
     # -- checks ------------------------------------------------------------------------------------
     def _check(self, bound: BoundProgram) -> tuple[bool, int]:
@@ -408,19 +412,18 @@ class TritonBackend:
         if interpret:
             return INTERPRETER_CONFIG
         pool = self._candidates(bound, launch)
-        autotune = self.autotune
-        if autotune is None:
-            autotune = os.environ.get("CODAGEN_TRITON_AUTOTUNE", "1").strip() not in ("0", "false", "no", "")
         key = self._tuning_key(bound, launch)
-        retune = autotune and os.environ.get("CODAGEN_TRITON_RETUNE", "0").strip() in ("1", "true", "yes")
-        cached = None if retune else self.tuning.get(key)
-        if cached is not None and cached not in pool:  # the bucket's choice cannot run these operands
-            cached = self.tuning.fastest(key, pool) or pool[0]
-        if cached is not None:  # a choice measured earlier (or shipped) stands, tuning on or off
-            return cached
-        if len(pool) == 1 or not autotune:
-            return pool[0]
-        return self._tune(bound, launch, pool, key)
+        if self._autotuning() and len(pool) > 1 and (key not in self.tuning or _env_flag("CODAGEN_TRITON_RETUNE")):
+            cfg, source = self._tune(bound, launch, pool, key), "timed"
+        else:
+            cfg, source = self.tuning.choose(key, gemm_layout(bound.program), bound.program, pool, bound.k)
+        self.choices[key] = source
+        return cfg
+
+    def _autotuning(self) -> bool:
+        if self.autotune is not None:
+            return self.autotune
+        return _env_flag("CODAGEN_TRITON_AUTOTUNE")
 
     def _candidates(self, bound: BoundProgram, launch: _Launch) -> list[KernelConfig]:
         """The configurations this GPU can run for these tensors, best guess first."""
@@ -446,7 +449,6 @@ class TritonBackend:
         return tuning_key(torch.cuda.get_device_name(bound.device), bound, launch.tma_mainloop, launch.tma_epilogue_ok)
 
     def _tune(self, bound: BoundProgram, launch: _Launch, pool: list[KernelConfig], key: str) -> KernelConfig:
-        import triton.testing
         from triton.runtime.errors import OutOfResources
         verbose = self.verbose if self.verbose is not None else True
         start = time.perf_counter()
@@ -456,8 +458,7 @@ class TritonBackend:
         for i, cfg in enumerate(pool):
             run = self._trial(bound, launch, cfg)
             try:
-                run()
-                ms = triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
+                ms = self._time(run)
             except OutOfResources as e:
                 timings[cfg.short()] = float("nan")
                 if verbose and announced:
@@ -478,8 +479,20 @@ class TritonBackend:
                                f"{[c.short() for c in pool]}")
         if verbose and announced:
             print(f"  -> {best.short()} ({best_ms:.3f} ms)", file=sys.stderr)
-        self.tuning.put(key, best, timings)
+        self.tuning.put(key, best, timings, gemm_layout(bound.program))
         return best
+
+    @staticmethod
+    def _time(run) -> float:
+        """Median milliseconds of ``run`` (one candidate's launch); the first call compiles it (and raises
+        ``OutOfResources`` for a candidate that does not fit)."""
+        import triton.testing
+        run()
+        return triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes")
 
 
 def _smem_limit(device: torch.device) -> int:

@@ -22,6 +22,21 @@ its epilogue); ``"pingpong"`` is the generated warp-specialized Gluon kernel of 
 consumer warpgroups alternate tiles, so one's epilogue overlaps the other's mainloop), a candidate on
 sm_90 with every operand TMA-aligned, for the programs :func:`.pingpong.supports`; its
 ``epilogue_split`` cuts the 128 columns into 4 or 8 pieces.
+
+Choosing a configuration (:meth:`TuningCache.choose`), fastest source first, nothing timed:
+
+1. the entry of this exact key (GPU, versions, program and kernel hash, dtypes, TMA flags, M/N/K
+   buckets) in the user's cache or the shipped table;
+2. the nearest entry of the same program, dtypes and TMA flags on this GPU at most one log2 bucket
+   away in M, N and K together (the same buckets measured with other Triton/torch versions count as
+   one bucket away);
+3. an entry of another program with the same GEMM layout and operand dtype in the same buckets;
+4. :func:`heuristic`: ping-pong where the epilogue's tile traffic is large next to the mainloop's K,
+   else the first persistent candidate.
+
+An entry's choice is taken only where it is a candidate for these operands; otherwise its fastest
+timed candidate is. Timing (:meth:`.TritonBackend._tune`) happens only where asked for:
+``CODAGEN_TRITON_AUTOTUNE=1`` times a key on its first use, ``codagen tune`` times a model's keys ahead.
 """
 from __future__ import annotations
 
@@ -32,11 +47,13 @@ import os
 import tempfile
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
-__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG", "PINGPONG"]
+__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG", "PINGPONG",
+           "heuristic", "gemm_layout"]
 
 
 @dataclass(frozen=True)
@@ -179,6 +196,29 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
     return keep + list(pingpong_pool)
 
 
+#: the ping-pong schedule pays off while K <= this many times the epilogue's tile bytes per output
+#: element: fit to the shipped H200 table (e.g. the norm backward, 8 bytes, wins up to K 8192; the
+#: residual stats, 6 bytes, at K 2048 and not at 8192; input_grad, 2 bytes, never above K 2048)
+_PINGPONG_K_PER_TILE_BYTE = 1024
+
+
+def heuristic(program: Program, pool: list[KernelConfig], k: int) -> KernelConfig:
+    """The untimed choice where no tuned entry is near: ping-pong (its finest split) when K is small
+    next to the epilogue's tile traffic (the overlapped epilogue is then a large share of a tile's
+    time), else the first persistent candidate (the pool's best general guess)."""
+    tile_bytes = sum(w.value * 2 for w, _ in _tile_io(program))
+    pingpong = [cfg for cfg in pool if cfg.schedule == "pingpong"]
+    if pingpong and k <= _PINGPONG_K_PER_TILE_BYTE * tile_bytes:
+        return max(pingpong, key=lambda cfg: cfg.epilogue_split)
+    persistent = [cfg for cfg in pool if cfg.schedule == "persistent"]
+    return (persistent or pool)[0]
+
+
+def gemm_layout(program: Program) -> str:
+    """The operand layout of ``program``'s GEMM, ``"mk,nk"`` for ``nn.Linear``'s forward."""
+    return f"{program.gemm.a_layout},{program.gemm.b_layout}"
+
+
 def cache_dir() -> Path:
     """``$CODAGEN_CACHE_DIR`` or ``~/.cache/codagen``."""
     root = os.environ.get("CODAGEN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "codagen")
@@ -193,21 +233,55 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class _Key(NamedTuple):
+    """The fields of a tuning key (:func:`.backend.tuning_key`)."""
+    gpu: str
+    versions: str
+    program: str  # name:kernel hash
+    dtypes: str   # a:<operand dtype>,<input dtypes>
+    tma: str
+    shape: tuple[int, int, int]  # log2 of the M, N, K buckets
+
+    @staticmethod
+    def parse(key: str) -> "_Key | None":
+        parts = key.split("|")
+        if len(parts) != 6:
+            return None
+        try:
+            shape = tuple(int(field[1:]).bit_length() - 1 for field in parts[5].split())
+        except ValueError:
+            return None
+        return _Key(*parts[:5], shape) if len(shape) == 3 else None
+
+    @property
+    def operand_dtype(self) -> str:
+        return self.dtypes.split(",")[0]
+
+    def distance(self, other: "_Key") -> int:
+        return sum(abs(a - b) for a, b in zip(self.shape, other.shape)) + (self.versions != other.versions)
+
+
 class TuningCache:
     """Tuned configurations by key (GPU name, versions, program, dtypes, shape bucket).
 
     Read from the shipped table next to this file (measured on the project's H200) and from
-    ``<cache_dir>/triton/tuning.json``; new results are written to the latter.
+    ``path`` (default ``<cache_dir>/triton/tuning.json``); new results are written to the latter. Each
+    entry holds the chosen config, every candidate's time and the program's GEMM layout (``gemm``).
     """
     SHIPPED = Path(__file__).with_name("tuned.json")
+    #: how far (log2 buckets) an entry of the same program / of another program may be to stand in:
+    #: further ones chose worse than :func:`heuristic` when each shipped entry was left out in turn
+    NEAR = (1, 0)
 
-    def __init__(self):
+    def __init__(self, path: str | os.PathLike | None = None):
         self._lock = threading.Lock()
         self._entries: dict[str, dict] | None = None
+        self._parsed: dict[str, _Key | None] = {}
+        self._path = None if path is None else Path(path)
 
     @property
     def path(self) -> Path:
-        return cache_dir() / "triton" / "tuning.json"
+        return self._path or cache_dir() / "triton" / "tuning.json"
 
     def _load(self) -> dict[str, dict]:
         if self._entries is None:
@@ -220,29 +294,69 @@ class TuningCache:
             self._entries = entries
         return self._entries
 
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._load()
+
     def get(self, key: str) -> KernelConfig | None:
         with self._lock:
             d = self._load().get(key)
-        if d is None:
-            return None
-        try:
-            return KernelConfig.from_json(d["config"])
-        except (KeyError, TypeError, ValueError):
-            return None
+        return _config_of(d)
 
     def fastest(self, key: str, pool: list[KernelConfig]) -> KernelConfig | None:
         """The config of ``pool`` with the shortest time recorded under ``key`` (None if none was): for a
         call that cannot run the bucket's choice (the ping-pong kernel, with operands TMA cannot take)."""
         with self._lock:
             timings = self._load().get(key, {}).get("timings_ms", {})
-        timed = [(ms, i) for i, cfg in enumerate(pool)
-                 if (ms := timings.get(cfg.short())) is not None and not math.isnan(ms)]
-        return pool[min(timed)[1]] if timed else None
+        return _fastest_of(timings, pool)
 
-    def put(self, key: str, cfg: KernelConfig, timings: dict[str, float]) -> None:
+    def choose(self, key: str, gemm: str, program: Program, pool: list[KernelConfig],
+               k: int) -> tuple[KernelConfig, str]:
+        """``(config, source)`` for ``key`` without timing anything: ``source`` is ``"tuned"``, ``"nearest"``
+        (same program), ``"layout"`` (another program of GEMM layout ``gemm``) or ``"heuristic"``; see
+        the module docstring. The config is always one of ``pool``."""
+        with self._lock:
+            entries = self._load()
+            exact = entries.get(key)
+            if exact is not None:
+                cfg = _config_of(exact)
+                cfg = cfg if cfg in pool else _fastest_of(exact.get("timings_ms", {}), pool)
+                if cfg is not None:
+                    return cfg, "tuned"
+            want = self._parse(key)
+            if want is not None:
+                ranked = []
+                for other, entry in entries.items():
+                    got = self._parse(other)
+                    if got is None or got.gpu != want.gpu or got.tma != want.tma:
+                        continue
+                    distance = want.distance(got)
+                    if distance > self.NEAR[0 if got.program == want.program else 1]:
+                        continue
+                    if got.program == want.program and got.dtypes == want.dtypes:
+                        ranked.append((0, distance, other))
+                    elif entry.get("gemm") == gemm and got.operand_dtype == want.operand_dtype:
+                        ranked.append((1, distance, other))
+                for tier, _, other in sorted(ranked):
+                    entry = entries[other]
+                    cfg = _config_of(entry)
+                    cfg = cfg if cfg in pool else _fastest_of(entry.get("timings_ms", {}), pool)
+                    if cfg is not None:
+                        return cfg, ("nearest", "layout")[tier]
+        return heuristic(program, pool, k), "heuristic"
+
+    def _parse(self, key: str) -> _Key | None:
+        parsed = self._parsed.get(key, False)
+        if parsed is False:
+            parsed = self._parsed[key] = _Key.parse(key)
+        return parsed
+
+    def put(self, key: str, cfg: KernelConfig, timings: dict[str, float], gemm: str | None = None) -> None:
         with self._lock:
             entries = self._load()
             entries[key] = {"config": cfg.to_json(), "timings_ms": timings}
+            if gemm is not None:
+                entries[key]["gemm"] = gemm
             try:
                 on_disk = json.loads(self.path.read_text())
             except (OSError, ValueError):
@@ -252,3 +366,18 @@ class TuningCache:
                 _atomic_write(self.path, json.dumps(on_disk, indent=1, sort_keys=True))
             except OSError:
                 pass  # a read-only cache directory only costs re-tuning
+
+
+def _config_of(entry: dict | None) -> KernelConfig | None:
+    if entry is None:
+        return None
+    try:
+        return KernelConfig.from_json(entry["config"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _fastest_of(timings: dict[str, float], pool: list[KernelConfig]) -> KernelConfig | None:
+    timed = [(ms, i) for i, cfg in enumerate(pool)
+             if (ms := timings.get(cfg.short())) is not None and not math.isnan(ms)]
+    return pool[min(timed)[1]] if timed else None

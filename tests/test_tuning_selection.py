@@ -1,0 +1,218 @@
+"""Choosing a kernel configuration without timing: the exact tuned entry, the nearest bucket of the same
+program, a same-bucket entry of the same GEMM layout, the ping-pong/persistent heuristic; timing only
+when asked (``CODAGEN_TRITON_AUTOTUNE=1``), cached so a second run (``codagen tune`` resumed) times
+nothing. CPU only: the GPU's candidate pool and tuning key are computed as on an H200."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from codagen.backends.triton.backend import TritonBackend, tuning_key
+from codagen.backends.triton.configs import (_SM90, PINGPONG, KernelConfig, TuningCache, candidates, gemm_layout,
+                                             heuristic, smem_estimate)
+from codagen.epilogue import library
+from codagen.epilogue.bind import bind
+
+H200_SMEM = 232448
+VERSIONS = "triton 3.6.0, torch 2.11.0"
+
+
+def h200_pool(program) -> list[KernelConfig]:
+    return candidates(program, major=9, operand_bytes=2, smem_limit=H200_SMEM, tma=True, tma_epilogue=True)
+
+
+def bound_at(program, m, n, k):
+    from codagen.bench.kernels import random_inputs
+    a, b, tensors = random_inputs(program, m, n, k, torch.bfloat16, "meta")
+    return bind(program, a, b, tensors)
+
+
+def key_at(program, m, n, k, gpu="NVIDIA H200", versions=VERSIONS):
+    return tuning_key(gpu, bound_at(program, m, n, k), True, True, versions)
+
+
+def entry(cfg: KernelConfig, program, timings=None) -> dict:
+    return {"config": cfg.to_json(), "timings_ms": timings or {cfg.short(): 1.0}, "gemm": gemm_layout(program)}
+
+
+@pytest.fixture
+def table(tmp_path):
+    """A TuningCache that reads only the entries a test gives it."""
+    cache = TuningCache(path=tmp_path / "tuning.json")
+    cache._entries = {}
+    return cache
+
+
+def test_exact_then_nearest_bucket_of_the_same_program(table):
+    program = library.residual_rms_stats()
+    pool = h200_pool(program)
+    chosen, other = pool[2], pool[4]
+    table._entries[key_at(program, 16384, 2048, 8192)] = entry(chosen, program)
+    table._entries[key_at(program, 16384, 2048, 2048)] = entry(other, program)  # two K buckets away
+    for m in (16384, 12288, 8192, 32768):  # the same bucket, or one M bucket away
+        cfg, source = table.choose(key_at(program, m, 2048, 8192), gemm_layout(program), program, pool, 8192)
+        assert cfg == chosen and source == ("tuned" if m > 8192 and m <= 16384 else "nearest"), m
+    cfg, source = table.choose(key_at(program, 16384, 2048, 4096), gemm_layout(program), program, pool, 4096)
+    assert source == "nearest" and cfg in (chosen, other)  # one K bucket from each; ties break by key order
+    # two buckets from every entry: not near enough, the heuristic decides
+    cfg, source = table.choose(key_at(program, 4096, 4096, 8192), gemm_layout(program), program, pool, 8192)
+    assert source == "heuristic" and cfg == heuristic(program, pool, 8192)
+
+
+def test_other_versions_gpus_and_programs(table):
+    program, other_program = library.residual_rms_stats(), library.rms_gate_up_swiglu()
+    pool = h200_pool(program)
+    table._entries[key_at(program, 16384, 2048, 8192, versions="triton 3.7.0, torch 2.12.0")] = entry(pool[3], program)
+    cfg, source = table.choose(key_at(program, 16384, 2048, 8192), gemm_layout(program), program, pool, 8192)
+    assert (cfg, source) == (pool[3], "nearest")  # measured with other versions: one bucket away
+    cfg, source = table.choose(key_at(program, 8192, 2048, 8192), gemm_layout(program), program, pool, 8192)
+    assert source == "heuristic"  # other versions and another M bucket: two away
+    table._entries.clear()
+    table._entries[key_at(program, 16384, 2048, 8192, gpu="NVIDIA H100 80GB HBM3")] = entry(pool[3], program)
+    assert table.choose(key_at(program, 16384, 2048, 8192), gemm_layout(program), program, pool, 8192)[1] == "heuristic"
+    # another program of the same layout (mk,nk) in the same buckets stands in; one of another layout does not
+    table._entries.clear()
+    table._entries[key_at(other_program, 16384, 2048, 8192)] = entry(pool[3], other_program)
+    assert table.choose(key_at(program, 16384, 2048, 8192), gemm_layout(program), program, pool, 8192) == (
+        pool[3], "layout")
+    grad = library.input_grad()
+    assert gemm_layout(grad) != gemm_layout(program)
+    table._entries.clear()
+    table._entries[key_at(grad, 16384, 2048, 8192)] = entry(pool[3], grad)
+    assert table.choose(key_at(program, 16384, 2048, 8192), gemm_layout(program), program, pool, 8192)[1] == "heuristic"
+
+
+def test_an_entry_these_operands_cannot_run_gives_its_fastest_candidate(table):
+    """A bucket's ping-pong choice, for operands the ping-pong kernel cannot take (no TMA epilogue):
+    the entry's fastest timed candidate of the pool that can run."""
+    program = library.residual_rms_stats()
+    pool = h200_pool(program)
+    persistent = [cfg for cfg in pool if cfg.schedule == "persistent"]
+    timings = {cfg.short(): 2.0 + i for i, cfg in enumerate(pool)}
+    timings |= {PINGPONG[1].short(): 1.0, persistent[2].short(): 1.5}
+    key = key_at(program, 16384, 2048, 2048)
+    table._entries[key] = entry(PINGPONG[1], program, timings)
+    assert table.choose(key, gemm_layout(program), program, persistent, 2048) == (persistent[2], "tuned")
+
+
+def test_heuristic_schedule_and_validity():
+    """Ping-pong where K is small next to the epilogue's tile traffic (the SwiGLU backward's
+    double-width tiles, the norm backward), persistent for a plain GEMM at large K and where the pool has
+    no ping-pong; always a candidate of the pool, so it fits the shared memory the pool was pruned to."""
+    swiglu_bwd, norm_bwd, grad = library.swiglu_backward(), library.rms_norm_backward(), library.input_grad()
+    assert heuristic(swiglu_bwd, h200_pool(swiglu_bwd), 4096).schedule == "pingpong"
+    assert heuristic(norm_bwd, h200_pool(norm_bwd), 4096).schedule == "pingpong"
+    assert heuristic(norm_bwd, h200_pool(norm_bwd), 32768).schedule == "persistent"
+    assert heuristic(grad, h200_pool(grad), 8192).schedule == "persistent"
+    no_tma_epilogue = candidates(norm_bwd, major=9, operand_bytes=2, smem_limit=H200_SMEM, tma=True, tma_epilogue=False)
+    assert heuristic(norm_bwd, no_tma_epilogue, 4096).schedule == "persistent"
+    small_smem = 101376  # an sm_89-sized opt-in limit: the pool keeps only what fits
+    for program in (library.PROGRAMS[name]() for name in library.PROGRAMS):
+        for smem in (H200_SMEM, small_smem):
+            pool = candidates(program, major=9, operand_bytes=2, smem_limit=smem, tma=True, tma_epilogue=True)
+            for k in (1024, 4096, 65536):
+                cfg = heuristic(program, pool, k)
+                assert cfg in pool and (smem_estimate(program, cfg, 2) <= smem or len(pool) == 1), (program.name, smem)
+
+
+def test_shipped_table_left_out_in_turn_is_chosen_within_six_percent():
+    """Each shipped entry removed in turn and chosen without timing from the rest: within 6% of that
+    entry's fastest candidate each, 1% on average (geometric mean); the heuristic alone, 5.5% / 1%."""
+    import math
+    shipped = json.loads(TuningCache.SHIPPED.read_text())
+    by_name = {cfg.short(): cfg for cfg in _SM90 + PINGPONG}
+    ratios = []
+    for key, e in shipped.items():
+        timings = e["timings_ms"]
+        pool = [by_name[s] for s in by_name if s in timings and not math.isnan(timings[s])]
+        cache = TuningCache(path="/nonexistent/tuning.json")
+        cache._entries = {k: v for k, v in shipped.items() if k != key}
+        program = library.PROGRAMS[key.split("|")[2].split(":")[0]]()
+        cfg, _ = cache.choose(key, e["gemm"], program, pool, int(key.rsplit("K", 1)[1]))
+        ratios.append(timings[cfg.short()] / min(timings[c.short()] for c in pool))
+    assert max(ratios) < 1.06 and math.exp(sum(map(math.log, ratios)) / len(ratios)) < 1.01, sorted(ratios)[-5:]
+
+
+class _GpuShaped(TritonBackend):
+    """The backend's choice as on an H200, on CPU: the pool and key an H200 computes; timing faked."""
+    def __init__(self, times: dict[str, float], **kwargs):
+        super().__init__(**kwargs)
+        self.times, self.timed = times, []
+
+    def _candidates(self, bound, launch):
+        return h200_pool(bound.program)
+
+    def _tuning_key(self, bound, launch):
+        return tuning_key("NVIDIA H200", bound, True, True, VERSIONS)
+
+    def _trial(self, bound, launch, cfg):
+        return cfg
+
+    def _time(self, run):
+        self.timed.append(run)
+        return self.times[run.short()]
+
+
+def choose(backend, program, m, n, k):
+    bound = bound_at(program, m, n, k)
+    return backend._choose(bound, backend._prepare(bound, True, 9), interpret=False)
+
+
+def test_no_timing_by_default_at_an_unseen_key(monkeypatch, tmp_path):
+    monkeypatch.setenv("CODAGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CODAGEN_TRITON_AUTOTUNE", raising=False)
+    program = library.residual_rms_stats()
+    for env in (None, "0"):
+        if env is not None:
+            monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", env)
+        backend = _GpuShaped({})
+        cfg = choose(backend, program, 8192, 2048, 2048)  # M 8192: no shipped entry, the M 16384 one is near
+        assert backend.timed == [] and cfg in h200_pool(program)
+        assert list(backend.choices.values()) == ["nearest"]
+        cfg = choose(backend, program, 777, 1536, 320)  # far from everything shipped
+        assert backend.timed == [] and list(backend.choices.values())[-1] == "heuristic"
+    assert not (tmp_path / "triton" / "tuning.json").exists()
+
+
+def test_autotune_times_unseen_keys_once_and_resumes(monkeypatch, tmp_path):
+    """CODAGEN_TRITON_AUTOTUNE=1 (what ``codagen tune`` sets on its backend) times each unseen key's
+    candidates once and writes the fastest to the user's cache; a fresh backend (a resumed tune, a new
+    process) finds it there and times nothing; shipped keys are never timed."""
+    monkeypatch.setenv("CODAGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "1")
+    program = library.residual_rms_stats()
+    pool = h200_pool(program)
+    times = {cfg.short(): 3.0 for cfg in pool} | {pool[4].short(): 1.0}
+    backend = _GpuShaped(times)
+    assert choose(backend, program, 777, 1536, 320) == pool[4]
+    assert backend.timed == pool and list(backend.choices.values()) == ["timed"]
+    written = json.loads((tmp_path / "triton" / "tuning.json").read_text())
+    (key,) = written
+    assert written[key]["config"] == pool[4].to_json() and written[key]["gemm"] == "mk,nk"
+    resumed = _GpuShaped(times)
+    assert choose(resumed, program, 777, 1536, 320) == pool[4] and resumed.timed == []
+    assert resumed.choices == {key: "tuned"}
+    choose(resumed, program, 16384, 2048, 2048)  # shipped
+    assert resumed.timed == [] and list(resumed.choices.values())[-1] == "tuned"
+    assert _GpuShaped(times, autotune=False).autotune is False
+    explicit_off = _GpuShaped(times, autotune=False)
+    choose(explicit_off, program, 999, 1536, 320)
+    assert explicit_off.timed == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_norm_backward", "swiglu_backward"])
+def test_gpu_unseen_shape_runs_untimed_choice_correctly(name, monkeypatch, tmp_path):
+    """On the GPU, a shape no entry holds runs its untimed choice (nothing timed) within the numerics rule."""
+    from tests.test_triton_backend import check
+    monkeypatch.setenv("CODAGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CODAGEN_TRITON_AUTOTUNE", raising=False)
+
+    def no_timing(run):
+        raise AssertionError("timed a candidate at an untuned shape by default")
+    monkeypatch.setattr(TritonBackend, "_time", staticmethod(no_timing))
+    backend = TritonBackend()
+    check(library.PROGRAMS[name](), 3000, 1536, 1024, torch.bfloat16, device="cuda", backend=backend)
+    assert set(backend.choices.values()) <= {"nearest", "layout", "heuristic"} and backend.choices
