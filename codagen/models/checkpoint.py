@@ -44,8 +44,8 @@ _ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
 def checkpoint_block(checkpoint: CheckpointFn, block: Callable, x: torch.Tensor, normed: torch.Tensor,
                      rstd: torch.Tensor, weights, next_norm: torch.Tensor):
     """``block(x, normed, rstd, weights, next_norm)`` under ``checkpoint``. Every tensor of the
-    ``weights`` dataclass is passed positionally, as reentrant checkpointing returns gradients only to
-    positional tensor arguments."""
+    ``weights`` dataclass is passed positionally: under reentrant checkpointing their gradients then
+    leave through the checkpoint's own node, not through a backward nested inside it."""
     names = [f.name for f in dataclasses.fields(weights) if isinstance(getattr(weights, f.name), torch.Tensor)]
 
     def run(x, normed, rstd, next_norm, *tensors):
