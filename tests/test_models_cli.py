@@ -45,10 +45,11 @@ def test_block_bench_smoke(tmp_path, capsys):
             # timed in interleaved rounds; the median of the round medians is reported
             assert len(r["round_ms"]) == 3 and r["median_ms"] == sorted(r["round_ms"])[1]
     diffs = [r["rel_diff_vs_eager"] for r in records if r["provider"] == "codagen" and r["pass"] == "fwd+bwd"]
-    # fp32 on CPU: the fused block computes the eager block, with QK-norm too
-    assert len(diffs) == len(block.SMOKE_SHAPES) == 3 and max(diffs) < 1e-5
+    # fp32 on CPU: the fused block computes the eager block, with QK-norm too, under each attention mask
+    assert len(diffs) == len(block.SMOKE_SHAPES) * len(block.ATTENTION_CASES) == 9 and max(diffs) < 1e-5
     out = capsys.readouterr().out
     assert "| fwd+bwd | smoke-gqa |" in out and "| fwd+bwd | smoke-qk-norm |" in out
+    assert "| fwd+bwd | smoke-gqa-padded |" in out and "| fwd+bwd | smoke-mha-packed |" in out
 
 
 @pytest.mark.parametrize("provider", ["eager", "codagen"])
