@@ -175,3 +175,13 @@ def test_load_module_imports_a_saved_copy_as_a_sibling(tmp_path):
         assert module.ANSWER == 1 and sys.modules["codagen.ops.saved_for_test"] is module
     finally:
         del sys.modules["codagen.ops.saved_for_test"]
+
+
+def test_checkpoint_bench_smoke(tmp_path):
+    from codagen.bench import checkpoint
+    variants = ["hf+checkpoint", "codagen+keep_attention"]
+    assert checkpoint.main(["--smoke", "--steps", "1", "--variants", *variants, "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-checkpoint.json")
+    records = json.loads(path.read_text())["records"]
+    assert [r["variant"] for r in records] == variants
+    assert all(r["median_ms"] > 0 for r in records), [r.get("traceback") for r in records]
