@@ -11,7 +11,7 @@ from codagen.models.masks import causal_mask, document_ids
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_hf import assert_same_training, build, lm_inputs  # noqa: E402
+from tests.test_hf import assert_same_training, build, lm_inputs, two_x_rule  # noqa: E402
 from tests.test_models import BACKENDS  # noqa: E402
 
 # Mistral's window (5) is shorter than the sequences, so the window, padding and documents combine
@@ -21,7 +21,7 @@ FAMILIES = {"llama": {}, "qwen3": {}, "mistral": dict(sliding_window=5, num_key_
 def padded_inputs(side: str, batch=3, seq=14, vocab=67):
     """Rows of ragged lengths (the longest unpadded) padded on ``side``; labels -100 on the pads."""
     inputs = lm_inputs(batch=batch, seq=seq, vocab=vocab, ignore=False)
-    lengths = [seq, seq - 5, seq - 9][:batch]
+    lengths = [seq, 2 * seq // 3, seq // 3][:batch]
     mask = torch.zeros(batch, seq, dtype=torch.long)
     for row, length in enumerate(lengths):
         real = slice(0, length) if side == "right" else slice(seq - length, seq)
@@ -102,3 +102,51 @@ def test_no_host_sync(inputs):
         assert isinstance(model.model.layers[0].self_attn.q_proj.weight.grad, FakeTensor)
         with pytest.raises(DataDependentOutputException):  # what a host sync in the forward would raise
             bool(batch["input_ids"].ne(0).all())
+
+
+@pytest.fixture
+def no_autotune(monkeypatch):
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")  # untuned shapes: the first viable configuration
+
+
+GPU_FIELDS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=1000, num_hidden_layers=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("inputs", ["left", "packed"])
+def test_bf16_gpu_two_x_rule(family, inputs, no_autotune):
+    """bf16 parameters on the GPU (Triton kernels), padded or packed: the 2x rule against transformers."""
+    fields = {**GPU_FIELDS, **FAMILIES[family], **({"head_dim": 64} if family == "qwen3" else {})}
+    if family == "mistral":
+        fields["sliding_window"] = 48
+    model = build(family, **fields).cuda()
+    batch = (padded_inputs("left", seq=128, vocab=1000) if inputs == "left"
+             else packed_inputs(lengths=(70, 20, 38), vocab=1000))
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+    two_x_rule(model, batch, lambda m, b: m.bfloat16()(**b).loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inputs", ["left", "packed"])
+def test_gpu_step_has_no_host_sync(inputs, no_autotune):
+    """A padded or packed training step (after a warm-up step) runs under torch.cuda.set_sync_debug_mode("error"):
+    any synchronizing call (.item(), bool(t), nonzero, a device-to-host copy) raises."""
+    model = patch(build("mistral", **{**GPU_FIELDS, "sliding_window": 48}).cuda().bfloat16())
+    batch = (padded_inputs("left", seq=128, vocab=1000) if inputs == "left"
+             else packed_inputs(lengths=(70, 20, 38), vocab=1000))
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+    model(**batch).loss.backward()  # warm-up: kernel compilation may synchronize
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(**batch).loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(RuntimeError):  # the mode does catch a sync
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            batch["input_ids"].sum().item()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
