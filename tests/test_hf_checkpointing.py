@@ -98,6 +98,23 @@ def test_keep_attention_skips_attention_in_backward(kwargs, recomputed):
     assert counter.calls == recomputed  # one attention forward per layer when the block is recomputed
 
 
+def test_every_n_layers():
+    """transformers' every_n_layers marks which layers checkpoint; the patched model follows the marks."""
+    model = build("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
+                                                every_n_layers=2)
+        except TypeError:
+            pytest.skip("this transformers has no every_n_layers")
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
+    loss = patch(model)(**lm_inputs()).loss
+    with _CountAttention() as counter:
+        loss.backward()
+    assert counter.calls == 1
+
+
 @pytest.mark.parametrize("kwargs", sorted(KWARGS))
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_recompute_is_bitwise(kwargs, dropout):

@@ -26,14 +26,17 @@ approximation):
   kernel), QK-norm (Qwen3: per-head RMSNorm of Q and K before RoPE, in the QKV GEMM's epilogue; the
   q_norm/k_norm weights are permuted to pair order like the Q/K rows), O-proj bias (folded into the
   residual add), tied embeddings, ``position_ids``,
-  ``inputs_embeds``, all-ones ``attention_mask``, sliding-window attention (an explicit SDPA mask when
-  the sequence is longer than the window), attention dropout, ``num_items_in_batch``,
-  ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``.
+  ``inputs_embeds``, padding in a 2-D ``attention_mask`` and packed sequences (``position_ids``
+  restarting per document, no ``attention_mask``), by transformers' rules
+  (:mod:`codagen.models.masks`), sliding-window attention, attention dropout, ``num_items_in_batch``,
+  ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``,
+  ``model.gradient_checkpointing_enable()`` (each regrouped block checkpointed in its layer's place:
+  :mod:`codagen.models.checkpoint`).
 - Refused: MLP biases, Q/K/V biases together with QK-norm (the bias would enter before the norm),
   QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types (``dynamic``, ``yarn``, ...),
-  padding in ``attention_mask``, KV cache / generation (``past_key_values``, ``use_cache=True``),
-  ``output_attentions`` / ``output_hidden_states``, gradient checkpointing, extra attention kwargs.
-  ``unpatch`` the model (or use an unpatched copy) for those.
+  4-D ``attention_mask``, flash-attention varlen kwargs (``cu_seq_lens_q``, ...), KV cache / generation
+  (``past_key_values``, ``use_cache=True``), ``output_attentions`` / ``output_hidden_states``, extra attention
+  kwargs. ``unpatch`` the model (or use an unpatched copy) for those.
 """
 from __future__ import annotations
 
