@@ -61,13 +61,15 @@ def test_packed_sequences(family):
 
 
 def test_packing_matters():
-    """The documents are separated: the same tokens as one document give a different loss."""
-    model = build("llama")
+    """The documents are separated: with an all-ones attention_mask (transformers' rule: no separation) the
+    first document's logits are the same, the later documents' differ."""
+    model = patch(build("llama"))
     inputs = packed_inputs()
-    patch(model)
-    packed = model(**inputs).loss
-    one_document = model(**{**inputs, "position_ids": torch.arange(14)[None]}).loss
-    assert (packed - one_document).abs() > 1e-3
+    del inputs["labels"]
+    packed = model(**inputs).logits
+    joined = model(**inputs, attention_mask=torch.ones(1, 14, dtype=torch.long)).logits
+    torch.testing.assert_close(packed[:, :5], joined[:, :5], rtol=1e-5, atol=1e-6)
+    assert (packed[:, 5:] - joined[:, 5:]).abs().amax() > 1e-2
 
 
 @pytest.mark.parametrize("backend", [BACKENDS[1]])  # the Triton backend (the interpreter on CPU, fp32)
@@ -150,3 +152,20 @@ def test_gpu_step_has_no_host_sync(inputs, no_autotune):
             batch["input_ids"].sum().item()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_one_additive_mask_for_all_layers(monkeypatch):
+    """SDPA gets one additive mask in the compute dtype, the same tensor in every layer without a window (SDPA
+    would convert a boolean mask per layer, and its CUDA kernel keep each copy for the backward)."""
+    from codagen.models import llama
+    masks = []
+    sdpa = llama.F.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+    monkeypatch.setattr(llama.F, "scaled_dot_product_attention", spy)
+    model = patch(build("llama", num_hidden_layers=3))
+    model(**padded_inputs("right")).loss.backward()
+    assert len(masks) == 3 and all(m is masks[0] for m in masks)
+    assert masks[0].dtype == torch.float32 and masks[0].shape == (3, 1, 14, 14)

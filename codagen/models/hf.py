@@ -48,7 +48,7 @@ from torch import nn
 from codagen import ops
 
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
-from .masks import causal_mask, document_ids
+from .masks import additive, causal_mask, document_ids
 
 __all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODELS"]
 
@@ -216,7 +216,7 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     frequencies = ops.rope_frequencies(config.num_attention_heads, config.num_key_value_heads, head_dim,
                                        inv_freq=rotary.inv_freq.to(x.device))
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                         dropout=config.attention_dropout if self.training else 0.0, mask=mask)
+                         dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype))
     layers = self.model.layers[: config.num_hidden_layers]
     blocks = [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
     # model.gradient_checkpointing_enable() gives each layer its checkpoint function (torch.utils.checkpoint with

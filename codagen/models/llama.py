@@ -57,9 +57,9 @@ class BlockWeights:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    """How SDPA runs over ``[batch * seq]`` token rows: causal, GQA, attention dropout, and ``mask``, a boolean
-    ``[batch | 1, 1, seq, seq]`` SDPA mask (causality, padding, documents: :func:`codagen.models.masks.causal_mask`)
-    or ``None`` for plain causal attention."""
+    """How SDPA runs over ``[batch * seq]`` token rows: causal, GQA, attention dropout, and ``mask``, a
+    ``[batch | 1, 1, seq, seq]`` SDPA mask, boolean or additive (causality, padding, documents:
+    :mod:`codagen.models.masks`), or ``None`` for plain causal attention."""
     batch: int
     seq: int
     num_heads: int

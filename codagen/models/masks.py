@@ -11,6 +11,10 @@ A boolean SDPA mask ``[B, 1, S, S]`` (``True`` = attend) is the conjunction of
   are a cumulative sum on the device, so a row without packing gives one document and the same mask;
 - a sliding window (per layer, see :func:`with_sliding_window`): key ``j`` is visible iff ``i - j < window``.
 
+SDPA converts a boolean mask into an additive one (0 or -inf in the query dtype) on every call, and the
+memory-efficient CUDA kernel keeps that copy for its backward: one ``[B, 1, S, S]`` tensor per layer.
+:func:`additive` makes it once per forward; every layer without a window then reads (and keeps) the same one.
+
 Within one document positions rise by one per token, so causality and the window by token index equal
 Hugging Face's rules by position. Query rows with no visible key (left padding) come out of SDPA as
 zeros, as in the unpatched model; their tokens carry no loss.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["document_ids", "causal_mask", "with_sliding_window"]
+__all__ = ["document_ids", "causal_mask", "additive", "with_sliding_window"]
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -46,13 +50,22 @@ def causal_mask(batch: int, seq: int, device: torch.device, padding: torch.Tenso
     return mask
 
 
+def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The boolean ``mask`` as SDPA's additive mask in ``dtype``: 0 where visible, -inf elsewhere."""
+    if mask is None:
+        return None
+    return torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
+
+
 def with_sliding_window(mask: torch.Tensor | None, seq: int, window: int | None,
                         device: torch.device) -> torch.Tensor | None:
-    """``mask`` (or plain causality when ``None``) restricted to keys less than ``window`` tokens back;
-    ``mask`` itself when the window covers the sequence."""
+    """``mask`` (boolean or :func:`additive`; plain causality when ``None``) restricted to keys less than
+    ``window`` tokens back; ``mask`` itself when the window covers the sequence."""
     if window is None or seq <= window:
         return mask
     index = torch.arange(seq, device=device)
     offset = index[:, None] - index[None, :]
     local = (offset >= 0) & (offset < window)
-    return local if mask is None else mask & local
+    if mask is None:
+        return local
+    return mask & local if mask.dtype == torch.bool else mask.masked_fill(~local, float("-inf"))
