@@ -40,8 +40,8 @@ def train(model, tmp_path, *, bf16=False, padding_side="right", steps=3, gradien
     tokenizer.padding_side = padding_side
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=steps,
-        optim="sgd", learning_rate=0.5, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, bf16=bf16,
-        disable_tqdm=True, gradient_checkpointing=gradient_checkpointing)
+        optim="sgd", learning_rate=0.5, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+        bf16=bf16, disable_tqdm=True, gradient_checkpointing=gradient_checkpointing)
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=ragged_dataset(tokenizer),
         data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False))
