@@ -137,3 +137,16 @@ def test_recompute_is_bitwise(kwargs, dropout):
     if dropout:  # dropout is on: another seed gives another loss
         torch.manual_seed(1)
         assert not torch.equal(model(**inputs).loss.detach(), loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", ["non_reentrant", "keep_attention"])
+def test_bf16_gpu_two_x_rule_checkpointed(kwargs, monkeypatch):
+    """bf16 on the GPU (Triton kernels), padded, checkpointed: the 2x rule against transformers (checkpointed too)."""
+    from tests.test_hf import two_x_rule
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    model = build("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=1000, num_hidden_layers=2).cuda()
+    enable_checkpointing(model, KWARGS[kwargs])
+    batch = {k: v.cuda() for k, v in padded_inputs("left", seq=128, vocab=1000).items()}
+    two_x_rule(model, batch, lambda m, b: m.bfloat16()(**b).loss)

@@ -36,9 +36,11 @@ CheckpointFn = Callable[..., Any]
 """``torch.utils.checkpoint.checkpoint`` or a partial of it (what Hugging Face stores as
 ``layer._gradient_checkpointing_func``): ``fn(function, *args)`` -> ``function(*args)``."""
 
+# The SDPA kernels F.scaled_dot_product_attention dispatches to (those this PyTorch has)
 _ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"))
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name))
 
 
 def checkpoint_block(checkpoint: CheckpointFn, block: Callable, x: torch.Tensor, normed: torch.Tensor,
