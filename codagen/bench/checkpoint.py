@@ -40,14 +40,15 @@ VARIANTS = ("hf+checkpoint", "codagen+checkpoint", "codagen+keep_attention", "co
 DEFAULT_VARIANTS = VARIANTS[:4]
 
 
-def build_model(vocab: int, layers: int, smoke: bool):
+def build_model(vocab: int, layers: int, smoke: bool, device):
     from transformers import LlamaConfig, LlamaForCausalLM
     dims = (dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
             if smoke else dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                num_key_value_heads=8, head_dim=128))
     config = LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, rope_theta=500000.0, use_cache=False,
                          attn_implementation="sdpa", **dims)
-    return LlamaForCausalLM(config)
+    with torch.device(device):  # initialized where it runs (1.7B parameters at the 8B shape)
+        return LlamaForCausalLM(config)
 
 
 def prepare(base, variant: str):
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype, batch, seq, vocab, layers = (torch.device("cuda"), torch.bfloat16, args.batch, args.seq,
                                                     args.vocab, args.layers)
     torch.manual_seed(0)
-    base = build_model(vocab, layers, args.smoke).to(device=device, dtype=dtype)
+    base = build_model(vocab, layers, args.smoke, device).to(dtype)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     c = base.config
     shape = {"hidden": c.hidden_size, "ffn": c.intermediate_size, "heads": c.num_attention_heads,
