@@ -35,7 +35,7 @@ def ragged_dataset(tokenizer, rows=16):
     return [tokenizer(s) for s in sentences]
 
 
-def train(model, tmp_path, *, bf16=False, padding_side="right", steps=3, gradient_checkpointing=False):
+def train(model, tmp_path, *, bf16=False, padding_side="right", steps=3, gradient_checkpointing=False, collator=None):
     tokenizer = word_tokenizer()
     tokenizer.padding_side = padding_side
     args = transformers.TrainingArguments(
@@ -44,7 +44,7 @@ def train(model, tmp_path, *, bf16=False, padding_side="right", steps=3, gradien
         bf16=bf16, disable_tqdm=True, gradient_checkpointing=gradient_checkpointing)
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=ragged_dataset(tokenizer),
-        data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False))
+        data_collator=collator or transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False))
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -78,3 +78,20 @@ def test_trainer_bf16_autocast(tmp_path):
     assert all(math.isfinite(loss) for loss in got) and got != want  # bf16 rounding shows: autocast was on
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=3e-2, atol=0)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+
+
+def test_trainer_packed_matches_unpatched(tmp_path):
+    """DataCollatorWithFlattening: each batch one row of documents, position_ids restarting per document. The
+    unpatched model separates them only without a cache (use_cache=False, see tests/test_hf_padding.py)."""
+    model = build("llama", vocab_size=len(WORDS) + 2, pad_token_id=0, use_cache=False)
+    reference = copy.deepcopy(model)
+    collator = transformers.DataCollatorWithFlattening()
+    want = train(reference, tmp_path / "reference", collator=collator)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(sorted(kwargs)), with_kwargs=True)
+    got = train(patch(model), tmp_path / "patched", collator=collator)
+    assert seen and all("position_ids" in keys and "attention_mask" not in keys for keys in seen)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-6)
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, expected[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
