@@ -13,6 +13,8 @@ COMMANDS = {
 BENCH_SUITES = {
     "kernels": ("codagen.bench.kernels", "time every fused kernel against cuBLAS and its unfused peers (GPU)"),
     "block": ("codagen.bench.block", "time one block forward+backward and a training step against peers (GPU)"),
+    "checkpoint": ("codagen.bench.checkpoint",
+                   "peak memory and step time of a checkpointed HF Llama, patched and unpatched (GPU)"),
 }
 
 

@@ -179,19 +179,16 @@ def test_refused_at_patch():
 def test_refused_at_forward():
     model = patch(build("llama"))
     inputs = lm_inputs()
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :3] = 0
-    with pytest.raises(NotImplementedError, match="padding"):
-        model(**inputs, attention_mask=mask)
+    with pytest.raises(NotImplementedError, match="4-D attention_mask"):
+        model(**inputs, attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"attention_mask must be \[batch, seq\] = \(2, 12\)"):
+        model(**inputs, attention_mask=torch.ones(2, 11, dtype=torch.long))
     with pytest.raises(NotImplementedError, match="KV cache"):
         model(inputs["input_ids"], use_cache=True)
     with pytest.raises(NotImplementedError, match="output_hidden_states"):
         model(inputs["input_ids"], output_hidden_states=True)
-    with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
+    with pytest.raises(NotImplementedError, match=r"flash-attention varlen arguments \['cu_seq_lens_q'\]"):
         model(inputs["input_ids"], cu_seq_lens_q=torch.tensor([0, 12]))
-    model.gradient_checkpointing_enable()
-    with pytest.raises(NotImplementedError, match="gradient checkpointing"):
-        model(**inputs)
 
 
 def test_logits_to_keep_and_tuple_output():

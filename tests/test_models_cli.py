@@ -32,7 +32,7 @@ def test_demo_runs(tmp_path, capsys):
 
 def test_block_bench_smoke(tmp_path, capsys):
     assert block.main(["--smoke", "--layers", "1", "--providers", "speed_of_light", "eager", "liger", "codagen",
-                       "--out", str(tmp_path)]) == 0
+                       "--cases", "causal", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*-block.json")
     records = json.loads(path.read_text())["records"]
     assert {r["suite"] for r in records} == {"block"}
@@ -45,10 +45,26 @@ def test_block_bench_smoke(tmp_path, capsys):
             # timed in interleaved rounds; the median of the round medians is reported
             assert len(r["round_ms"]) == 3 and r["median_ms"] == sorted(r["round_ms"])[1]
     diffs = [r["rel_diff_vs_eager"] for r in records if r["provider"] == "codagen" and r["pass"] == "fwd+bwd"]
-    # fp32 on CPU: the fused block computes the eager block, with QK-norm too
+    # fp32 on CPU: the fused block computes the eager block, with QK-norm too, under each attention mask
     assert len(diffs) == len(block.SMOKE_SHAPES) == 3 and max(diffs) < 1e-5
     out = capsys.readouterr().out
     assert "| fwd+bwd | smoke-gqa |" in out and "| fwd+bwd | smoke-qk-norm |" in out
+
+
+@pytest.mark.parametrize("case", ["padded", "packed"])
+def test_block_bench_attention_cases(case):
+    """Every provider of a masked case runs under the case's mask; codagen's block equals eager's under it."""
+    mask, positions = block.attention_case(case, 2, 32, torch.device("cpu"))
+    assert mask.shape[-2:] == (32, 32) and not mask.all()
+    if case == "padded":
+        assert (~mask[:, 0, -1, :]).sum() == 16  # 25% of the 64 tokens are pads, hidden as keys
+    else:
+        assert positions.tolist()[16:24] == list(range(8))  # the second document restarts at 0
+    factories, check = block.block_providers(block.SMOKE_SHAPES["smoke-gqa"], 2, 32, torch.device("cpu"),
+                                             torch.float64, case)
+    assert check() < 1e-6  # (RoPE frequencies are float32)
+    for name in ("speed_of_light", "eager", "codagen"):
+        factories[name]()()
 
 
 @pytest.mark.parametrize("provider", ["eager", "codagen"])
@@ -159,3 +175,13 @@ def test_load_module_imports_a_saved_copy_as_a_sibling(tmp_path):
         assert module.ANSWER == 1 and sys.modules["codagen.ops.saved_for_test"] is module
     finally:
         del sys.modules["codagen.ops.saved_for_test"]
+
+
+def test_checkpoint_bench_smoke(tmp_path):
+    from codagen.bench import checkpoint
+    variants = ["hf+checkpoint", "codagen+keep_attention"]
+    assert checkpoint.main(["--smoke", "--steps", "1", "--variants", *variants, "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-checkpoint.json")
+    records = json.loads(path.read_text())["records"]
+    assert [r["variant"] for r in records] == variants
+    assert all(r["median_ms"] > 0 for r in records), [r.get("traceback") for r in records]

@@ -17,6 +17,10 @@ Block shapes: M = 16384 tokens (2 x 8192); the paper's MHA blocks d in {2048, 40
 f = round_up(8d/3, 256), head_dim 128; LLaMA-3 1B (d 2048, f 8192, GQA 32/8, hd 64) and 8B (d 4096,
 f 14336, GQA 32/8, hd 128); Qwen3-8B (d 4096, f 12288, GQA 32/8, hd 128) with QK-norm, an RMSNorm over
 each Q and K head before RoPE (in every provider but the speed-of-light line, which has no such work).
+Each block shape runs in three attention cases (``--cases``), every provider under the same mask: ``causal``
+(SDPA's ``is_causal``), ``padded`` (25% of the tokens right padding: the last row's second half) and
+``packed`` (each row four documents of S/2, S/4, S/8, S/8 tokens, RoPE positions restarting per document);
+the masked cases run SDPA on a boolean mask with K/V heads repeated, as Hugging Face's SDPA path does.
 Records go to ``bench/results/<date>-block.json`` (``--out`` to change) with a bar chart beside it;
 every provider runs in its own try/except, and a failure is recorded.
 ``--smoke`` runs tiny shapes on CPU (wall-clock timing) to check the harness itself.
@@ -24,6 +28,7 @@ every provider runs in its own try/except, and a failure is recorded.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import sys
@@ -39,6 +44,7 @@ from codagen import ops
 from codagen._cli import command_parser
 from codagen.models import Llama, LlamaConfig
 from codagen.models.llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv
+from codagen.models.masks import causal_mask, document_ids
 from codagen.models.reference import rotate_half
 
 from .common import median_ms, timed_rounds, wall_ms, write_results
@@ -117,9 +123,10 @@ def liger_ops() -> dict:
             "ce": lambda h, w, t: fused_ce(w, h, t)}
 
 
-def eager_block(x, p: dict, cos, sin, s: BlockShape, batch: int, seq: int, o=EAGER_OPS):
+def eager_block(x, p: dict, cos, sin, s: BlockShape, batch: int, seq: int, o=EAGER_OPS, mask=None):
     """One pre-norm block on ``x`` [batch * seq, d]; ``p`` holds HF-layout weights (``qkv = [q; k; v]``,
-    ``gate_up = [gate; up]``)."""
+    ``gate_up = [gate; up]``); ``mask`` a boolean SDPA mask (else causal), K/V heads repeated under it as
+    Hugging Face's SDPA path does."""
     h = o["rms"](x, p["attn_norm"])
     q, k, v = (h @ p["qkv"].t()).split((s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim), -1)
     q, k = q.view(batch, seq, s.heads, s.head_dim), k.view(batch, seq, s.kv_heads, s.head_dim)
@@ -128,10 +135,42 @@ def eager_block(x, p: dict, cos, sin, s: BlockShape, batch: int, seq: int, o=EAG
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.view(batch, seq, s.kv_heads, s.head_dim).transpose(1, 2)
     q, k = o["rope"](q, k, cos, sin)
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.kv_heads != s.heads)
+    a = masked_attention(q, k, v, mask, s)
     x = x + a.transpose(1, 2).reshape(batch * seq, -1) @ p["o"].t()
     gate, up = (o["rms"](x, p["mlp_norm"]) @ p["gate_up"].t()).chunk(2, dim=-1)
     return x + o["swiglu"](gate, up) @ p["down"].t()
+
+
+def masked_attention(q, k, v, mask, s: BlockShape):
+    """SDPA of ``[B, heads, S, hd]`` q, k, v: causal without ``mask``, else under it with K/V heads repeated."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.kv_heads != s.heads)
+    k, v = (t.repeat_interleave(s.heads // s.kv_heads, dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attention_case(case: str, batch: int, seq: int, device) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(mask, positions [seq])`` of a benchmark case, the same for every provider:
+
+    - ``causal``: no mask;
+    - ``padded``: 25% of the tokens are right padding (the last row's second half, of 2 rows);
+    - ``packed``: each row holds documents of S/2, S/4, S/8 and S/8 tokens, positions restarting per document.
+    """
+    positions = torch.arange(seq, device=device)
+    if case == "causal":
+        return None, positions
+    if case == "padded":
+        padding = torch.ones(batch, seq, dtype=torch.bool, device=device)
+        padding[-1, seq - seq * batch // 4:] = False  # batch * seq / 4 pad tokens in the last row
+        return causal_mask(batch, seq, device, padding=padding), positions
+    if case == "packed":
+        lengths = [seq // 2, seq // 4, seq // 8, seq - seq // 2 - seq // 4 - seq // 8]
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        return causal_mask(batch, seq, device, documents=document_ids(positions[None])), positions
+    raise ValueError(f"attention case must be one of {ATTENTION_CASES}, got {case!r}")
+
+
+ATTENTION_CASES = ("causal", "padded", "packed")
 
 
 def eager_model_loss(ids, targets, m: dict, cos, sin, s: BlockShape, o=EAGER_OPS):
@@ -142,10 +181,12 @@ def eager_model_loss(ids, targets, m: dict, cos, sin, s: BlockShape, o=EAGER_OPS
     return o["ce"](o["rms"](x, m["norm"]), m["lm_head"], targets.view(-1))
 
 
-def rope_tables(s: BlockShape, seq: int, device, dtype, theta: float = 500000.0):
-    """cos/sin ``[1, 1, seq, hd]`` (half-split layout), fp32 math then cast, as Hugging Face."""
+def rope_tables(s: BlockShape, seq: int, device, dtype, theta: float = 500000.0, positions=None):
+    """cos/sin ``[1, 1, seq, hd]`` (half-split layout) at ``positions`` (default 0..seq-1), fp32 math then cast,
+    as Hugging Face."""
     inv = 1.0 / theta ** (torch.arange(0, s.head_dim, 2, device=device, dtype=torch.float32) / s.head_dim)
-    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    positions = torch.arange(seq, device=device) if positions is None else positions
+    angles = torch.outer(positions.to(torch.float32), inv)
     angles = torch.cat((angles, angles), dim=-1)[None, None]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -216,11 +257,13 @@ def _train_step(loss_fn: Callable[[], torch.Tensor], params: list, grad_out=None
 
 
 # --- providers -------------------------------------------------------------------------------------------
-def block_providers(s: BlockShape, batch: int, seq: int, device, dtype) -> tuple[dict, Callable]:
-    """name -> factory of a fwd+bwd callable; and a check of codagen's output against eager's."""
+def block_providers(s: BlockShape, batch: int, seq: int, device, dtype, case: str = "causal") -> tuple[dict, Callable]:
+    """name -> factory of a fwd+bwd callable; and a check of codagen's output against eager's. ``case``: the
+    attention mask (:func:`attention_case`)."""
     m = batch * seq
     p = block_weights(s, device, dtype)
-    cos, sin = rope_tables(s, seq, device, dtype)
+    mask, case_positions = attention_case(case, batch, seq, device)
+    cos, sin = rope_tables(s, seq, device, dtype, positions=case_positions)
     x = torch.randn(m, s.d, device=device, dtype=dtype, requires_grad=True)
     grad_out = torch.randn(m, s.d, device=device, dtype=dtype)
     eager_params = [x] + [t for name, t in p.items() if name != "next_norm"]
@@ -228,18 +271,18 @@ def block_providers(s: BlockShape, batch: int, seq: int, device, dtype) -> tuple
     def with_ops(get_ops, compiled=False):
         def make():
             o = get_ops()
-            fn = (lambda: eager_block(x, p, cos, sin, s, batch, seq, o))
+            fn = (lambda: eager_block(x, p, cos, sin, s, batch, seq, o, mask))
             if compiled:
                 torch._dynamo.reset()
                 block = torch.compile(eager_block)
-                fn = (lambda: block(x, p, cos, sin, s, batch, seq, o))
+                fn = (lambda: block(x, p, cos, sin, s, batch, seq, o, mask))
             return _train_step(fn, eager_params, grad_out)
         return make
 
     def codagen_forward():
         blk, next_norm = codagen_block_weights(p, s)
-        spec = AttentionSpec(batch, seq, s.heads, s.kv_heads, s.head_dim)
-        positions = torch.arange(seq, device=device).repeat(batch)
+        spec = AttentionSpec(batch, seq, s.heads, s.kv_heads, s.head_dim, mask=mask)
+        positions = case_positions.repeat(batch)
         freqs = ops.rope_frequencies(s.heads, s.kv_heads, s.head_dim, base=500000.0).to(device)
         xc = x.detach().clone().requires_grad_()
         # the block's own tensors (dataclasses.astuple would deep-copy them: their gradients would then
@@ -255,11 +298,11 @@ def block_providers(s: BlockShape, batch: int, seq: int, device, dtype) -> tuple
     def check() -> float:
         """Relative difference of codagen's block output from eager's (same weights; bf16 rounding)."""
         with torch.no_grad():
-            want = eager_block(x, p, cos, sin, s, batch, seq).float()
+            want = eager_block(x, p, cos, sin, s, batch, seq, mask=mask).float()
             got = codagen_forward()[0]().float()
         return ((got - want).norm() / want.norm()).item()
 
-    factories = {"speed_of_light": lambda: speed_of_light_block(s, batch, seq, device, dtype),
+    factories = {"speed_of_light": lambda: speed_of_light_block(s, batch, seq, device, dtype, mask=mask),
                  "eager": with_ops(lambda: EAGER_OPS), "compile": with_ops(lambda: EAGER_OPS, compiled=True),
                  "liger": with_ops(liger_ops), "codagen": codagen}
     return factories, check
@@ -271,9 +314,9 @@ def cublas_gemms(a: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor) 
 
 
 def speed_of_light_block(s: BlockShape, batch: int, seq: int, device, dtype,
-                         gemms_of: Callable[..., None] = cublas_gemms) -> Callable[[], None]:
+                         gemms_of: Callable[..., None] = cublas_gemms, mask=None) -> Callable[[], None]:
     """The block's GEMMs (y = a W^T, dA = dy W, dW = dy^T a, per weight; ``gemms_of(a, W, dy)`` runs them)
-    and SDPA fwd+bwd, nothing else."""
+    and SDPA fwd+bwd (under ``mask`` when given), nothing else."""
     m = batch * seq
     gemms = []
     for n, k in ((s.qkv, s.d), (s.d, s.heads * s.head_dim), (2 * s.f, s.d), (s.d, s.f)):
@@ -288,7 +331,7 @@ def speed_of_light_block(s: BlockShape, batch: int, seq: int, device, dtype,
         for a, w, dy in gemms:
             gemms_of(a, w, dy)
         q.grad = k.grad = v.grad = None
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.kv_heads != s.heads).backward(grad_attn)
+        masked_attention(q, k, v, mask, s).backward(grad_attn)
     return run
 
 
@@ -453,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-shape", default="llama3-1b", choices=sorted(SHAPES), help="the full model's block")
     parser.add_argument("--layers", type=int, help="full model layers (default 4; 2 with --quick; 0: skip)")
     parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--cases", nargs="+", choices=ATTENTION_CASES, default=list(ATTENTION_CASES),
+                        help="attention masks of the block: causal, padded (25%% padding), packed (4 documents a row)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per provider (default 3)")
     parser.add_argument("--out", help="results folder (default: bench/results)")
     args = parser.parse_args(argv)
@@ -475,15 +520,17 @@ def main(argv: list[str] | None = None) -> int:
           f"M = {batch} x {seq} tokens; providers {providers}", flush=True)
 
     records = []
-    for name, s in shapes.items():
+    for (shape_name, s), case in itertools.product(shapes.items(), args.cases):
+        name = shape_name if case == "causal" else f"{shape_name}-{case}"
         shape = dict(dataclasses.asdict(s), tokens=batch * seq)
         try:
-            factories, check = block_providers(s, batch, seq, device, dtype)
+            factories, check = block_providers(s, batch, seq, device, dtype, case)
         except Exception as error:  # noqa: BLE001 - e.g. out of memory building the weights
             print(f"  {name}: setup failed: {error}")
             continue
         block_records = run_providers(factories, providers, {"suite": "block", "name": name, "pass": "fwd+bwd",
-                                                             "shape": shape, "dtype": str(dtype)}, device, args.rounds)
+                                                             "attention": case, "shape": shape, "dtype": str(dtype)},
+                                      device, args.rounds)
         if "codagen" in providers:
             try:
                 block_records[providers.index("codagen")]["rel_diff_vs_eager"] = check()

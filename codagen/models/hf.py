@@ -26,14 +26,17 @@ approximation):
   kernel), QK-norm (Qwen3: per-head RMSNorm of Q and K before RoPE, in the QKV GEMM's epilogue; the
   q_norm/k_norm weights are permuted to pair order like the Q/K rows), O-proj bias (folded into the
   residual add), tied embeddings, ``position_ids``,
-  ``inputs_embeds``, all-ones ``attention_mask``, sliding-window attention (an explicit SDPA mask when
-  the sequence is longer than the window), attention dropout, ``num_items_in_batch``,
-  ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``.
+  ``inputs_embeds``, padding in a 2-D ``attention_mask`` and packed sequences (``position_ids``
+  restarting per document, no ``attention_mask``), by transformers' rules
+  (:mod:`codagen.models.masks`), sliding-window attention, attention dropout, ``num_items_in_batch``,
+  ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``,
+  ``model.gradient_checkpointing_enable()`` (each regrouped block checkpointed in its layer's place:
+  :mod:`codagen.models.checkpoint`).
 - Refused: MLP biases, Q/K/V biases together with QK-norm (the bias would enter before the norm),
   QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types (``dynamic``, ``yarn``, ...),
-  padding in ``attention_mask``, KV cache / generation (``past_key_values``, ``use_cache=True``),
-  ``output_attentions`` / ``output_hidden_states``, gradient checkpointing, extra attention kwargs.
-  ``unpatch`` the model (or use an unpatched copy) for those.
+  4-D ``attention_mask``, flash-attention varlen kwargs (``cu_seq_lens_q``, ...), KV cache / generation
+  (``past_key_values``, ``use_cache=True``), ``output_attentions`` / ``output_hidden_states``, extra attention
+  kwargs. ``unpatch`` the model (or use an unpatched copy) for those.
 """
 from __future__ import annotations
 
@@ -45,11 +48,13 @@ from torch import nn
 from codagen import ops
 
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
+from .masks import additive, causal_mask, document_ids
 
 __all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODELS"]
 
 SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3")  # static inv_freq and attention_scaling == 1
+_FLASH_ATTENTION_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
 
 def _refuse(feature: str) -> NotImplementedError:
@@ -149,14 +154,15 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
              labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
              return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
+    if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
+        raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
+                      f"documents come from position_ids: DataCollatorWithFlattening(return_flash_attn_kwargs=False))")
     if kwargs:
         raise _refuse(f"forward arguments {sorted(kwargs)}")
     if past_key_values is not None or use_cache:
         raise _refuse("KV cache / generation (past_key_values, use_cache=True)")
     if output_attentions or output_hidden_states:
         raise _refuse("output_attentions / output_hidden_states")
-    if self.model.gradient_checkpointing and self.training:
-        raise _refuse("gradient checkpointing")
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("codagen.patch: give exactly one of input_ids or inputs_embeds")
     x = _embed(self.model.embed_tokens, input_ids) if inputs_embeds is None else inputs_embeds
@@ -164,15 +170,18 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
         raise ValueError(f"codagen.patch: expected [batch, seq] input_ids or [batch, seq, hidden] inputs_embeds, "
                          f"got embeddings of shape {tuple(x.shape)}")
     batch, seq, hidden = x.shape
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise _refuse("padding in attention_mask (zeros)")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise _refuse(f"a {attention_mask.dim()}-D attention_mask (give the 2-D [batch, seq] padding mask)")
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, seq):
+        raise ValueError(f"codagen.patch: attention_mask must be [batch, seq] = {(batch, seq)}, "
+                         f"got shape {tuple(attention_mask.shape)}")
     # Under autocast (e.g. fp32 master weights, bf16 compute) everything runs in the autocast dtype,
     # cast once here; autocast itself is then switched off so SDPA keeps the dtype the fused ops expect.
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     with torch.autocast(device_type, enabled=False):
-        return _decoder_forward(self, x.to(dtype), dtype, position_ids, labels, shift_labels, logits_to_keep, num_items_in_batch,
-                    return_dict)
+        return _decoder_forward(self, x.to(dtype), dtype, attention_mask, position_ids, labels, shift_labels,
+                                logits_to_keep, num_items_in_batch, return_dict)
 
 
 def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -184,15 +193,21 @@ def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return embed_tokens(input_ids)
 
 
-def _decoder_forward(self, x, dtype, position_ids, labels, shift_labels, logits_to_keep, num_items_in_batch,
-                     return_dict):
+def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift_labels, logits_to_keep,
+                     num_items_in_batch, return_dict):
     """The checked forward: embeddings ``x`` [B, S, d] in ``dtype`` through the fused decoder and head."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     batch, seq, hidden = x.shape
     config = self.config
+    # As transformers: a padding mask when given, else documents from position_ids (packed rows); both on the
+    # device, so that no value is read on the host. Positions stay 0..S-1 under padding, as transformers'.
+    documents = None
     if position_ids is None:
         position_ids = torch.arange(seq, device=x.device)
+    elif attention_mask is None:
+        documents = document_ids(position_ids.expand(batch, seq))
+    mask = causal_mask(batch, seq, x.device, attention_mask, documents)
     positions = position_ids.expand(batch, seq).reshape(-1).contiguous()
 
     rotary = self.model.rotary_emb
@@ -201,13 +216,17 @@ def _decoder_forward(self, x, dtype, position_ids, labels, shift_labels, logits_
     frequencies = ops.rope_frequencies(config.num_attention_heads, config.num_key_value_heads, head_dim,
                                        inv_freq=rotary.inv_freq.to(x.device))
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                         dropout=config.attention_dropout if self.training else 0.0)
+                         dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype))
     layers = self.model.layers[: config.num_hidden_layers]
     blocks = [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
+    # model.gradient_checkpointing_enable() gives each layer its checkpoint function (torch.utils.checkpoint with
+    # the kwargs it was given); the patched model checkpoints the regrouped block in that layer's place.
+    checkpoints = [layer._gradient_checkpointing_func if getattr(layer, "gradient_checkpointing", False)
+                   and self.training and torch.is_grad_enabled() else None for layer in layers]
     norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
     head_weight = self.lm_head.weight.to(dtype)
     h, normed, rstd = decoder_stack(x.reshape(batch * seq, hidden).contiguous(), blocks, norm_weight, eps, spec,
-                                    positions, frequencies)
+                                    positions, frequencies, checkpoints)
 
     loss = logits = None
     if labels is not None or shift_labels is not None:

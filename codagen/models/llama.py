@@ -31,7 +31,9 @@ from torch import nn
 
 from codagen import ops
 
+from .checkpoint import CheckpointFn, checkpoint_block
 from .config import LlamaConfig
+from .masks import with_sliding_window
 
 __all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "lm_head", "rotate_pairs", "fuse_qkv",
            "split_qkv"]
@@ -55,13 +57,16 @@ class BlockWeights:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    """How SDPA runs over ``[batch * seq]`` token rows: causal, GQA, attention dropout."""
+    """How SDPA runs over ``[batch * seq]`` token rows: causal, GQA, attention dropout, and ``mask``, a
+    ``[batch | 1, 1, seq, seq]`` SDPA mask, boolean or additive (causality, padding, documents:
+    :mod:`codagen.models.masks`), or ``None`` for plain causal attention."""
     batch: int
     seq: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     dropout: float = 0.0
+    mask: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
 
 def rotate_pairs(z: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
@@ -73,20 +78,21 @@ def rotate_pairs(z: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
               sliding_window: int | None = None) -> torch.Tensor:
-    """Causal (GQA) SDPA over token-major ``q`` [B*S, h hd], ``k``, ``v`` [B*S, kv hd] -> ``[B*S, h hd]``.
+    """Causal (GQA) SDPA over token-major ``q`` [B*S, h hd], ``k``, ``v`` [B*S, kv hd] -> ``[B*S, h hd]``,
+    under ``spec.mask`` and the ``sliding_window`` (key j visible to query i iff ``i - window < j <= i``).
 
     The inputs may be column views of one buffer (the QKV op's ``split_sizes`` outputs): SDPA reads them
     strided, and its backward writes each gradient token-major, so each reaches the QKV op as is.
     """
     b, s, h, kv, hd = spec.batch, spec.seq, spec.num_heads, spec.num_kv_heads, spec.head_dim
     q, k, v = (t.view(b, s, heads, hd).transpose(1, 2) for t, heads in ((q, h), (k, kv), (v, kv)))
-    mask = None
-    if sliding_window is not None and s > sliding_window:  # shorter sequences: the window is the causal mask
-        i = torch.arange(s, device=q.device)
-        offset = i[:, None] - i[None, :]
-        mask = (offset >= 0) & (offset < sliding_window)
+    mask = with_sliding_window(spec.mask, s, sliding_window, q.device)
+    gqa = kv != h
+    if gqa and mask is not None:  # SDPA's GQA kernels take no mask (CUDA would fall back to the math path)
+        k, v = (t.repeat_interleave(h // kv, dim=1) for t in (k, v))
+        gqa = False
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                         dropout_p=spec.dropout, enable_gqa=kv != h)
+                                         dropout_p=spec.dropout, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(b * s, h * hd)
 
 
@@ -95,16 +101,26 @@ _compile_region = getattr(torch.compiler, "nested_compile_region", lambda fn: fn
 
 
 def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: torch.Tensor, eps: float,
-                  spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor):
+                  spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor,
+                  checkpoints: Sequence[CheckpointFn | None] | None = None):
     """Run the blocks on the embeddings ``x`` [tokens, d]; return ``(x, normed, rstd)`` of the final norm.
 
     ``positions`` [tokens] and ``frequencies`` [(h + 2 kv) hd / 2] (V pairs 0) drive RoPE in the QKV epilogue.
     Blocks with ``q_norm``/``k_norm`` apply QK-norm (eps ``eps``) in the same epilogue, before RoPE.
+    ``checkpoints[i]``, when given and not ``None``, is a ``torch.utils.checkpoint``-like function that runs
+    block ``i`` keeping only its inputs ``(x, normed, rstd)`` (:func:`codagen.models.checkpoint.checkpoint_block`).
     """
     norms = [blk.attn_norm for blk in blocks] + [final_norm]
     normed, rstd = ops.rms_norm_stats(x, norms[0], eps)
-    for blk, next_norm in zip(blocks, norms[1:]):
-        x, normed, rstd = decoder_layer(x, normed, rstd, blk, next_norm, eps, spec, positions, frequencies)
+
+    def block(x, normed, rstd, blk, next_norm):
+        return decoder_layer(x, normed, rstd, blk, next_norm, eps, spec, positions, frequencies)
+
+    for blk, next_norm, checkpoint in zip(blocks, norms[1:], checkpoints or [None] * len(blocks), strict=True):
+        if checkpoint is None:
+            x, normed, rstd = block(x, normed, rstd, blk, next_norm)
+        else:
+            x, normed, rstd = checkpoint_block(checkpoint, block, x, normed, rstd, blk, next_norm)
     return x, normed, rstd
 
 
