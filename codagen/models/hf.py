@@ -7,8 +7,9 @@
     loss = model(input_ids, labels=labels).loss
     codagen.unpatch(model)                   # back to the transformers forward
 
-``patch`` replaces ``forward`` on this one instance (the class is untouched) and ``unpatch`` removes
-it. No parameter is replaced or copied: the optimizer keeps working on the model's own
+``patch`` replaces ``forward`` on this one instance (the class is untouched) by a picklable callable
+(:class:`_PatchedForward`: pickle, ``copy.deepcopy`` and ``torch.save`` give a patched copy) and
+``unpatch`` removes it. No parameter is replaced or copied: the optimizer keeps working on the model's own
 ``nn.Parameter``\\s. The fused layouts the kernels need (``[W_q; W_k; W_v]`` with Q/K rows permuted
 to adjacent RoPE pairs, gate/up rows interleaved) are built from those parameters on every forward,
 as differentiable gathers, so gradients land on the original parameters. The trade-off: one extra
@@ -29,7 +30,11 @@ approximation):
   ``inputs_embeds``, all-ones ``attention_mask``, sliding-window attention (an explicit SDPA mask when
   the sequence is longer than the window), attention dropout, ``num_items_in_batch``,
   ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``.
-- Refused: MLP biases, Q/K/V biases together with QK-norm (the bias would enter before the norm),
+- Refused at patch time (``ValueError`` naming the config field): sizes the kernels cannot take (odd
+  ``intermediate_size`` or ``head_dim``, heads not a multiple of KV heads, projection shapes that do not
+  match the config). Refused at patch time and at each forward: hooks on any submodule but the input
+  embedding (the fused decoder never calls their ``forward``); hooks on the model itself run.
+- Refused: MLP biases, partial rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter before the norm),
   QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types (``dynamic``, ``yarn``, ...),
   padding in ``attention_mask``, KV cache / generation (``past_key_values``, ``use_cache=True``),
   ``output_attentions`` / ``output_hidden_states``, gradient checkpointing, extra attention kwargs.
