@@ -154,7 +154,7 @@ def test_labels_outside_the_vocabulary_are_refused(bad):
     unpatch(model)
     with pytest.raises(IndexError):
         model(**inputs)
-    inputs["labels"][1, 4] = 3
+    ids = inputs["input_ids"].clone()
+    ids[0, 3] = bad
     with pytest.raises(ValueError, match=rf"ids: expected values in \[0, 67\), got \[{bad}\]"):
-        patch(model)(input_ids=torch.where(inputs["input_ids"] == inputs["input_ids"][0, 0], bad,
-                                           inputs["input_ids"]))
+        patch(model)(input_ids=ids)

@@ -236,3 +236,63 @@ def test_finishers_and_row_kernel_keep_infinite_logsumexps():
                             capture_output=True, text=True, timeout=300,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the index checks add no host sync; a bad index is a device-side assert
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_index_checks_add_no_host_sync_on_cuda(monkeypatch):
+    """Cross-entropy (with and without gradients) and the embedding, forward and backward, run with
+    ``torch.cuda.set_sync_debug_mode("error")``: any host synchronization raises."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    norm_weight = torch.ones(128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    head = (0.1 * torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)).requires_grad_()
+    normed, rstd = kernels.rms_norm_stats(x.detach(), norm_weight.detach(), 1e-6)
+    target = torch.randint(0, 512, (64,), device="cuda")
+    target[::7] = -100
+    ids = torch.randint(0, 512, (4, 16), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = ops.rms_lm_head_cross_entropy(x, normed, rstd, norm_weight, head, target)
+        loss.backward()
+        with torch.no_grad():
+            ops.rms_lm_head_cross_entropy(x, normed, rstd, norm_weight, head, target)
+        ops.embedding(ids, head).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item()
+
+
+_CUDA_BAD_TARGET_SCRIPT = textwrap.dedent("""
+    import os, torch
+    os.environ["CODAGEN_TRITON_AUTOTUNE"] = "0"
+    from codagen import ops
+    from codagen.ops import kernels
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    normed, rstd = kernels.rms_norm_stats(x, w, 1e-6)
+    head = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, 128, (8,), device="cuda")
+    target[3] = BAD
+    loss = ops.rms_lm_head_cross_entropy(x, normed, rstd, w, head, target)  # returns: no host sync
+    print("returned", flush=True)
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        print("raised:", e)
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", [128, -1])
+def test_a_bad_target_is_a_device_side_assert_on_cuda(bad):
+    """In a fresh process (a device-side assert ends the CUDA context): the op returns without a sync,
+    the next synchronization raises."""
+    result = subprocess.run([sys.executable, "-c", _CUDA_BAD_TARGET_SCRIPT.replace("BAD", str(bad))],
+                            capture_output=True, text=True, timeout=300,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "returned" in result.stdout and "device-side assert" in result.stdout + result.stderr, \
+        result.stdout + result.stderr[-3000:]
