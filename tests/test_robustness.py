@@ -143,6 +143,16 @@ def test_embedding_refuses_ids_outside_the_vocabulary(bad):
         ops.embedding(torch.tensor([[1, bad], [2, 3]]), weight)
 
 
+def test_index_check_under_torch_compile_is_a_traced_assert():
+    """Under torch.compile(fullgraph=True) the check is a traced device assert (no graph break); on CPU it
+    raises RuntimeError naming ids and the range."""
+    weight = torch.randn(10, 4)
+    embed = torch.compile(ops.embedding, fullgraph=True, backend="eager")
+    torch.testing.assert_close(embed(torch.tensor([1, 9]), weight), weight[[1, 9]])
+    with pytest.raises(RuntimeError, match=r"ids: values must lie in \[0, 10\)"):
+        embed(torch.tensor([1, 10]), weight)
+
+
 def test_embedding_refuses_other_id_dtypes():
     with pytest.raises(ValueError, match="ids: expected an int32 or int64"):
         ops.embedding(torch.tensor([1, 2], dtype=torch.int16), torch.randn(10, 4))
