@@ -527,7 +527,7 @@ def test_errors_name_the_argument():
         (lambda: ops.out_proj_residual_rms(rand(M + 1, 4), rand(D, 4), x, gamma, EPS), "inp: expected 5 rows"),
         (lambda: ops.out_proj_residual_rms(rand(M, 4), rand(D, 3), x, gamma, EPS), "weight: expected shape"),
         (lambda: ops.rms_lm_head_cross_entropy(x, normed, rstd, gamma, rand(VOCAB, D), torch.zeros(M)),
-         "target: expected an integer"),
+         "target: expected an int32 or int64"),
         (lambda: ops.rms_lm_head_cross_entropy(x, normed, rstd, gamma, rand(VOCAB, D), torch.zeros(M, dtype=int),
                                                reduction="none"), "reduction: expected 'mean' or 'sum'"),
         (lambda: ops.embedding(torch.zeros(3), weight), "ids: expected an int32 or int64 tensor"),

@@ -190,7 +190,8 @@ def test_qk_norm_program_split_epilogue(tma):
 
 def test_segment_wider_than_the_tile_is_refused():
     """Heads wider than any sub-tile: the candidate filter names head_dim and the sub-tile widths; a forced
-    (or interpreter) config fails the kernel's static check."""
+    config narrower than a head fails the kernel's static check (the interpreter's tile widens to whole
+    heads: tests/test_robustness.py)."""
     program = library.rms_qkv_rope(128, 1e-6)
     with pytest.raises(ProgramError, match=r"groups of \[128\] columns \(the QK-norm head_dim\).*widths \[64\]"):
         candidates(program, major=9, operand_bytes=4, smem_limit=232448, tma=True)  # the fp32 pool: 64x64 tiles
@@ -198,7 +199,7 @@ def test_segment_wider_than_the_tile_is_refused():
     assert kept and all(cfg.sub_n % 128 == 0 for cfg in kept)
     a, b, tensors = random_inputs(library.rms_qkv_rope(64, 1e-6), 8, 128, 16, torch.float16, "cpu")
     with pytest.raises(Exception, match=r"segment_sum\(size=64\): the epilogue sub-tile"):
-        TritonBackend().run(bind(library.rms_qkv_rope(64, 1e-6), a, b, tensors))  # interpreter tiles are 32 wide
+        TritonBackend(config=INTERPRETER_CONFIG).run(bind(library.rms_qkv_rope(64, 1e-6), a, b, tensors))  # 32 wide
 
 
 def test_pointer_mainloop_forced():

@@ -98,6 +98,9 @@ def execute(program: Program, a: torch.Tensor, b: torch.Tensor, *, backend: str 
     """Run ``program`` on operands ``a``, ``b`` and its named inputs; return its outputs by name.
 
     Outputs stored with ``accumulate=True`` are passed in ``tensors`` and updated in place.
+    A forward primitive: the outputs never carry autograd history, whatever ``requires_grad`` the inputs
+    have, on every backend (:mod:`codagen.ops` adds the autograd).
     """
     bound = bind(program, a, b, tensors)
-    return get_backend(resolve_backend_name(bound.device, backend)).run(bound)
+    with torch.no_grad():
+        return get_backend(resolve_backend_name(bound.device, backend)).run(bound)

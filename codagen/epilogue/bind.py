@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from . import library
 from .ir import ColPartial, ColVector, Program, ProgramError, RowPartial, RowVector, ScalarInput, Store, TileInput
 
 __all__ = ["BoundProgram", "bind", "OPERAND_DTYPES", "cdiv", "set_poison_outputs"]
@@ -111,6 +112,10 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple, desc: str) -> None:
 
 def bind(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, torch.Tensor]) -> BoundProgram:
     """Validate ``a``, ``b`` and the named tensors against ``program``; return the bound problem."""
+    if not isinstance(program, Program):
+        named = isinstance(program, str) and callable(getattr(library, program, None))
+        raise TypeError(f"program: expected a codagen.Program, got {type(program).__name__} {program!r}; pass "
+                        f"codagen.library.{program if named else 'linear'}() or a Program built from the IR")
     a = _tensor("a", a, "GEMM operand A")
     b = _tensor("b", b, "GEMM operand B")
     for name, t in (("a", a), ("b", b)):

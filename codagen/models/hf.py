@@ -7,8 +7,9 @@
     loss = model(input_ids, labels=labels).loss
     codagen.unpatch(model)                   # back to the transformers forward
 
-``patch`` replaces ``forward`` on this one instance (the class is untouched) and ``unpatch`` removes
-it. No parameter is replaced or copied: the optimizer keeps working on the model's own
+``patch`` replaces ``forward`` on this one instance (the class is untouched) by a picklable callable
+(:class:`_PatchedForward`: pickle, ``copy.deepcopy`` and ``torch.save`` give a patched copy) and
+``unpatch`` removes it. No parameter is replaced or copied: the optimizer keeps working on the model's own
 ``nn.Parameter``\\s. The fused layouts the kernels need (``[W_q; W_k; W_v]`` with Q/K rows permuted
 to adjacent RoPE pairs, gate/up rows interleaved) are built from those parameters on every forward,
 as differentiable gathers, so gradients land on the original parameters. The trade-off: one extra
@@ -32,7 +33,11 @@ approximation):
   ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``,
   ``model.gradient_checkpointing_enable()`` (each regrouped block checkpointed in its layer's place:
   :mod:`codagen.models.checkpoint`).
-- Refused: MLP biases, Q/K/V biases together with QK-norm (the bias would enter before the norm),
+- Refused at patch time (``ValueError`` naming the config field): sizes the kernels cannot take (odd
+  ``intermediate_size`` or ``head_dim``, heads not a multiple of KV heads, projection shapes that do not
+  match the config). Refused at patch time and at each forward: hooks on any submodule but the input
+  embedding (the fused decoder never calls their ``forward``); hooks on the model itself run.
+- Refused: MLP biases, partial rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter before the norm),
   QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types (``dynamic``, ``yarn``, ...),
   4-D ``attention_mask``, flash-attention varlen kwargs (``cu_seq_lens_q``, ...), KV cache / generation
   (``past_key_values``, ``use_cache=True``), ``output_attentions`` / ``output_hidden_states``, extra attention
@@ -40,7 +45,7 @@ approximation):
 """
 from __future__ import annotations
 
-import types
+import inspect
 
 import torch
 from torch import nn
@@ -97,6 +102,41 @@ def _check_model(model: nn.Module) -> None:
                 raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})")
 
 
+def _check_shapes(model: nn.Module) -> None:
+    """Refuse, at patch time, sizes the fused kernels cannot take (``ValueError`` naming the config field)."""
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(f"codagen.patch: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                         f"({kv_heads})")
+    hidden = model.model.norm.weight.shape[0]
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        head_dim = attn.head_dim
+        if head_dim <= 0 or head_dim % 2:  # RoPE and the fused layouts work on pairs of columns
+            raise ValueError(f"codagen.patch: head_dim must be a positive even number, got {head_dim} (layer {i})")
+        expected = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
+                    "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim)}
+        for name, shape in expected.items():
+            got = tuple(getattr(attn, name).weight.shape)
+            if got != shape:
+                raise ValueError(f"codagen.patch: self_attn.{name}.weight of layer {i} is {got}; num_attention_heads "
+                                 f"= {heads}, num_key_value_heads = {kv_heads}, head_dim = {head_dim} and "
+                                 f"hidden_size = {hidden} give {shape}")
+        ffn = mlp.gate_proj.weight.shape[0]
+        if ffn % 2:  # the down projection's backward epilogue works on (gate, up) column pairs
+            raise ValueError(f"codagen.patch: intermediate_size must be even, got {ffn} (layer {i})")
+        got = tuple(tuple(getattr(mlp, n).weight.shape) for n in ("gate_proj", "up_proj", "down_proj"))
+        if got != ((ffn, hidden), (ffn, hidden), (hidden, ffn)):
+            raise ValueError(f"codagen.patch: gate_proj, up_proj, down_proj weights of layer {i} are {got}; "
+                             f"intermediate_size = {ffn} and hidden_size = {hidden} give "
+                             f"{((ffn, hidden), (ffn, hidden), (hidden, ffn))}")
+        rotary_pairs = model.model.rotary_emb.inv_freq.shape[0]
+        if rotary_pairs != head_dim // 2:
+            raise _refuse(f"partial rotary embeddings (partial_rotary_factor: {2 * rotary_pairs} of head_dim "
+                          f"{head_dim} channels rotated)")
+
+
 def patch(model: nn.Module) -> nn.Module:
     """Make a ``transformers`` Llama/Mistral/Qwen2/Qwen3 ``...ForCausalLM`` run on codagen kernels; returns it.
 
@@ -104,8 +144,10 @@ def patch(model: nn.Module) -> nn.Module:
     handled and what is refused.
     """
     _check_model(model)
+    _check_shapes(model)
+    _check_hooks(model)
     if not is_patched(model):
-        model.forward = types.MethodType(_forward, model)
+        model.forward = _PatchedForward(model)
     return model
 
 
@@ -118,8 +160,49 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 
 def is_patched(model: nn.Module) -> bool:
-    forward = model.__dict__.get("forward")
-    return isinstance(forward, types.MethodType) and forward.__func__ is _forward
+    return isinstance(model.__dict__.get("forward"), _PatchedForward)
+
+
+class _PatchedForward:
+    """``model.forward`` of a patched model: :func:`_forward` bound to the model. Unlike a bound method of
+    a function defined here, it pickles (``torch.save``) and deep-copies: it holds nothing but the
+    model, and reduces to ``_PatchedForward(model)``, so a copy of the model is patched too."""
+    __slots__ = ("model",)
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        return _forward(self.model, *args, **kwargs)
+
+    def __reduce__(self):
+        return _PatchedForward, (self.model,)
+
+    def __repr__(self) -> str:
+        return f"<codagen.patch forward of {type(self.model).__name__}>"
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
+                or module._backward_hooks)
+
+
+def _check_hooks(model: nn.Module) -> None:
+    """Refuse hooks the fused decoder would silently skip: it never calls the decoder's submodules'
+    ``forward`` (the layers, their projections and norms, the final norm, the LM head), so hooks on any of
+    them would not run. Hooks on ``model`` itself run (``model(...)`` calls them around the fused forward),
+    and so do hooks on the input embedding (it then runs as the module: :func:`_embed`). Checked at patch
+    time and on every forward (a dictionary test per module)."""
+    embedding = model.model.embed_tokens
+    for module in model.modules():
+        if module is not model and module is not embedding and _has_hooks(module):
+            name = next(n for n, m in model.named_modules() if m is module)
+            kinds = [kind for kind, hooks in (("forward pre-hooks", module._forward_pre_hooks),
+                                              ("forward hooks", module._forward_hooks),
+                                              ("backward pre-hooks", module._backward_pre_hooks),
+                                              ("backward hooks", module._backward_hooks)) if hooks]
+            raise _refuse(f"{' and '.join(kinds)} on submodule {name!r} ({type(module).__name__}: the fused decoder "
+                          f"never calls its forward; hooks on the model itself run)")
 
 
 def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, dtype: torch.dtype) -> BlockWeights:
@@ -154,6 +237,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
              labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
              return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
+    _check_hooks(self)
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
                       f"documents come from position_ids: DataCollatorWithFlattening(return_flash_attn_kwargs=False))")
@@ -184,11 +268,16 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
                                 logits_to_keep, num_items_in_batch, return_dict)
 
 
+
+# the signature of ...ForCausalLM.forward without self: transformers' Trainer reads it to keep dataset columns
+_PatchedForward.__signature__ = inspect.Signature(list(inspect.signature(_forward).parameters.values())[1:])
+
 def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """A plain ``nn.Embedding`` runs as :func:`codagen.ops.embedding` (deterministic backward); anything else
-    (max_norm, scale_grad_by_freq, sparse, a scaled or custom embedding module) runs as is."""
+    (max_norm, scale_grad_by_freq, sparse, a scaled or custom embedding module, or one with hooks, such as
+    ``enable_input_require_grads``' for PEFT) runs as the module."""
     if (type(embed_tokens) is nn.Embedding and embed_tokens.max_norm is None and not embed_tokens.scale_grad_by_freq
-            and not embed_tokens.sparse):
+            and not embed_tokens.sparse and not _has_hooks(embed_tokens)):
         return ops.embedding(input_ids, embed_tokens.weight, embed_tokens.padding_idx)
     return embed_tokens(input_ids)
 

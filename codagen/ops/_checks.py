@@ -93,17 +93,39 @@ def normed(name: str, t, x: torch.Tensor) -> torch.Tensor:
     return t
 
 
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def index_vector(name: str, t, length: int, like: torch.Tensor, *, allow_float: bool = False) -> torch.Tensor:
-    """A 1-D integer vector [tokens] (targets, positions); positions may also be float."""
+    """A 1-D int32/int64 vector [tokens] (targets, positions); positions may also be float."""
     t = tensor(name, t)
     _shape(name, t, (length,), "[tokens]")
-    integer = not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
-    if not (integer or allow_float and t.dtype.is_floating_point):
-        kind = "an integer or float" if allow_float else "an integer (int32 or int64)"
+    if not (t.dtype in INDEX_DTYPES or allow_float and t.dtype.is_floating_point):
+        kind = "an int32, int64 or float" if allow_float else "an int32 or int64"
         raise ValueError(f"{name}: expected {kind} vector, got {t.dtype}")
     _device(name, t, like.device)
     _contiguous(name, t)
     return t
+
+
+def index_range(name: str, t: torch.Tensor, high: int, ignore_index: int | None = None) -> None:
+    """Every value of ``t`` in ``[0, high)`` (or equal to ``ignore_index``), checked without a host sync on
+    CUDA: a CPU tensor raises ``ValueError`` here; a CUDA one (or any under ``torch.compile``) gets a
+    device-side assert (as ``F.embedding`` and ``F.cross_entropy`` do there), which surfaces at the next
+    synchronization as a CUDA error (a ``RuntimeError`` with this message on CPU)."""
+    if t.numel() == 0:
+        return
+    bad = (t < 0) | (t >= high)
+    if ignore_index is not None:
+        bad &= t != ignore_index
+    if t.device.type == "cuda" or torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), f"{name}: values must lie in [0, {high})")
+        return
+    if bool(bad.any()):
+        allowed = f"[0, {high})" + (f" or ignore_index = {ignore_index}" if ignore_index is not None else "")
+        first = t[bad][:4].tolist()
+        raise ValueError(f"{name}: expected values in {allowed}, got {first}"
+                         f"{' and more' if int(bad.sum()) > len(first) else ''}")
 
 
 def eps(value, name: str = "eps") -> float:

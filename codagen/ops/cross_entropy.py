@@ -51,12 +51,20 @@ def chunk_rows(tokens: int, vocab: int, element_size: int, budget: int | None = 
 
 def _row_weight(target: Tensor, ignore_index: int, mean: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(valid, row_weight): 0 on ignored rows, else 1 (sum) or 1 / #valid (mean: a device tensor, no host
-    sync; all targets ignored gives nan, as torch's cross_entropy does)."""
+    sync; with no valid row every weight is 0, so the gradients are zeros: :func:`_reduce` makes the loss
+    nan)."""
     valid = target != ignore_index
     row_weight = valid.to(dtype)
     if mean:
-        row_weight = row_weight / row_weight.sum()
+        row_weight = row_weight / row_weight.sum().clamp_min(1)
     return valid, row_weight
+
+
+def _reduce(row_loss: Tensor, valid: Tensor, row_weight: Tensor, mean: bool) -> Tensor:
+    """``sum_m row_weight[m] row_loss[m]`` over the valid rows; a mean over no valid row is nan (as
+    torch's cross_entropy)."""
+    loss = (row_weight * torch.where(valid, row_loss, 0.0)).sum()
+    return torch.where(valid.any(), loss, float("nan")) if mean else loss
 
 
 @torch.library.custom_op("codagen::rms_lm_head_cross_entropy", mutates_args=())
@@ -72,7 +80,7 @@ def _ce_op(normed: Tensor, rstd: Tensor, lm_head_weight: Tensor, target: Tensor,
                       target=target[rows])
         row_loss[rows] = kernels.finish_cross_entropy(out["partial_lse"], out["partial_target"])
     valid, row_weight = _row_weight(target, ignore_index, mean, cd)
-    return (row_weight * torch.where(valid, row_loss, 0.0)).sum()
+    return _reduce(row_loss, valid, row_weight, mean)
 
 
 @_ce_op.register_fake
@@ -115,8 +123,7 @@ def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tenso
             execute(library.weight_grad(accumulate=True), grad_logits, norm["normed"], grad_weight=grad_weight)
     if grad_weight is None:  # no tokens
         grad_weight = torch.zeros_like(lm_head_weight)
-    loss = (row_weight * torch.where(valid, row_loss, 0.0)).sum()
-    return loss, grad_x, grad_norm_weight, grad_weight
+    return _reduce(row_loss, valid, row_weight, mean), grad_x, grad_norm_weight, grad_weight
 
 
 @_ce_with_grad_op.register_fake
@@ -163,8 +170,11 @@ def rms_lm_head_cross_entropy(x: Tensor, normed: Tensor, rstd: Tensor, norm_weig
 
     ``loss = sum_m w[m] (lse[m] - z[m, target[m]])`` with ``w[m] = 0`` where ``target[m] == ignore_index``,
     else 1 (``"sum"``) or ``1 / #non-ignored`` (``"mean"``, a device tensor: no host sync). The loss is
-    float32 (float64 for float64 inputs). Targets outside ``[0, vocab)`` other than ``ignore_index`` are
-    not detected (that would need a host sync) and contribute ``lse``.
+    float32 (float64 for float64 inputs). ``"mean"`` over no counted target (no tokens, or all ignored) is
+    nan, as in torch, and the gradients are zeros (a fully padded micro-batch leaves the weights alone).
+    ``target``: int32 or int64, each in ``[0, vocab)`` or ``ignore_index``; any other value raises
+    ``ValueError`` for CPU tensors and is a device-side assert on CUDA (no host sync:
+    :func:`codagen.ops._checks.index_range`).
 
     With gradients (training) they are computed here, in the forward pass (module docstring), and saved
     (``grad_x`` [M, d], ``grad_norm_weight``, ``grad_W``); the backward scales them by the loss gradient.
@@ -177,10 +187,11 @@ def rms_lm_head_cross_entropy(x: Tensor, normed: Tensor, rstd: Tensor, norm_weig
     norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
     lm_head_weight = check.weight("lm_head_weight", lm_head_weight, (None, d), "[vocab, features]", x)
     target = check.index_vector("target", target, m, x)
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction: expected 'mean' or 'sum', got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
+    check.index_range("target", target, lm_head_weight.shape[0], ignore_index)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction: expected 'mean' or 'sum', got {reduction!r}")
     rows = chunk_rows(m, lm_head_weight.shape[0], x.element_size())
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, lm_head_weight))
     return _RmsLmHeadCrossEntropy.apply(x, normed.detach(), rstd.detach(), norm_weight, lm_head_weight,

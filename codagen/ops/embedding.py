@@ -53,11 +53,12 @@ class _Embedding(torch.autograd.Function):
 def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:
     """``F.embedding(ids, weight, padding_idx)`` with a deterministic backward (module docstring).
 
-    ``ids``: integer tensor of any shape, values in ``[0, vocab)``; ``weight``: [vocab, features], a float
-    tensor on ids' device. Returns ``[*ids.shape, features]``.
+    ``ids``: int32 or int64 tensor of any shape, values in ``[0, vocab)`` (others raise ``ValueError`` for
+    CPU tensors and are a device-side assert on CUDA, without a host sync); ``weight``: [vocab, features], a
+    float tensor on ids' device. Returns ``[*ids.shape, features]``.
     """
     ids, weight = check.tensor("ids", ids), check.tensor("weight", weight)
-    if ids.dtype not in (torch.int32, torch.int64):
+    if ids.dtype not in check.INDEX_DTYPES:
         raise ValueError(f"ids: expected an int32 or int64 tensor of token ids, got {ids.dtype}")
     if weight.dim() != 2:
         raise ValueError(f"weight: expected a 2-D [vocab, features] table, got shape {tuple(weight.shape)}")
@@ -72,4 +73,5 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
         raise ValueError(f"padding_idx: expected an index in [-{vocab}, {vocab}), got {padding_idx}")
     else:
         padding_idx %= vocab
+    check.index_range("ids", ids, vocab)
     return _Embedding.apply(ids, weight, padding_idx)

@@ -327,11 +327,13 @@ if triton is not None:
             z = tl.load(logits_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
             z = tl.reshape(z, [BLOCK // GROUP, GROUP])
             new_max = tl.maximum(group_max, tl.max(z, axis=1))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no finite logit yet: the sum stays 0
+            # shift = max where finite, else 0: no finite logit yet keeps the sum 0, a +inf one makes it +inf
+            shift = tl.where(tl.abs(new_max) == float("inf"), 0.0, new_max)
             group_sum = group_sum * tl.exp(group_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
             group_max = new_max
         row_max = tl.max(group_max, axis=0)
-        lse = row_max + tl.log(tl.sum(group_sum * tl.exp(group_max - row_max), axis=0))
+        row_shift = tl.where(tl.abs(row_max) == float("inf"), 0.0, row_max)
+        lse = row_shift + tl.log(tl.sum(group_sum * tl.exp(group_max - row_shift), axis=0))
         # pass 2: dz = (softmax(z) - onehot(target)) * row_weight
         weight = tl.load(row_weight_ptr + row).to(tl.float32)
         z_dz = tl.zeros([BLOCK], dtype=tl.float32)
@@ -410,7 +412,8 @@ if triton is not None:
             lse_at = rows.to(tl.int64)[:, None] * lse_row_stride + tiles.to(tl.int64)[None, :] * lse_tile_stride
             partial = tl.load(partial_lse_ptr + lse_at, mask=mask, other=float("-inf")).to(tl.float32)
             new_max = tl.maximum(running_max, tl.max(partial, axis=1))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row of -inf stays -inf, not nan
+            # shift = max where finite, else 0: a row of -inf stays -inf and one holding +inf is +inf, not nan
+            shift = tl.where(tl.abs(new_max) == float("inf"), 0.0, new_max)
             running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(partial - shift[:, None]), axis=1)
             running_max = new_max
             target_at = (rows.to(tl.int64)[:, None] * target_row_stride
@@ -536,7 +539,8 @@ def rope_qk_norm_backward_ref(grad_blocks: Sequence[torch.Tensor], preact: torch
     theta = positions.to(cd)[:, None] * frequencies.to(cd)[None, :]
     g = reference.rope_ref(grad_qkv.to(cd), -theta)
     z = preact.to(cd)
-    z_heads, g_heads = z[:, :qk_cols].view(m, -1, hd), g[:, :qk_cols].view(m, -1, hd)
+    heads = (m, num_heads + num_kv_heads, hd)  # explicit: M may be 0
+    z_heads, g_heads = z[:, :qk_cols].reshape(heads), g[:, :qk_cols].reshape(heads)
     gamma = torch.cat((q_norm_weight.to(cd).expand(num_heads, hd), k_norm_weight.to(cd).expand(num_kv_heads, hd)))
     rho = torch.rsqrt(z_heads.square().mean(-1, keepdim=True) + eps)
     zhat = z_heads * rho

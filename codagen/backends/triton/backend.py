@@ -29,7 +29,8 @@ from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
 from . import codegen
-from .configs import INTERPRETER_CONFIG, KernelConfig, TuningCache, cache_dir, candidates, gemm_layout
+from .configs import KernelConfig, TuningCache, cache_dir, candidates, gemm_layout, interpreter_config
+from .gluon_support import pingpong_unsupported
 
 __all__ = ["TritonBackend", "program_source", "load_kernel", "tuning_key", "kernel_hash", "SUPPORTED_DTYPES"]
 
@@ -63,9 +64,10 @@ def kernel_hash(program: Program) -> str:
             return [line for line in source.splitlines() if "generator version" not in line]
         here = Path(__file__).parent
         parts = code_lines(codegen.generate(program)) + [_code_of(here / "device_math.py")]
-        from . import pingpong, pingpong_codegen
-        if pingpong.supports(program) is None:
-            parts += code_lines(pingpong_codegen.generate(program)) + [_code_of(here / "pingpong.py")]
+        if pingpong_unsupported() is None:  # the ping-pong kernels exist on this Triton
+            from . import pingpong, pingpong_codegen
+            if pingpong.supports(program) is None:
+                parts += code_lines(pingpong_codegen.generate(program)) + [_code_of(here / "pingpong.py")]
         _kernel_hashes[key] = codegen.source_hash(*parts)
     return _kernel_hashes[key]
 
@@ -357,7 +359,8 @@ class TritonBackend:
     def run(self, bound: BoundProgram) -> dict[str, torch.Tensor]:
         interpret, major = self._check(bound)
         if bound.m == 0 or bound.n == 0:
-            cfg = self.config or (INTERPRETER_CONFIG if interpret else KernelConfig(128, 256, 64, 3, 8, 2))
+            cfg = self.config or (interpreter_config(bound.program) if interpret
+                                  else KernelConfig(128, 256, 64, 3, 8, 2))
             return bound.allocate_outputs(cfg.block_m, cfg.block_n)
         launch, cfg = self._plan(bound, interpret, major)
         outs = bound.allocate_outputs(cfg.block_m, cfg.block_n)
@@ -396,8 +399,10 @@ class TritonBackend:
     def _choose(self, bound: BoundProgram, launch: _Launch, interpret: bool) -> KernelConfig:
         if self.config is not None:
             if self.config.schedule == "pingpong":
-                from . import pingpong
                 name = bound.program.name
+                if (reason := pingpong_unsupported()) is not None:
+                    raise ProgramError(f"{name}: {reason}; use a persistent configuration")
+                from . import pingpong
                 reason = pingpong.supports(bound.program)
                 if reason:
                     raise ProgramError(f"{name}: the ping-pong kernel cannot compute this program: {reason}; "
@@ -410,7 +415,7 @@ class TritonBackend:
                     raise ProgramError(f"{name}: the ping-pong kernel cannot run these tensors: {reason}")
             return self.config
         if interpret:
-            return INTERPRETER_CONFIG
+            return interpreter_config(bound.program)
         pool = self._candidates(bound, launch)
         key = self._tuning_key(bound, launch)
         if self._autotuning() and len(pool) > 1 and (key not in self.tuning or _env_flag("CODAGEN_TRITON_RETUNE")):

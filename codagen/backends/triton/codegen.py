@@ -339,10 +339,11 @@ class _Epilogue:
         if out.reduction == "sum":
             self.emit(f"{out.name}_part = tl.sum(tl.where({self.tile_ok(w)}, {v}, 0.0), axis=1)")
             return [f"{out.name}_part"]
-        # online logsumexp piece: (max, sum exp(x - max)); a row with no finite value keeps max = -inf
+        # online logsumexp piece: (max, sum exp(x - shift)), shift = max where finite, else 0: a row of -inf
+        # keeps sum 0 (lse -inf), a row holding +inf gets sum +inf (lse +inf), never inf - inf = nan
         self.emit(f"{out.name}_x = tl.where({self.tile_ok(w)}, {v}, float('-inf'))")
         self.emit(f"{out.name}_max = tl.max({out.name}_x, axis=1)")
-        self.emit(f"{out.name}_shift = tl.where({out.name}_max == float('-inf'), 0.0, {out.name}_max)")
+        self.emit(f"{out.name}_shift = tl.where(tl.abs({out.name}_max) == float('inf'), 0.0, {out.name}_max)")
         self.emit(f"{out.name}_sumexp = tl.sum(tl.exp({out.name}_x - {out.name}_shift[:, None]), axis=1)")
         return [f"{out.name}_max", f"{out.name}_sumexp"]
 
@@ -546,9 +547,10 @@ def cast_for_store(x, ptr, INTERPRETER: tl.constexpr):
 
 @triton.jit
 def merge_logsumexp(max_a, sumexp_a, max_b, sumexp_b):
-    """Merge two (max, sum exp(x - max)) pieces of an online logsumexp; -inf maxima stay harmless."""
+    """Merge two (max, sum exp(x - shift)) pieces of an online logsumexp (shift: max where finite, else 0,
+    so infinite maxima give -inf or +inf, not nan)."""
     new_max = tl.maximum(max_a, max_b)
-    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    shift = tl.where(tl.abs(new_max) == float("inf"), 0.0, new_max)
     return new_max, sumexp_a * tl.exp(max_a - shift) + sumexp_b * tl.exp(max_b - shift)
 
 

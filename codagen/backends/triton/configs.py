@@ -52,8 +52,10 @@ from pathlib import Path
 
 from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
+from .gluon_support import pingpong_available
+
 __all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG", "PINGPONG",
-           "heuristic", "gemm_layout"]
+           "heuristic", "gemm_layout", "interpreter_config"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,22 @@ class KernelConfig:
 
 #: the interpreter runs every program instance in numpy: small tiles keep the CPU tests fast
 INTERPRETER_CONFIG = KernelConfig(32, 32, 32, num_stages=1, num_warps=4, epilogue_split=1, group_m=2)
+_INTERPRETER_MAX_BLOCK_N = 256
+
+
+def interpreter_config(program: Program) -> KernelConfig:
+    """:data:`INTERPRETER_CONFIG`, its tile widened to the narrowest power of two that holds whole groups
+    of every ``SegmentSum`` (QK-norm heads); ``ProgramError`` when none up to 256 columns does."""
+    block_n = INTERPRETER_CONFIG.block_n
+    segments = program.segment_sums()
+    while any(int(block_n * s.width.value) % s.size for s in segments):
+        if block_n >= _INTERPRETER_MAX_BLOCK_N:
+            sizes = sorted({s.size for s in segments})
+            raise ProgramError(f"{program.name}: segment_sum over groups of {sizes} columns (the QK-norm head_dim) "
+                               f"needs a power-of-two tile width up to {_INTERPRETER_MAX_BLOCK_N} that is a multiple "
+                               f"of it")
+        block_n *= 2
+    return dataclasses.replace(INTERPRETER_CONFIG, block_n=block_n)
 
 # Hopper (TMA mainloop). The first viable one is the untuned default.
 _SM90 = (
@@ -161,7 +179,7 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
     else:
         pool = _SM80
     pingpong_pool = ()
-    if major == 9 and tma and tma_epilogue and operand_bytes == 2:
+    if major == 9 and tma and tma_epilogue and operand_bytes == 2 and pingpong_available():
         from . import pingpong
         if pingpong.supports(program) is None:
             pingpong_pool = tuple(cfg for cfg in PINGPONG if smem_estimate(program, cfg, operand_bytes) <= smem_limit)

@@ -29,13 +29,20 @@ import functools
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from codagen.epilogue.ir import Binary, Program, SegmentSum, Store, TileInput, Unary
+from .gluon_support import pingpong_unsupported
 
-from .device_math import SIGMOID_PTX
+if (_unsupported := pingpong_unsupported()) is not None:  # before Gluon's names are looked up
+    raise ImportError(f"codagen.backends.triton.pingpong: {_unsupported}")
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from codagen.epilogue.ir import Binary, Program, SegmentSum, Store, TileInput, Unary  # noqa: E402
+
+from .device_math import SIGMOID_PTX  # noqa: E402
 
 __all__ = ["supports", "refuses", "launch", "shared_memory", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES",
            "CONSUMER_WARPS", "OUT_BUFFERS", "PIECE_WIDTHS", "input_slots"]
@@ -144,9 +151,10 @@ def cos_sin(theta):
 
 @gluon.jit
 def merge_logsumexp(max_a, sumexp_a, max_b, sumexp_b):
-    """Merge two (max, sum exp(x - max)) pieces of an online logsumexp; -inf maxima stay harmless."""
+    """Merge two (max, sum exp(x - shift)) pieces of an online logsumexp (shift: max where finite, else 0,
+    so infinite maxima give -inf or +inf, not nan)."""
     new_max = gl.maximum(max_a, max_b)
-    shift = gl.where(new_max == float("-inf"), 0.0, new_max)
+    shift = gl.where((new_max == float("inf")) | (new_max == float("-inf")), 0.0, new_max)
     return new_max, sumexp_a * gl.exp(max_a - shift) + sumexp_b * gl.exp(max_b - shift)
 
 

@@ -287,7 +287,9 @@ class _Piece:
             xs.append(f"{out.name}_x{i}")
         row_max = ", ".join(f"gl.max({x}, axis=1)" for x in xs)
         self.emit(f"{out.name}_max = " + (f"gl.maximum({row_max})" if len(xs) == 2 else row_max))
-        self.emit(f"{out.name}_shift = gl.where({out.name}_max == float('-inf'), 0.0, {out.name}_max)")
+        # shift = max where finite, else 0: a row of -inf keeps sum 0, one holding +inf gets +inf, never nan
+        self.emit(f"{out.name}_shift = gl.where(({out.name}_max == float('inf')) | ({out.name}_max == float('-inf')), "
+                  f"0.0, {out.name}_max)")
         self.emit(f"{out.name}_sumexp = " + " + ".join(
             f"gl.sum(gl.exp({x} - gl.expand_dims({out.name}_shift, 1)), axis=1)" for x in xs))
         return [to_rows(f"{out.name}_max"), to_rows(f"{out.name}_sumexp")]
