@@ -64,7 +64,7 @@ def test_trainer_matches_unpatched(tmp_path, padding_side, gradient_checkpointin
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-6)
     expected, start = dict(reference.named_parameters()), dict(initial.named_parameters())
     for name, p in model.named_parameters():
-        assert (p - start[name]).abs().max() > 1e-3, f"{name} did not move"
+        assert (p - start[name]).abs().max() > 1e-5, f"{name} did not move"  # three small SGD steps
         torch.testing.assert_close(p, expected[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 

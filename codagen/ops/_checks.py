@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -110,7 +111,7 @@ def index_vector(name: str, t, length: int, like: torch.Tensor, *, allow_float: 
 
 def index_range(name: str, t: torch.Tensor, high: int, ignore_index: int | None = None) -> None:
     """Every value of ``t`` in ``[0, high)`` (or equal to ``ignore_index``), checked without a host sync on
-    CUDA: a CPU tensor raises ``ValueError`` here; a CUDA one (or any under ``torch.compile``) gets a
+    CUDA: a CPU tensor raises ``ValueError`` here; a CUDA one (or any under ``torch.compile``, or a fake one) gets a
     device-side assert (as ``F.embedding`` and ``F.cross_entropy`` do there), which surfaces at the next
     synchronization as a CUDA error (a ``RuntimeError`` with this message on CPU)."""
     if t.numel() == 0:
@@ -118,7 +119,7 @@ def index_range(name: str, t: torch.Tensor, high: int, ignore_index: int | None 
     bad = (t < 0) | (t >= high)
     if ignore_index is not None:
         bad &= t != ignore_index
-    if t.device.type == "cuda" or torch.compiler.is_compiling():
+    if t.device.type != "cpu" or torch.compiler.is_compiling() or is_fake(t):  # reading values would sync
         torch._assert_async(~bad.any(), f"{name}: values must lie in [0, {high})")
         return
     if bool(bad.any()):
