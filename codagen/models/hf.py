@@ -44,6 +44,7 @@ from torch import nn
 
 from codagen import ops
 
+from . import hf_cache
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 
 __all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODELS"]
@@ -149,10 +150,16 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
              labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
              return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
+    # transformers 5.2x names the cache `cache` (`past_key_values` before); cache_position is derived from it
+    cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
+    kwargs.pop("cache_position", None)
     if kwargs:
-        raise _refuse(f"forward arguments {sorted(kwargs)}")
-    if past_key_values is not None or use_cache:
-        raise _refuse("KV cache / generation (past_key_values, use_cache=True)")
+        names = ", ".join(repr(name) for name in sorted(kwargs))
+        raise _refuse(f"the forward argument {names}" if len(kwargs) == 1 else f"each of the forward arguments {names}")
+    if cache is None and use_cache:
+        cache = hf_cache.new_dynamic_cache(self.config)
+    if cache is not None:
+        hf_cache.check_cache(cache)
     if output_attentions or output_hidden_states:
         raise _refuse("output_attentions / output_hidden_states")
     if self.model.gradient_checkpointing and self.training:
@@ -164,7 +171,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
         raise ValueError(f"codagen.patch: expected [batch, seq] input_ids or [batch, seq, hidden] inputs_embeds, "
                          f"got embeddings of shape {tuple(x.shape)}")
     batch, seq, hidden = x.shape
-    if attention_mask is not None and not bool(attention_mask.all()):
+    if cache is None and attention_mask is not None and not bool(attention_mask.all()):
         raise _refuse("padding in attention_mask (zeros)")
     # Under autocast (e.g. fp32 master weights, bf16 compute) everything runs in the autocast dtype,
     # cast once here; autocast itself is then switched off so SDPA keeps the dtype the fused ops expect.
@@ -172,7 +179,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     with torch.autocast(device_type, enabled=False):
         return _decoder_forward(self, x.to(dtype), dtype, position_ids, labels, shift_labels, logits_to_keep, num_items_in_batch,
-                    return_dict)
+                    return_dict, cache, attention_mask)
 
 
 def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -185,14 +192,15 @@ def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decoder_forward(self, x, dtype, position_ids, labels, shift_labels, logits_to_keep, num_items_in_batch,
-                     return_dict):
-    """The checked forward: embeddings ``x`` [B, S, d] in ``dtype`` through the fused decoder and head."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
+                     return_dict, cache=None, attention_mask=None):
+    """The checked forward: embeddings ``x`` [B, S, d] in ``dtype`` through the fused decoder and head;
+    with ``cache`` (a checked ``transformers`` cache) the KV-cache forward of :mod:`.hf_cache`."""
     batch, seq, hidden = x.shape
     config = self.config
-    if position_ids is None:
+    if position_ids is None:  # as transformers: the cached tokens come first
         position_ids = torch.arange(seq, device=x.device)
+        if cache is not None:
+            position_ids = (position_ids + cache.get_seq_length())[None]
     positions = position_ids.expand(batch, seq).reshape(-1).contiguous()
 
     rotary = self.model.rotary_emb
@@ -206,8 +214,14 @@ def _decoder_forward(self, x, dtype, position_ids, labels, shift_labels, logits_
     blocks = [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
     norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
     head_weight = self.lm_head.weight.to(dtype)
-    h, normed, rstd = decoder_stack(x.reshape(batch * seq, hidden).contiguous(), blocks, norm_weight, eps, spec,
-                                    positions, frequencies)
+    if cache is None:
+        h, normed, rstd = decoder_stack(x.reshape(batch * seq, hidden).contiguous(), blocks, norm_weight, eps, spec,
+                                        positions, frequencies)
+    else:
+        masks = hf_cache.attention_masks(config, x, attention_mask, cache, position_ids.expand(batch, seq))
+        h, normed, rstd = hf_cache.decoder_stack_with_cache(x.reshape(batch * seq, hidden).contiguous(), blocks,
+                                                            norm_weight, eps, spec, positions, frequencies, cache,
+                                                            masks)
 
     loss = logits = None
     if labels is not None or shift_labels is not None:
@@ -232,5 +246,5 @@ def _decoder_forward(self, x, dtype, position_ids, labels, shift_labels, logits_
             rows = (torch.arange(batch, device=x.device)[:, None] * seq + keep[None, :]).reshape(-1)
             h, normed, rstd = h[rows].contiguous(), normed[rows].contiguous(), rstd[rows].contiguous()
         logits = lm_head(h, normed, rstd, norm_weight, head_weight, None).view(batch, -1, config.vocab_size)
-    output = CausalLMOutputWithPast(loss=loss, logits=logits)
+    output = hf_cache.output(loss, logits, cache)
     return output if return_dict is None or return_dict else output.to_tuple()

@@ -33,7 +33,7 @@ from codagen import ops
 
 from .config import LlamaConfig
 
-__all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "lm_head", "rotate_pairs", "fuse_qkv",
+__all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "block_qkv", "block_out_mlp", "lm_head", "rotate_pairs", "fuse_qkv",
            "split_qkv"]
 
 
@@ -90,6 +90,40 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attention
     return out.transpose(1, 2).reshape(b * s, h * hd)
 
 
+def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, spec: AttentionSpec,
+              positions: torch.Tensor, frequencies: torch.Tensor, eps: float):
+    """A block's norm + QKV projection + RoPE (+ QK-norm, + rotated QKV bias): ``(q, k, v, x)``, q/k in pair order.
+
+    ``x`` passes through the QKV op, so that the residual path's gradient joins its backward's store;
+    q, k, v come back as separate views, so that their gradients reach its backward unconcatenated.
+    """
+    q_cols, kv_cols = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    split_sizes = (q_cols, kv_cols, kv_cols)
+    if blk.q_norm is None and blk.k_norm is None:
+        q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
+                                      split_sizes=split_sizes, pass_residual=True)
+    else:
+        if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
+            raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
+        q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
+                                      blk.q_norm, blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps,
+                                      split_sizes=split_sizes, pass_residual=True)
+    if blk.qkv_bias is not None:
+        # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
+        angles = positions.float()[:, None] * frequencies[None, :]
+        rotated_bias = rotate_pairs(blk.qkv_bias.expand(x.shape[0], -1), angles).to(q.dtype)
+        q, k, v = (t + bias for t, bias in zip((q, k, v), rotated_bias.split(split_sizes, dim=1)))
+    return q, k, v, x
+
+
+def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_norm: torch.Tensor, eps: float):
+    """A block after attention: O-proj + residual, then the MLP + residual; ``(x, normed, rstd)`` of ``next_norm``."""
+    # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
+    residual = x if blk.o_bias is None else x + blk.o_bias
+    x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps)
+    return ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down, next_norm, eps)
+
+
 def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: torch.Tensor, eps: float,
                   spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor):
     """Run the blocks on the embeddings ``x`` [tokens, d]; return ``(x, normed, rstd)`` of the final norm.
@@ -98,32 +132,11 @@ def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: t
     Blocks with ``q_norm``/``k_norm`` apply QK-norm (eps ``eps``) in the same epilogue, before RoPE.
     """
     norms = [blk.attn_norm for blk in blocks] + [final_norm]
-    q_cols, kv_cols = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    split_sizes = (q_cols, kv_cols, kv_cols)
     normed, rstd = ops.rms_norm_stats(x, norms[0], eps)
     for blk, next_norm in zip(blocks, norms[1:]):
-        # x passes through the QKV op, so that the residual path's gradient joins its backward's store;
-        # q, k, v come back as separate views, so that their gradients reach its backward unconcatenated
-        if blk.q_norm is None and blk.k_norm is None:
-            q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
-                                          split_sizes=split_sizes, pass_residual=True)
-        else:
-            if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
-                raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
-            q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
-                                          blk.q_norm, blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps,
-                                          split_sizes=split_sizes, pass_residual=True)
-        if blk.qkv_bias is not None:
-            # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
-            angles = positions.float()[:, None] * frequencies[None, :]
-            rotated_bias = rotate_pairs(blk.qkv_bias.expand(x.shape[0], -1), angles).to(q.dtype)
-            q, k, v = (t + bias for t, bias in zip((q, k, v), rotated_bias.split(split_sizes, dim=1)))
+        q, k, v, x = block_qkv(blk, x, normed, rstd, spec, positions, frequencies, eps)
         attn = attention(q, k, v, spec, blk.sliding_window)
-        # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
-        residual = x if blk.o_bias is None else x + blk.o_bias
-        x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps)
-        x, normed, rstd = ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down,
-                                                      next_norm, eps)
+        x, normed, rstd = block_out_mlp(blk, attn, x, next_norm, eps)
     return x, normed, rstd
 
 
