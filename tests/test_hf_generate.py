@@ -10,6 +10,7 @@ import torch
 
 import codagen
 from codagen.models import patch, unpatch
+from codagen.models import hf_cache
 from codagen.models.hf_cache import cache_field
 
 transformers = pytest.importorskip("transformers")
@@ -148,7 +149,7 @@ def test_train_generate_train():
             optimizer.step()
             optimizer.zero_grad()
             model.eval()
-            sequences.append(greedy(model, *prompts(batch=2), new_tokens=4).sequences)
+            sequences.append(greedy(model, *prompts(batch=2), new_tokens=4))
         model.train()
         return model(ids, labels=ids).loss, sequences
 
@@ -158,8 +159,33 @@ def test_train_generate_train():
     torch.set_rng_state(state)
     got_loss, got_sequences = run(patch(model))
     for got, want in zip(got_sequences, want_sequences):
-        assert torch.equal(got, want)
+        assert_same_generation(got, want)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_weights_kept_for_inference_until_a_parameter_changes():
+    model = patch(build("llama")).eval()
+    ids = torch.randint(0, VOCAB, (2, 6))
+    blocks = []
+    fuse = hf_cache.inference_blocks
+
+    def spy(m, dtype, build_blocks):
+        blocks.append(fuse(m, dtype, build_blocks))
+        return blocks[-1]
+    hf_cache.inference_blocks = spy
+    try:
+        with torch.no_grad():
+            model(ids)
+            model(ids)
+            assert blocks[1] is blocks[0]
+            model.model.layers[1].mlp.up_proj.weight.mul_(2)
+            model(ids)
+            assert blocks[2] is not blocks[0]
+            torch.testing.assert_close(blocks[2][1].gate_up[1::2], model.model.layers[1].mlp.up_proj.weight)
+        model(ids)  # with autograd: fused afresh, nothing kept
+        assert blocks[3] is not blocks[2] and model not in hf_cache._FUSED_WEIGHTS
+    finally:
+        hf_cache.inference_blocks = fuse
 
 
 def test_nothing_saved_for_backward_under_no_grad():

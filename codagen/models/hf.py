@@ -211,7 +211,9 @@ def _decoder_forward(self, x, dtype, position_ids, labels, shift_labels, logits_
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0)
     layers = self.model.layers[: config.num_hidden_layers]
-    blocks = [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
+    def fuse():
+        return [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
+    blocks = hf_cache.inference_blocks(self, dtype, fuse)
     norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
     head_weight = self.lm_head.weight.to(dtype)
     if cache is None:

@@ -17,7 +17,8 @@ sliding-window layers). Anything else (quantized, offloaded, encoder-decoder, le
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +27,36 @@ from codagen import ops
 
 from .llama import AttentionSpec, BlockWeights, block_out_mlp, block_qkv
 
-__all__ = ["new_dynamic_cache", "check_cache", "attention_masks", "decoder_stack_with_cache", "half_split_heads",
+__all__ = ["inference_blocks", "new_dynamic_cache", "check_cache", "attention_masks", "decoder_stack_with_cache", "half_split_heads",
            "output"]
 
 _SUPPORTED_CACHES = ("DynamicCache", "StaticCache")
 _SUPPORTED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
+
+
+# model -> (what the fused weights were built from, the fused weights)
+_FUSED_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWeights]]) -> list[BlockWeights]:
+    """``fuse()`` (the blocks' weights in the fused layout), reused across forwards without autograd.
+
+    With autograd on, the fused layout is rebuilt on every forward (differentiable gathers: the gradients
+    reach the model's parameters) and any kept copy is dropped. Under ``torch.no_grad`` / inference mode
+    (generation, evaluation) it is built once and kept while every parameter has the same storage and
+    version counter: an optimizer step or ``load_state_dict`` changes them and the next forward re-fuses.
+    A decode step then reads each weight once instead of gathering QKV and gate/up into new copies.
+    (Writes through ``param.data`` bypass the version counter and are not seen.)
+    """
+    if torch.is_grad_enabled():
+        _FUSED_WEIGHTS.pop(model, None)
+        return fuse()
+    key = (dtype, tuple((p.data_ptr(), p._version) for p in model.parameters()))
+    kept = _FUSED_WEIGHTS.get(model)
+    if kept is None or kept[0] != key:
+        kept = (key, fuse())
+        _FUSED_WEIGHTS[model] = kept
+    return kept[1]
 
 
 def _transformers():
