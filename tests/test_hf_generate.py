@@ -11,6 +11,7 @@ import torch
 import codagen
 from codagen.models import patch, unpatch
 from codagen.models import hf_cache
+from codagen.models.decode import GreedyDecoder
 from codagen.models.hf_cache import cache_field
 
 transformers = pytest.importorskip("transformers")
@@ -251,3 +252,20 @@ def test_unsupported_caches_refused():
         model(ids, past_key_values=quantized, use_cache=True)
     with pytest.raises(NotImplementedError, match="the forward argument 'output_router_logits'"):
         model(ids, output_router_logits=True)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_greedy_decoder_matches_generate(variant):
+    """GreedyDecoder's step (run eagerly on CPU: the same code the GPU captures) gives generate()'s tokens."""
+    family, overrides = FAMILIES[variant]
+    model = build(family, **overrides).eval()
+    ids, mask = prompts()
+    want = greedy(model, ids, mask, new_tokens=6, cache_implementation="static").sequences[:, ids.shape[1]:]
+    decoder = GreedyDecoder(patch(model), max_cache_len=16)
+    for _ in range(2):  # the second call reuses the cache (reset in place)
+        assert torch.equal(decoder(ids, mask, max_new_tokens=6), want)
+    with torch.no_grad(), _HostSyncs() as syncs:  # the step the GPU captures
+        decoder._step()
+    assert syncs.seen == []
+    with pytest.raises(NotImplementedError, match="sliding-window layers"):
+        GreedyDecoder(patch(build("mistral", sliding_window=4)), max_cache_len=16)
