@@ -269,3 +269,87 @@ def test_greedy_decoder_matches_generate(variant):
     assert syncs.seen == []
     with pytest.raises(NotImplementedError, match="sliding-window layers"):
         GreedyDecoder(patch(build("mistral", sliding_window=4)), max_cache_len=16)
+
+
+def test_static_cache_decode_step_traces_for_torch_compile():
+    """generate() with a StaticCache on the GPU compiles the forward (reduce-overhead): the decode step traces
+    in dynamo with no graph break but the (eager) lookup of the kept fused weights."""
+    model = patch(build("llama")).eval()
+    ids, _ = prompts(batch=2, seq=5)
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    with torch.no_grad():
+        model(ids, use_cache=True, **{cache_field(): cache})
+        explained = torch._dynamo.explain(model.forward)(ids[:, -1:].clone(), use_cache=True, logits_to_keep=1,
+                                                         **{cache_field(): cache})
+    reasons = {str(b.reason).split("\n")[0] for b in explained.break_reasons}
+    assert all("inference_blocks" in str(b.reason) for b in explained.break_reasons), reasons
+    assert explained.graph_count >= 1
+
+
+# --- GPU (bf16, Triton kernels; CODAGEN_TRITON_AUTOTUNE=0) -----------------------------------------------
+GPU_FIELDS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 1000, "num_hidden_layers": 2}
+
+
+def teacher_forced_logits(model, ids, mask, steps):
+    """Last-position logits of the prefill and of each decode step fed ``steps`` [batch, T], DynamicCache."""
+    cache = DynamicCache(config=model.config)
+    logits = [model(ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **{cache_field(): cache}).logits[:, -1]]
+    for t in range(steps.shape[1]):
+        mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
+        logits.append(model(steps[:, t:t + 1], attention_mask=mask, use_cache=True,
+                            **{cache_field(): cache}).logits[:, -1])
+    return torch.stack(logits, dim=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_gpu_bf16_cached_logits_two_x_rule(family, monkeypatch):
+    """Prefill + 8 decode steps with left padding: the logits' error vs float64 is at most twice transformers' bf16."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    fields = dict(GPU_FIELDS, **({"head_dim": 64} if family == "qwen3" else {}),
+                  **({"sliding_window": 48} if family == "mistral" else {}))
+    model = build(family, **fields).cuda().eval()
+    ids = torch.randint(1, 1000, (3, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    steps = torch.randint(1, 1000, (3, 8), device="cuda")
+    with torch.no_grad():
+        exact = teacher_forced_logits(copy.deepcopy(model).double(), ids, mask, steps)
+        theirs = teacher_forced_logits(copy.deepcopy(model).bfloat16(), ids, mask, steps)
+        ours = teacher_forced_logits(patch(copy.deepcopy(model).bfloat16()), ids, mask, steps)
+
+    def error(x):
+        return ((x.double() - exact).norm() / exact.norm()).item()
+    assert error(ours) <= 2 * error(theirs) + 1e-6, f"codagen {error(ours):.3e} vs transformers bf16 {error(theirs):.3e}"
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_decoder_cuda_graph(monkeypatch):
+    """The captured decode step replays to the tokens of the same step run eagerly and of generate()."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    model = patch(build("llama", **GPU_FIELDS).cuda().bfloat16().eval())
+    ids = torch.randint(1, 1000, (4, 32), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[2, :7] = 0
+    graphed = GreedyDecoder(model, max_cache_len=64)
+    eager = GreedyDecoder(model, max_cache_len=64, capture=False)
+    tokens = graphed(ids, mask, max_new_tokens=16)
+    assert graphed.graph is not None
+    assert torch.equal(tokens, eager(ids, mask, max_new_tokens=16))
+    assert torch.equal(graphed(ids, mask, max_new_tokens=16), tokens)  # replayed again, cache reset in place
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
+                          cache_implementation="static", disable_compile=True)
+    assert torch.equal(tokens, want[:, ids.shape[1]:])
+
+
+@pytest.mark.gpu
+def test_gpu_generate_static_cache_compiled(monkeypatch):
+    """generate(cache_implementation='static') on the GPU compiles the patched forward (mode reduce-overhead)."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    model = patch(build("qwen3", **GPU_FIELDS, head_dim=64).cuda().bfloat16().eval())
+    ids, mask = (t.cuda() for t in prompts(batch=2, seq=12))
+    settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                    cache_implementation="static")
+    want = model.generate(ids, **settings, disable_compile=True)
+    assert torch.equal(model.generate(ids, **settings), want)

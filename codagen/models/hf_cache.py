@@ -38,6 +38,7 @@ _SUPPORTED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer",
 _FUSED_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+@torch.compiler.disable  # reads version counters; a compiled forward (generate's static cache) calls it eagerly
 def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWeights]]) -> list[BlockWeights]:
     """``fuse()`` (the blocks' weights in the fused layout), reused across forwards without autograd.
 
