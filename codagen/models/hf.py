@@ -29,9 +29,11 @@ approximation):
   ``inputs_embeds``, all-ones ``attention_mask``, sliding-window attention (an explicit SDPA mask when
   the sequence is longer than the window), attention dropout, ``num_items_in_batch``,
   ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``.
+- KV cache and ``generate()`` (``past_key_values`` / ``cache``, ``use_cache=True``; padding masks with
+  a cache): :mod:`.hf_cache` (``DynamicCache``, ``StaticCache``; other cache kinds refused).
 - Refused: MLP biases, Q/K/V biases together with QK-norm (the bias would enter before the norm),
   QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types (``dynamic``, ``yarn``, ...),
-  padding in ``attention_mask``, KV cache / generation (``past_key_values``, ``use_cache=True``),
+  padding in ``attention_mask`` without a KV cache,
   ``output_attentions`` / ``output_hidden_states``, gradient checkpointing, extra attention kwargs.
   ``unpatch`` the model (or use an unpatched copy) for those.
 """
