@@ -16,7 +16,9 @@ def test_generate_bench_smoke(tmp_path):
     records = json.loads(result.read_text())["records"]
     assert not [r for r in records if r.get("error")], [r["error"] for r in records if r.get("error")]
     cases = {(r["case"], r["provider"]) for r in records}
-    for case in ("prefill 1x64", "prefill 2x32", "decode b1", "decode b2"):
+    for case in ("prefill 1x64", "prefill 2x32"):
+        assert {p for c, p in cases if c == case} == {"eager", "codagen"}
+    for case in ("decode b1", "decode b2"):
         assert {p for c, p in cases if c == case} == {"eager", "codagen_eager", "codagen"}
     decode = [r for r in records if r["pass_"] == "decode"]
     assert all(r["bytes_per_step"] > 0 and r["tokens_equal_first_provider"] == 1.0 for r in decode)
