@@ -329,17 +329,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="64 new tokens instead of 256")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--layers", type=int, nargs="+", help="layers per model (default: 16 for 1B, 8 for 8B)")
-    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS,
+                        help="default: all (without compile_static under --smoke: minutes of CPU compilation)")
     parser.add_argument("--new-tokens", type=int, help="decode tokens per run (default 256; 64 with --quick)")
     parser.add_argument("--out", help="results folder (default: bench/results)")
     args = parser.parse_args(argv)
-    providers = list(args.providers)
+    providers = list(args.providers or PROVIDERS)
     if args.smoke:
         device, dtype = torch.device("cpu"), torch.float32
         models = {"smoke": (SMOKE_MODEL, SMOKE_MODEL.layers)}
         prefill_cases, decode_cases, context = [(1, 64), (2, 32)], [1, 2], 32
         new_tokens = args.new_tokens or 4
-        providers = [p for p in providers if p != "compile_static"]  # minutes of CPU compilation
+        if args.providers is None:
+            providers.remove("compile_static")
         bandwidth = None
     else:
         if not torch.cuda.is_available():
