@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache, StaticCache  # noqa: E402  (after the importorskip)
 
-from tests.test_hf import build  # noqa: E402
+from tests.test_hf import assert_same_training, build, lm_inputs  # noqa: E402
 from tests.test_models import _triton_backend_missing  # noqa: E402
 
 FAMILIES = {  # (family, config overrides): QKV bias (Qwen2), QK-norm (Qwen3), sliding window shorter than the text
@@ -365,3 +365,8 @@ def test_readme_generate_example_runs():
     exec(compile(snippet, "README.md", "exec"), scope)
     assert scope["greedy"].shape == (2, 14) and scope["sampled"].shape == (2, 14)
     assert torch.isfinite(scope["loss"])
+
+
+def test_training_forward_with_a_cache_matches_unpatched():
+    """Loss, logits and every gradient with use_cache=True (a DynamicCache filled in the graph)."""
+    assert_same_training(build("qwen2"), {**lm_inputs(), "use_cache": True})
