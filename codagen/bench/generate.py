@@ -312,7 +312,7 @@ def plot(records: list[dict], providers: list[str], path: Path) -> Path | None:
             xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(cases))]
             ax.bar(xs, values, width, label=provider)
         ax.set_xticks(range(len(cases)), [f"{n}\n{c}" for n, c in cases], fontsize=7)
-        ax.set_ylabel("fraction of the bandwidth limit" if pass_ == "decode" else "speed vs compile_static")
+        ax.set_ylabel("fraction of the bandwidth limit" if pass_ == "decode" else "speed vs compile_static (else eager)")
         ax.axhline(1.0, color="k", linewidth=0.8)
         ax.set_title(f"{pass_} (higher is better)")
     axes[0].legend(fontsize=8)
