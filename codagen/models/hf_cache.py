@@ -130,6 +130,9 @@ def attention_masks(config, x: torch.Tensor, attention_mask, cache, position_ids
                 f"{getattr(config, '_attn_implementation', None)!r} is a {type(mask).__name__} of "
                 f"{getattr(mask, 'dim', lambda: '?')()} dims; the KV-cache path takes 4-D SDPA masks "
                 f"(attn_implementation 'sdpa' or 'eager')")
+        if mask is not None and mask.dtype == torch.bool:
+            # SDPA turns a boolean mask into this additive one on every call: once per forward instead of per layer
+            masks[kind] = torch.zeros(mask.shape, dtype=x.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return masks
 
 
