@@ -150,6 +150,10 @@ def smem_estimate(program: Program, cfg: KernelConfig, operand_bytes: int, io_by
     return ring + scratch + 1024  # + barriers
 
 
+def _holds_segments(cfg: KernelConfig, segments) -> bool:
+    return all(int(cfg.sub_n * s.width.value) % s.size == 0 for s in segments)
+
+
 def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: int, tma: bool,
                tma_epilogue: bool = False, m: int | None = None, n: int | None = None,
                num_sms: int | None = None) -> list[KernelConfig]:
@@ -157,7 +161,7 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
 
     ``tma``: A and B are TMA-aligned; ``tma_epilogue``: so are the tile operands and outputs (the
     ping-pong kernel has no pointer fallback). With ``m <= SMALL_M_ROWS`` (and ``n``, ``num_sms``) on
-    sm_90 the decode configurations come first, in :func:`small_m_order`."""
+    sm_90 the pool is the decode configurations, in :func:`small_m_order`."""
     small_m = m is not None and m <= SMALL_M_ROWS and major == 9 and tma and operand_bytes == 2
     if operand_bytes == 4:
         pool = _FP32
@@ -165,8 +169,10 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         pool = _SM90
     else:
         pool = _SM80
-    if small_m:
-        pool = tuple(small_m_order(SMALL_M, n, num_sms)) + pool
+    segments = program.segment_sums()
+    if small_m:  # the decode tiles alone, unless none holds whole segments (heads wider than 128 columns)
+        fitting = tuple(cfg for cfg in small_m_order(SMALL_M, n, num_sms) if _holds_segments(cfg, segments))
+        pool = fitting or pool
     pingpong_pool = ()
     if major == 9 and tma and tma_epilogue and operand_bytes == 2 and not small_m:
         from . import pingpong
@@ -174,9 +180,8 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
             pingpong_pool = tuple(cfg for cfg in PINGPONG if smem_estimate(program, cfg, operand_bytes) <= smem_limit)
     # A SegmentSum group (a head, for QK-norm) must lie inside one epilogue sub-tile: a hard constraint,
     # so it filters the pool before the fallback below.
-    segments = program.segment_sums()
     if segments:
-        fitting = tuple(cfg for cfg in pool if all(int(cfg.sub_n * s.width.value) % s.size == 0 for s in segments))
+        fitting = tuple(cfg for cfg in pool if _holds_segments(cfg, segments))
         if not fitting:
             sizes = sorted({s.size for s in segments})
             raise ProgramError(
