@@ -260,6 +260,7 @@ def test_greedy_decoder_matches_generate(variant):
     """GreedyDecoder's step (run eagerly on CPU: the same code the GPU captures) gives generate()'s tokens."""
     family, overrides = FAMILIES[variant]
     model = build(family, **overrides).eval()
+    model.generation_config.eos_token_id = None  # GreedyDecoder has no stopping criteria
     ids, mask = prompts()
     want = greedy(model, ids, mask, new_tokens=6, cache_implementation="static").sequences[:, ids.shape[1]:]
     decoder = GreedyDecoder(patch(model), max_cache_len=16)
@@ -330,6 +331,7 @@ def test_gpu_greedy_decoder_cuda_graph(monkeypatch):
     """The captured decode step replays to the tokens of the same step run eagerly and of generate()."""
     monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
     model = patch(build("llama", **GPU_FIELDS).cuda().bfloat16().eval())
+    model.generation_config.eos_token_id = None  # GreedyDecoder has no stopping criteria
     ids = torch.randint(1, 1000, (4, 32), device="cuda")
     mask = torch.ones_like(ids)
     mask[2, :7] = 0
@@ -363,7 +365,7 @@ def test_readme_generate_example_runs():
     snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
     scope = {}
     exec(compile(snippet, "README.md", "exec"), scope)
-    assert scope["greedy"].shape == (2, 14) and scope["sampled"].shape == (2, 14)
+    assert scope["greedy"].shape[0] == 2 and scope["sampled"].shape[0] == 2  # up to 14 tokens (EOS may stop early)
     assert torch.isfinite(scope["loss"])
 
 

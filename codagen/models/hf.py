@@ -152,9 +152,12 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
              labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
              return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
-    # transformers 5.2x names the cache `cache` (`past_key_values` before); cache_position is derived from it
+    # transformers 5.2x names the cache `cache` (`past_key_values` before) and derives positions from it;
+    # before, a given cache_position also gives the positions
     cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
-    kwargs.pop("cache_position", None)
+    cache_position = kwargs.pop("cache_position", None)
+    if position_ids is None and cache_position is not None:
+        position_ids = cache_position[None]
     if kwargs:
         names = ", ".join(repr(name) for name in sorted(kwargs))
         raise _refuse(f"the forward argument {names}" if len(kwargs) == 1 else f"each of the forward arguments {names}")
@@ -213,6 +216,7 @@ def _decoder_forward(self, x, dtype, position_ids, labels, shift_labels, logits_
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0)
     layers = self.model.layers[: config.num_hidden_layers]
+
     def fuse():
         return [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
     blocks = hf_cache.inference_blocks(self, dtype, fuse)
