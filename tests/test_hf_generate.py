@@ -372,3 +372,29 @@ def test_readme_generate_example_runs():
 def test_training_forward_with_a_cache_matches_unpatched():
     """Loss, logits and every gradient with use_cache=True (a DynamicCache filled in the graph)."""
     assert_same_training(build("qwen2"), {**lm_inputs(), "use_cache": True})
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_without_autograd_keeps_no_activations(monkeypatch):
+    """A no_grad prefill's peak memory is the cache, the kept fused weights and a few live activations; with
+    autograd on, every layer's saved activations come on top."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    model = patch(build("llama", **dict(GPU_FIELDS, num_hidden_layers=6)).cuda().bfloat16().eval())
+    ids = torch.randint(1, 1000, (2, 1024), device="cuda")
+
+    def peak_mib(grad: bool) -> float:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.set_grad_enabled(grad):
+            out = model(ids, use_cache=True, logits_to_keep=1, **{cache_field(): DynamicCache(config=model.config)})
+        torch.cuda.synchronize()
+        del out
+        return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    peak_mib(False)  # kernels compiled, fused weights kept
+    no_grad, with_grad = peak_mib(False), peak_mib(True)
+    tokens, hidden, ffn, layers = 2048, 256, 512, 6
+    cache = layers * 2 * tokens * 2 * 64 * 2 / 2 ** 20  # K and V of 2 kv heads of 64
+    live = 8 * tokens * 2 * ffn * 2 / 2 ** 20  # a few [tokens, 2 ffn] activations
+    assert no_grad <= cache + live, f"no_grad prefill peak {no_grad:.1f} MiB > {cache + live:.1f} MiB"
+    assert with_grad > no_grad + layers * tokens * 2 * ffn * 2 / 2 ** 20  # each layer's preact is saved
