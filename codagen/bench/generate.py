@@ -94,7 +94,6 @@ def copy_bandwidth_gbps(device, nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src))
-    del src, dst
     return 2 * nbytes / ms / 1e6
 
 
@@ -312,7 +311,7 @@ def plot(records: list[dict], providers: list[str], path: Path) -> Path | None:
             xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(cases))]
             ax.bar(xs, values, width, label=provider)
         ax.set_xticks(range(len(cases)), [f"{n}\n{c}" for n, c in cases], fontsize=7)
-        ax.set_ylabel("fraction of the bandwidth limit" if pass_ == "decode" else "speed vs compile_static (else eager)")
+        ax.set_ylabel("fraction of the bandwidth limit" if pass_ == "decode" else "speed vs compile_static (or eager)")
         ax.axhline(1.0, color="k", linewidth=0.8)
         ax.set_title(f"{pass_} (higher is better)")
     axes[0].legend(fontsize=8)

@@ -27,8 +27,8 @@ from codagen import ops
 
 from .llama import AttentionSpec, BlockWeights, block_out_mlp, block_qkv
 
-__all__ = ["inference_blocks", "new_dynamic_cache", "check_cache", "attention_masks", "decoder_stack_with_cache", "half_split_heads",
-           "output"]
+__all__ = ["inference_blocks", "new_dynamic_cache", "check_cache", "attention_masks", "decoder_stack_with_cache",
+           "half_split_heads", "output"]
 
 _SUPPORTED_CACHES = ("DynamicCache", "StaticCache")
 _SUPPORTED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")

@@ -33,8 +33,8 @@ from codagen import ops
 
 from .config import LlamaConfig
 
-__all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "block_qkv", "block_out_mlp", "lm_head", "rotate_pairs", "fuse_qkv",
-           "split_qkv"]
+__all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "block_qkv", "block_out_mlp", "lm_head",
+           "rotate_pairs", "fuse_qkv", "split_qkv"]
 
 
 @dataclasses.dataclass(frozen=True)
