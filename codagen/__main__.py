@@ -15,6 +15,8 @@ BENCH_SUITES = {
     "block": ("codagen.bench.block", "time one block forward+backward and a training step against peers (GPU)"),
     "checkpoint": ("codagen.bench.checkpoint",
                    "peak memory and step time of a checkpointed HF Llama, patched and unpatched (GPU)"),
+    "generate": ("codagen.bench.generate",
+                 "prefill and decode with a KV cache against transformers eager and compiled (GPU)"),
 }
 
 

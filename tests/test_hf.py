@@ -183,8 +183,6 @@ def test_refused_at_forward():
         model(**inputs, attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"attention_mask must be \[batch, seq\] = \(2, 12\)"):
         model(**inputs, attention_mask=torch.ones(2, 11, dtype=torch.long))
-    with pytest.raises(NotImplementedError, match="KV cache"):
-        model(inputs["input_ids"], use_cache=True)
     with pytest.raises(NotImplementedError, match="output_hidden_states"):
         model(inputs["input_ids"], output_hidden_states=True)
     with pytest.raises(NotImplementedError, match=r"flash-attention varlen arguments \['cu_seq_lens_q'\]"):

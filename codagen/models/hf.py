@@ -33,15 +33,16 @@ approximation):
   ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``,
   ``model.gradient_checkpointing_enable()`` (each regrouped block checkpointed in its layer's place:
   :mod:`codagen.models.checkpoint`).
+- KV cache and ``generate()`` (``past_key_values`` / ``cache``, ``use_cache=True``; padding masks with
+  a cache): :mod:`.hf_cache` (``DynamicCache``, ``StaticCache``; other cache kinds refused).
 - Refused at patch time (``ValueError`` naming the config field): sizes the kernels cannot take (odd
   ``intermediate_size`` or ``head_dim``, heads not a multiple of KV heads, projection shapes that do not
   match the config). Refused at patch time and at each forward: hooks on any submodule but the input
   embedding (the fused decoder never calls their ``forward``); hooks on the model itself run.
 - Refused: MLP biases, partial rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter before the norm),
   QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types (``dynamic``, ``yarn``, ...),
-  4-D ``attention_mask``, flash-attention varlen kwargs (``cu_seq_lens_q``, ...), KV cache / generation
-  (``past_key_values``, ``use_cache=True``), ``output_attentions`` / ``output_hidden_states``, extra attention
-  kwargs. ``unpatch`` the model (or use an unpatched copy) for those.
+  4-D ``attention_mask``, flash-attention varlen kwargs (``cu_seq_lens_q``, ...), ``output_attentions`` /
+  ``output_hidden_states``, extra attention kwargs. ``unpatch`` the model (or use an unpatched copy) for those.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ from torch import nn
 
 from codagen import ops
 
+from . import hf_cache
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
@@ -241,10 +243,19 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
                       f"documents come from position_ids: DataCollatorWithFlattening(return_flash_attn_kwargs=False))")
+    # transformers 5.2x names the cache `cache` (`past_key_values` before) and derives positions from it;
+    # before, a given cache_position also gives the positions
+    cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
+    cache_position = kwargs.pop("cache_position", None)
+    if position_ids is None and cache_position is not None:
+        position_ids = cache_position[None]
     if kwargs:
-        raise _refuse(f"forward arguments {sorted(kwargs)}")
-    if past_key_values is not None or use_cache:
-        raise _refuse("KV cache / generation (past_key_values, use_cache=True)")
+        names = ", ".join(repr(name) for name in sorted(kwargs))
+        raise _refuse(f"the forward argument {names}" if len(kwargs) == 1 else f"each of the forward arguments {names}")
+    if cache is None and use_cache:
+        cache = hf_cache.new_dynamic_cache(self.config)
+    if cache is not None:
+        hf_cache.check_cache(cache)
     if output_attentions or output_hidden_states:
         raise _refuse("output_attentions / output_hidden_states")
     if (input_ids is None) == (inputs_embeds is None):
@@ -265,7 +276,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     with torch.autocast(device_type, enabled=False):
         return _decoder_forward(self, x.to(dtype), dtype, attention_mask, position_ids, labels, shift_labels,
-                                logits_to_keep, num_items_in_batch, return_dict)
+                                logits_to_keep, num_items_in_batch, return_dict, cache)
 
 
 
@@ -283,20 +294,22 @@ def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift_labels, logits_to_keep,
-                     num_items_in_batch, return_dict):
-    """The checked forward: embeddings ``x`` [B, S, d] in ``dtype`` through the fused decoder and head."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
+                     num_items_in_batch, return_dict, cache=None):
+    """The checked forward: embeddings ``x`` [B, S, d] in ``dtype`` through the fused decoder and head;
+    with ``cache`` (a checked ``transformers`` cache) the KV-cache forward of :mod:`.hf_cache`."""
     batch, seq, hidden = x.shape
     config = self.config
     # As transformers: a padding mask when given, else documents from position_ids (packed rows); both on the
     # device, so that no value is read on the host. Positions stay 0..S-1 under padding, as transformers'.
+    # With a cache, the cached tokens come first and transformers' own mask functions build the masks.
     documents = None
     if position_ids is None:
         position_ids = torch.arange(seq, device=x.device)
-    elif attention_mask is None:
+        if cache is not None:
+            position_ids = (position_ids + cache.get_seq_length())[None]
+    elif attention_mask is None and cache is None:
         documents = document_ids(position_ids.expand(batch, seq))
-    mask = causal_mask(batch, seq, x.device, attention_mask, documents)
+    mask = None if cache is not None else causal_mask(batch, seq, x.device, attention_mask, documents)
     positions = position_ids.expand(batch, seq).reshape(-1).contiguous()
 
     rotary = self.model.rotary_emb
@@ -307,15 +320,24 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype))
     layers = self.model.layers[: config.num_hidden_layers]
-    blocks = [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
-    # model.gradient_checkpointing_enable() gives each layer its checkpoint function (torch.utils.checkpoint with
-    # the kwargs it was given); the patched model checkpoints the regrouped block in that layer's place.
-    checkpoints = [layer._gradient_checkpointing_func if getattr(layer, "gradient_checkpointing", False)
-                   and self.training and torch.is_grad_enabled() else None for layer in layers]
+
+    def fuse():
+        return [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
+    blocks = hf_cache.inference_blocks(self, dtype, fuse)
     norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
     head_weight = self.lm_head.weight.to(dtype)
-    h, normed, rstd = decoder_stack(x.reshape(batch * seq, hidden).contiguous(), blocks, norm_weight, eps, spec,
-                                    positions, frequencies, checkpoints)
+    if cache is None:
+        # model.gradient_checkpointing_enable() gives each layer its checkpoint function (torch.utils.checkpoint
+        # with the kwargs it was given); the patched model checkpoints the regrouped block in that layer's place.
+        checkpoints = [layer._gradient_checkpointing_func if getattr(layer, "gradient_checkpointing", False)
+                       and self.training and torch.is_grad_enabled() else None for layer in layers]
+        h, normed, rstd = decoder_stack(x.reshape(batch * seq, hidden).contiguous(), blocks, norm_weight, eps, spec,
+                                        positions, frequencies, checkpoints)
+    else:
+        masks = hf_cache.attention_masks(config, x, attention_mask, cache, position_ids.expand(batch, seq))
+        h, normed, rstd = hf_cache.decoder_stack_with_cache(x.reshape(batch * seq, hidden).contiguous(), blocks,
+                                                            norm_weight, eps, spec, positions, frequencies, cache,
+                                                            masks)
 
     loss = logits = None
     if labels is not None or shift_labels is not None:
@@ -340,5 +362,5 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
             rows = (torch.arange(batch, device=x.device)[:, None] * seq + keep[None, :]).reshape(-1)
             h, normed, rstd = h[rows].contiguous(), normed[rows].contiguous(), rstd[rows].contiguous()
         logits = lm_head(h, normed, rstd, norm_weight, head_weight, None).view(batch, -1, config.vocab_size)
-    output = CausalLMOutputWithPast(loss=loss, logits=logits)
+    output = hf_cache.output(loss, logits, cache)
     return output if return_dict is None or return_dict else output.to_tuple()

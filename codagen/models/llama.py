@@ -35,8 +35,8 @@ from .checkpoint import CheckpointFn, checkpoint_block
 from .config import LlamaConfig
 from .masks import with_sliding_window
 
-__all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "lm_head", "rotate_pairs", "fuse_qkv",
-           "split_qkv"]
+__all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "block_qkv", "block_out_mlp", "lm_head",
+           "rotate_pairs", "fuse_qkv", "split_qkv"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +96,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attention
     return out.transpose(1, 2).reshape(b * s, h * hd)
 
 
-# torch < 2.8 has no nested compile regions: there the layer is inlined into the model's graph
-_compile_region = getattr(torch.compiler, "nested_compile_region", lambda fn: fn)
+def _compile_region(fn):
+    """``torch.compiler.nested_compile_region`` where it traces our layer: torch 2.11's dynamo fails on it
+    (``KeyError: example_value`` comparing the second layer's backward subgraph with the first's), and
+    torch < 2.8 has none; there the layer is inlined into the model's graph."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    return fn if region is None or version < (2, 13) else region(fn)
+
+
+def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, spec: AttentionSpec,
+              positions: torch.Tensor, frequencies: torch.Tensor, eps: float):
+    """A block's norm + QKV projection + RoPE (+ QK-norm, + rotated QKV bias): ``(q, k, v, x)``, q/k in pair order.
+
+    ``x`` passes through the QKV op, so that the residual path's gradient joins its backward's store;
+    q, k, v come back as separate views, so that their gradients reach its backward unconcatenated.
+    """
+    q_cols, kv_cols = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    split_sizes = (q_cols, kv_cols, kv_cols)
+    if blk.q_norm is None and blk.k_norm is None:
+        q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
+                                      split_sizes=split_sizes, pass_residual=True)
+    else:
+        if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
+            raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
+        q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
+                                      blk.q_norm, blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps,
+                                      split_sizes=split_sizes, pass_residual=True)
+    if blk.qkv_bias is not None:
+        # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
+        angles = positions.float()[:, None] * frequencies[None, :]
+        rotated_bias = rotate_pairs(blk.qkv_bias.expand(x.shape[0], -1), angles).to(q.dtype)
+        q, k, v = (t + bias for t, bias in zip((q, k, v), rotated_bias.split(split_sizes, dim=1)))
+    return q, k, v, x
+
+
+def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_norm: torch.Tensor, eps: float):
+    """A block after attention: O-proj + residual, then the MLP + residual; ``(x, normed, rstd)`` of ``next_norm``."""
+    # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
+    residual = x if blk.o_bias is None else x + blk.o_bias
+    x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps)
+    return ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down, next_norm, eps)
 
 
 def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: torch.Tensor, eps: float,
@@ -129,33 +168,12 @@ def decoder_layer(x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, blk
                   eps: float, spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor):
     """One block of :func:`decoder_stack`: ``(x, normed, rstd)`` of ``next_norm`` after it.
 
-    A nested compile region: ``torch.compile`` traces one block and stamps its graph out for every
+    A nested compile region (torch >= 2.13): ``torch.compile`` traces one block and stamps its graph out for every
     layer with the same shapes, so dynamo, AOTAutograd and Inductor work on one block whatever the
     depth (``docs/notes/compile.md``). In eager mode the decorator only calls the function."""
-    q_cols, kv_cols = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    split_sizes = (q_cols, kv_cols, kv_cols)
-    # x passes through the QKV op, so that the residual path's gradient joins its backward's store;
-    # q, k, v come back as separate views, so that their gradients reach its backward unconcatenated
-    if blk.q_norm is None and blk.k_norm is None:
-        q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
-                                      split_sizes=split_sizes, pass_residual=True)
-    else:
-        if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
-            raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
-        q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
-                                      blk.q_norm, blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps,
-                                      split_sizes=split_sizes, pass_residual=True)
-    if blk.qkv_bias is not None:
-        # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
-        angles = positions.float()[:, None] * frequencies[None, :]
-        rotated_bias = rotate_pairs(blk.qkv_bias.expand(x.shape[0], -1), angles).to(q.dtype)
-        q, k, v = (t + bias for t, bias in zip((q, k, v), rotated_bias.split(split_sizes, dim=1)))
+    q, k, v, x = block_qkv(blk, x, normed, rstd, spec, positions, frequencies, eps)
     attn = attention(q, k, v, spec, blk.sliding_window)
-    # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
-    residual = x if blk.o_bias is None else x + blk.o_bias
-    x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps)
-    x, normed, rstd = ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down,
-                                                  next_norm, eps)
+    x, normed, rstd = block_out_mlp(blk, attn, x, next_norm, eps)
     return x, normed, rstd
 
 

@@ -436,7 +436,7 @@ class TritonBackend:
         smem_limit = _smem_limit(dev)
         pool = candidates(bound.program, major=torch.cuda.get_device_capability(dev)[0],
                           operand_bytes=bound.a.element_size(), smem_limit=smem_limit, tma=launch.tma_mainloop,
-                          tma_epilogue=launch.tma_epilogue_ok)
+                          tma_epilogue=launch.tma_epilogue_ok, m=bound.m, n=bound.n, num_sms=_num_sms(dev))
         if any(cfg.schedule == "pingpong" for cfg in pool):  # the estimate assumed 2-byte tiles
             from . import pingpong
             pool = [cfg for cfg in pool if cfg.schedule != "pingpong" or not pingpong.refuses(bound, cfg.sub_n, smem_limit)]

@@ -55,7 +55,7 @@ from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 from .gluon_support import pingpong_available
 
 __all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG", "PINGPONG",
-           "heuristic", "gemm_layout", "interpreter_config"]
+           "heuristic", "gemm_layout", "interpreter_config", "SMALL_M", "SMALL_M_ROWS", "small_m_order"]
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,25 @@ _SM80 = (
 # float32 operands multiply in IEEE fp32 (no tensor cores): small tiles
 _FP32 = (KernelConfig(64, 64, 32, 3, 4, epilogue_split=1),)
 
+# Decode (M <= SMALL_M_ROWS rows: the batch of one decode step). The weight read is the whole cost, so one
+# tile spans every row (BM = 64, wgmma's minimum) and narrow column tiles spread the weight over at least
+# one program per SM (M = 1 with 128x256 tiles would leave a 2048-column projection to 8 SMs); deep
+# K pipelines keep 32-96 KiB of the weight in flight per SM. :func:`small_m_order` picks the first.
+SMALL_M_ROWS = 64
+SMALL_M = tuple(KernelConfig(64, block_n, 128, stages, 4, epilogue_split=1, group_m=1)
+                for block_n, stages in ((16, 8), (32, 8), (64, 6), (128, 4)))
+
 _MAX_ACC_REGS = 128
+
+
+def small_m_order(pool, n: int, num_sms: int) -> list[KernelConfig]:
+    """``pool``'s decode configurations, best guess first: the widest column tile that still gives every SM a
+    tile of the ``n`` columns (wider tiles read the same weight with fewer, longer programs), then the
+    narrower ones, then the wider ones."""
+    def rank(cfg: KernelConfig):
+        tiles = -(-n // cfg.block_n)
+        return (0, -cfg.block_n) if tiles >= num_sms else (1, cfg.block_n)
+    return sorted(pool, key=rank)
 
 
 def _tile_io(program: Program):
@@ -166,28 +184,38 @@ def smem_estimate(program: Program, cfg: KernelConfig, operand_bytes: int, io_by
     return ring + scratch + 1024  # + barriers
 
 
+def _holds_segments(cfg: KernelConfig, segments) -> bool:
+    return all(int(cfg.sub_n * s.width.value) % s.size == 0 for s in segments)
+
+
 def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: int, tma: bool,
-               tma_epilogue: bool = False) -> list[KernelConfig]:
+               tma_epilogue: bool = False, m: int | None = None, n: int | None = None,
+               num_sms: int | None = None) -> list[KernelConfig]:
     """Configurations worth compiling for this program on this GPU, best guess first.
 
     ``tma``: A and B are TMA-aligned; ``tma_epilogue``: so are the tile operands and outputs (the
-    ping-pong kernel has no pointer fallback)."""
+    ping-pong kernel has no pointer fallback). With ``m <= SMALL_M_ROWS`` (and ``n``, ``num_sms``) on
+    sm_90 the pool is the decode configurations, in :func:`small_m_order`."""
+    small_m = m is not None and m <= SMALL_M_ROWS and major == 9 and tma and operand_bytes == 2
     if operand_bytes == 4:
         pool = _FP32
     elif tma:
         pool = _SM90
     else:
         pool = _SM80
+    segments = program.segment_sums()
+    if small_m:  # the decode tiles alone, unless none holds whole segments (heads wider than 128 columns)
+        fitting = tuple(cfg for cfg in small_m_order(SMALL_M, n, num_sms) if _holds_segments(cfg, segments))
+        pool = fitting or pool
     pingpong_pool = ()
-    if major == 9 and tma and tma_epilogue and operand_bytes == 2 and pingpong_available():
+    if major == 9 and tma and tma_epilogue and operand_bytes == 2 and not small_m and pingpong_available():
         from . import pingpong
         if pingpong.supports(program) is None:
             pingpong_pool = tuple(cfg for cfg in PINGPONG if smem_estimate(program, cfg, operand_bytes) <= smem_limit)
     # A SegmentSum group (a head, for QK-norm) must lie inside one epilogue sub-tile: a hard constraint,
     # so it filters the pool before the fallback below.
-    segments = program.segment_sums()
     if segments:
-        fitting = tuple(cfg for cfg in pool if all(int(cfg.sub_n * s.width.value) % s.size == 0 for s in segments))
+        fitting = tuple(cfg for cfg in pool if _holds_segments(cfg, segments))
         if not fitting:
             sizes = sorted({s.size for s in segments})
             raise ProgramError(

@@ -1,0 +1,172 @@
+"""The KV-cache forward of a patched Hugging Face model: prefill and decode on the fused kernels.
+
+``generate()`` and any forward with ``past_key_values``/``cache`` or ``use_cache=True`` run here. Each
+block is the training block (:func:`block_qkv`, attention, :func:`block_out_mlp`); only attention
+differs: the step's new K and V go into the ``transformers`` cache, and SDPA reads the whole cache with
+the mask ``transformers`` itself builds for that cache (left padding, sliding windows, static caches).
+
+Cache layout: Hugging Face's. Keys and values are ``[batch, kv_heads, tokens, head_dim]`` and K's
+head channels are in HF's half-split RoPE order. The fused QKV GEMM emits Q and K heads in adjacent-pair
+order (:func:`fuse_qkv`); the new Q and K rows are permuted back to half-split (one gather of the step's
+rows: ``batch`` rows per decode step) before the cache update. So a cache filled by a patched model
+continues in the unpatched one and vice versa.
+
+Supported caches: ``DynamicCache`` (full and sliding-window layers) and ``StaticCache`` (full and
+sliding-window layers). Anything else (quantized, offloaded, encoder-decoder, legacy tuples) is refused.
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from codagen import ops
+
+from .llama import AttentionSpec, BlockWeights, block_out_mlp, block_qkv
+
+__all__ = ["inference_blocks", "new_dynamic_cache", "check_cache", "attention_masks", "decoder_stack_with_cache",
+           "half_split_heads", "output"]
+
+_SUPPORTED_CACHES = ("DynamicCache", "StaticCache")
+_SUPPORTED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
+
+
+# model -> (what the fused weights were built from, the fused weights)
+_FUSED_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.compiler.disable  # reads version counters; a compiled forward (generate's static cache) calls it eagerly
+def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWeights]]) -> list[BlockWeights]:
+    """``fuse()`` (the blocks' weights in the fused layout), reused across forwards without autograd.
+
+    With autograd on, the fused layout is rebuilt on every forward (differentiable gathers: the gradients
+    reach the model's parameters) and any kept copy is dropped. Under ``torch.no_grad`` / inference mode
+    (generation, evaluation) it is built once and kept while every parameter has the same storage and
+    version counter: an optimizer step or ``load_state_dict`` changes them and the next forward re-fuses.
+    A decode step then reads each weight once instead of gathering QKV and gate/up into new copies.
+    (Writes through ``param.data`` bypass the version counter and are not seen.)
+    """
+    if torch.is_grad_enabled():
+        _FUSED_WEIGHTS.pop(model, None)
+        return fuse()
+    key = (dtype, tuple((p.data_ptr(), p._version) for p in model.parameters()))
+    kept = _FUSED_WEIGHTS.get(model)
+    if kept is None or kept[0] != key:
+        kept = (key, fuse())
+        _FUSED_WEIGHTS[model] = kept
+    return kept[1]
+
+
+def _transformers():
+    """``transformers``' cache and mask modules (an optional dependency: only a patched forward needs it)."""
+    from transformers import cache_utils, masking_utils, modeling_outputs
+    return cache_utils, masking_utils, modeling_outputs
+
+
+def _refuse_cache(kind: str) -> NotImplementedError:
+    return NotImplementedError(f"codagen.patch: KV cache {kind} is not supported by the fused decoder (supported: "
+                               f"{', '.join(_SUPPORTED_CACHES)}); call codagen.unpatch(model) to run it with "
+                               f"transformers")
+
+
+def new_dynamic_cache(config):
+    """The cache ``use_cache=True`` without one starts, as ``transformers``: a ``DynamicCache`` for ``config``
+    (sliding-window layers where the config has them)."""
+    cache_utils, _, _ = _transformers()
+    return cache_utils.DynamicCache(config=config)
+
+
+def check_cache(cache) -> None:
+    """Refuse every cache but a plain ``DynamicCache`` / ``StaticCache`` of full or sliding-window layers."""
+    cache_utils, _, _ = _transformers()
+    if not isinstance(cache, cache_utils.Cache):
+        raise _refuse_cache(f"of type {type(cache).__name__} (a legacy tuple cache or a non-Cache object)")
+    kind = type(cache).__name__
+    if kind not in _SUPPORTED_CACHES or type(cache) is not getattr(cache_utils, kind):
+        raise _refuse_cache(kind)
+    if getattr(cache, "offloading", False):
+        raise _refuse_cache(f"{kind} with offloading (an offloaded cache)")
+    for i, layer in enumerate(cache.layers):
+        if type(layer).__name__ not in _SUPPORTED_LAYERS:
+            raise _refuse_cache(f"{kind} with a {type(layer).__name__} at layer {i}")
+
+
+def cache_field() -> str:
+    """The name of the cache in ``transformers``' model outputs and mask functions (``cache`` from 5.2x,
+    ``past_key_values`` before)."""
+    _, masking_utils, _ = _transformers()
+    return "cache" if "cache" in inspect.signature(masking_utils.create_causal_mask).parameters else "past_key_values"
+
+
+def output(loss, logits, cache):
+    """``CausalLMOutputWithPast`` carrying ``cache`` under the installed version's field name."""
+    _, _, modeling_outputs = _transformers()
+    return modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits, **{cache_field(): cache})
+
+
+def attention_masks(config, x: torch.Tensor, attention_mask, cache, position_ids: torch.Tensor) -> dict:
+    """The SDPA masks of this forward, ``{"full": ..., "sliding": ...}`` (``None``: causal), built by
+    ``transformers`` for this cache before any layer updates it, exactly as the unpatched model does.
+
+    ``attention_mask`` is the 2-D padding mask, a prepared 4-D mask (``generate`` with a static cache) or
+    a dict of them per layer type; ``x`` is ``[batch, seq, hidden]`` (only its shape, dtype, device are read).
+    """
+    _, masking_utils, _ = _transformers()
+    if isinstance(attention_mask, dict):
+        masks = {"full": attention_mask.get("full_attention"), "sliding": attention_mask.get("sliding_attention")}
+    else:
+        kwargs = dict(config=config, inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
+                      **{cache_field(): cache})
+        masks = {"full": masking_utils.create_causal_mask(**kwargs),
+                 "sliding": masking_utils.create_sliding_window_causal_mask(**kwargs)
+                 if getattr(config, "sliding_window", None) is not None else None}
+    for kind, mask in masks.items():
+        if mask is not None and not (torch.is_tensor(mask) and mask.dim() == 4):
+            raise NotImplementedError(
+                f"codagen.patch: the {kind} attention mask built for attn_implementation="
+                f"{getattr(config, '_attn_implementation', None)!r} is a {type(mask).__name__} of "
+                f"{getattr(mask, 'dim', lambda: '?')()} dims; the KV-cache path takes 4-D SDPA masks "
+                f"(attn_implementation 'sdpa' or 'eager')")
+        if mask is not None and mask.dtype == torch.bool:
+            # SDPA turns a boolean mask into this additive one on every call: once per forward instead of per layer
+            masks[kind] = torch.zeros(mask.shape, dtype=x.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return masks
+
+
+def half_split_heads(t: torch.Tensor, batch: int, seq: int, heads: int, head_dim: int) -> torch.Tensor:
+    """Token-major ``[batch * seq, heads * head_dim]`` heads in adjacent-pair order -> ``[batch, heads, seq,
+    head_dim]`` in HF's half-split order (pair-order channel ``2i`` is HF channel ``i``, ``2i+1`` is ``i + hd/2``)."""
+    t = t.view(batch, seq, heads, head_dim // 2, 2).transpose(-1, -2)
+    return t.reshape(batch, seq, heads, head_dim).transpose(1, 2)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, cache, layer_idx: int,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of the step's token-major ``q``, ``k``, ``v`` (pair order) over the cache after adding ``k``, ``v``
+    to it; returns ``[batch * seq, heads * head_dim]``. Mirrors ``transformers``' SDPA attention."""
+    b, s, h, kv, hd = spec.batch, spec.seq, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    keys, values = cache.update(half_split_heads(k, b, s, kv, hd), v.view(b, s, kv, hd).transpose(1, 2), layer_idx)
+    if mask is not None:
+        mask = mask[:, :, :, : keys.shape[-2]]
+    out = F.scaled_dot_product_attention(half_split_heads(q, b, s, h, hd), keys, values, attn_mask=mask,
+                                         is_causal=mask is None and s > 1, dropout_p=spec.dropout,
+                                         enable_gqa=kv != h)
+    return out.transpose(1, 2).reshape(b * s, h * hd)
+
+
+def decoder_stack_with_cache(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: torch.Tensor, eps: float,
+                             spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor, cache,
+                             masks: dict):
+    """:func:`decoder_stack` with the KV cache: each block's new K and V enter ``cache`` (layer ``i`` for block ``i``),
+    and attention reads the whole cache under ``masks`` (:func:`attention_masks`); returns ``(x, normed, rstd)``."""
+    norms = [blk.attn_norm for blk in blocks] + [final_norm]
+    normed, rstd = ops.rms_norm_stats(x, norms[0], eps)
+    for layer_idx, (blk, next_norm) in enumerate(zip(blocks, norms[1:])):
+        q, k, v, x = block_qkv(blk, x, normed, rstd, spec, positions, frequencies, eps)
+        mask = masks["sliding" if blk.sliding_window is not None else "full"]
+        attn = cached_attention(q, k, v, spec, cache, layer_idx, mask)
+        x, normed, rstd = block_out_mlp(blk, attn, x, next_norm, eps)
+    return x, normed, rstd
