@@ -26,7 +26,7 @@ import torch
 import codagen
 from codagen.backends import on_device
 from codagen.epilogue.bind import BoundProgram, cdiv
-from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
+from codagen.epilogue.ir import Gemm, Program, ProgramError, Store, TileInput
 
 from . import codegen
 from .configs import INTERPRETER_CONFIG, KernelConfig, TuningCache, cache_dir, candidates
@@ -329,10 +329,11 @@ class TritonBackend:
             pingpong.launch(launch.pingpong(program), bound, outs, cfg.sub_n, slots, _num_sms(bound.device))
             self.launches += 1
             return
-        args = [bound.a, bound.b]
+        low_rank = program.gemm.low_rank
+        args = [bound.a, bound.b] + ([bound.tensors["a2"], bound.tensors["b2"]] if low_rank else [])
         args += [bound.tensors[name] for name in program.inputs]
         args += [outs[o.name] for o in program.outputs]
-        args += [launch.m, launch.n, launch.k]
+        args += [launch.m, launch.n, launch.k] + ([bound.r] if low_rank else [])
         num_tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
         if launch.interpret:
             grid = (min(num_tiles, 3),)  # several tiles per program: the persistent loop is exercised
@@ -342,6 +343,8 @@ class TritonBackend:
                     EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
                     TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok, UPCAST_OPERANDS=launch.upcast,
                     DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
+        if low_rank:  # the rank loop's step: at least the dot's minimum inner size 16, at most BLOCK_K
+            meta["BLOCK_R"] = max(16, min(cfg.block_k, 1 << (bound.r - 1).bit_length()))
         if launch.interpret:
             with _interpreting():
                 launch.kernel[grid](*args, **meta)
@@ -413,9 +416,15 @@ class TritonBackend:
             autotune = os.environ.get("CODAGEN_TRITON_AUTOTUNE", "1").strip() not in ("0", "false", "no", "")
         key = self._tuning_key(bound, launch)
         retune = autotune and os.environ.get("CODAGEN_TRITON_RETUNE", "0").strip() in ("1", "true", "yes")
+        cached_key = key
         cached = None if retune else self.tuning.get(key)
+        if cached is None and bound.program.gemm.low_rank and not retune:
+            # a low-rank program adds a short R loop to its base program's mainloop: until it has a
+            # choice of its own, the base program's tuned one stands in (no tuning run at first use)
+            cached_key = self._tuning_key(_without_low_rank(bound), launch)
+            cached = self.tuning.get(cached_key)
         if cached is not None and cached not in pool:  # the bucket's choice cannot run these operands
-            cached = self.tuning.fastest(key, pool) or pool[0]
+            cached = self.tuning.fastest(cached_key, pool) or pool[0]
         if cached is not None:  # a choice measured earlier (or shipped) stands, tuning on or off
             return cached
         if len(pool) == 1 or not autotune:
@@ -480,6 +489,14 @@ class TritonBackend:
             print(f"  -> {best.short()} ({best_ms:.3f} ms)", file=sys.stderr)
         self.tuning.put(key, best, timings)
         return best
+
+
+def _without_low_rank(bound: BoundProgram) -> BoundProgram:
+    """``bound`` as its base program (the same GEMM without the low-rank pair): its tuning key."""
+    program = bound.program
+    base = Program(program.name, Gemm(program.gemm.a_layout, program.gemm.b_layout), program.outputs, doc=program.doc)
+    tensors = {name: t for name, t in bound.tensors.items() if name not in ("a2", "b2")}
+    return BoundProgram(base, bound.a, bound.b, bound.m, bound.n, bound.k, tensors)
 
 
 def _smem_limit(device: torch.device) -> int:
