@@ -499,7 +499,8 @@ def test_reserved_names_cover_the_generated_kernels():
     fixed_helpers = {"tile_coords", "column_halves", "cast_for_store", "merge_logsumexp", "stamp"}  # own scopes
     programs = [f() for f in library.PROGRAMS.values()] + [
         library.rms_norm_backward("accumulate"), library.rms_norm_backward("none"),
-        library.rms_qkv_rope(qk_norm_head_dim=64), library.weight_grad(True, "float32")]
+        library.rms_qkv_rope(qk_norm_head_dim=64), library.weight_grad(True, "float32"),
+        library.rms_gate_up_swiglu().with_low_rank(), library.weight_grad().with_low_rank()]
     for program in programs:
         own = set(program.inputs) | {o.name for o in program.outputs} | {program.name, "a", "b"}  # a, b: the operands
         sources = [codegen.generate(program)]
