@@ -63,8 +63,8 @@ def kernel_hash(program: Program) -> str:
             return [line for line in source.splitlines() if "generator version" not in line]
         here = Path(__file__).parent
         parts = code_lines(codegen.generate(program)) + [_code_of(here / "device_math.py")]
-        from . import pingpong, pingpong_codegen
-        if pingpong.supports(program) is None:
+        from . import pingpong_codegen
+        if pingpong_codegen.refusal(program) is None:
             parts += code_lines(pingpong_codegen.generate(program)) + [_code_of(here / "pingpong.py")]
         _kernel_hashes[key] = codegen.source_hash(*parts)
     return _kernel_hashes[key]
@@ -395,9 +395,9 @@ class TritonBackend:
     def _choose(self, bound: BoundProgram, launch: _Launch, interpret: bool) -> KernelConfig:
         if self.config is not None:
             if self.config.schedule == "pingpong":
-                from . import pingpong
+                from . import pingpong, pingpong_codegen
                 name = bound.program.name
-                reason = pingpong.supports(bound.program)
+                reason = pingpong_codegen.refusal(bound.program)
                 if reason:
                     raise ProgramError(f"{name}: the ping-pong kernel cannot compute this program: {reason}; "
                                        f"use a persistent configuration")

@@ -59,9 +59,6 @@ _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float
 # --------------------------------------------------------------------------------------------------
 def supports(program: Program) -> str | None:
     """Why the ping-pong generator cannot take ``program`` (None if it can)."""
-    if program.gemm.low_rank:
-        return ("a low-rank operand pair (LoRA): the producer warp's TMA ring streams one A/B pair, and the "
-                "short R loop would need a second ring and its barriers; the persistent schedule runs it")
     if program.gemm.a_layout != "mk":
         return "A must be [M, K] (the weight-gradient layout has no epilogue worth overlapping)"
     for e in program.expressions():
