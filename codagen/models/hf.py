@@ -91,7 +91,7 @@ def _check_model(model: nn.Module) -> None:
                 raise _refuse(f"QK-norm weights of shape other than [head_dim] = ({attn.head_dim},) (layer {i})")
             if any(norm.variance_epsilon != layer.input_layernorm.variance_epsilon for norm in qk_norms):
                 raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})")
-    lora.check_adapters(model)
+    lora.prepare_adapters(model)
 
 
 def patch(model: nn.Module) -> nn.Module:
@@ -213,7 +213,7 @@ def _decoder_forward(self, x, dtype, position_ids, labels, shift_labels, logits_
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0)
     layers = self.model.layers[: config.num_hidden_layers]
-    lora.check_adapters(self)  # PEFT wrappers can come and go after patching
+    lora.prepare_adapters(self)  # PEFT wrappers and adapter states can change after patching
     blocks = [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
     norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
     head_weight = self.lm_head.weight.to(dtype)

@@ -34,7 +34,7 @@ from torch import nn
 
 from codagen import ops
 
-__all__ = ["unwrap_peft", "check_adapters", "qkv_low_rank", "gate_up_low_rank", "linear_low_rank", "Adapter"]
+__all__ = ["unwrap_peft", "prepare_adapters", "qkv_low_rank", "gate_up_low_rank", "linear_low_rank", "Adapter"]
 
 #: the projections LoRA may adapt: (submodule of the decoder layer, projection names)
 PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
@@ -68,12 +68,17 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
             raise _refuse(f"modules_to_save={config.modules_to_save!r} (adapter {name!r})")
         if getattr(config, "trainable_token_indices", None):
             raise _refuse(f"trainable_token_indices (adapter {name!r})")
+        if getattr(config, "use_dora", False):
+            raise _refuse(f"DoRA (use_dora=True, adapter {name!r})")
+        if getattr(config, "lora_bias", False):
+            raise _refuse(f"lora_bias (adapter {name!r})")
     return model.get_base_model()
 
 
-def check_adapters(model: nn.Module) -> None:
-    """Refuse PEFT modules the fused decoder would bypass: any PEFT module other than a LoRA layer
-    (and its own submodules) at one of the seven projections of a decoder layer."""
+def prepare_adapters(model: nn.Module) -> None:
+    """Before a forward reads any weight: refuse PEFT modules the fused decoder would bypass (any PEFT
+    module other than a LoRA layer, with its own submodules, at one of the seven projections of a decoder
+    layer) and LoRA layers it cannot compute; unmerge disabled merged layers, as PEFT's forward does."""
     slots = {id(getattr(getattr(layer, parent), name)) for layer in model.model.layers
              for parent, names in PROJECTIONS for name in names}
     inside = ()
@@ -84,9 +89,30 @@ def check_adapters(model: nn.Module) -> None:
             continue
         if id(module) in slots and is_lora_linear(module):
             inside = path + "."
+            _check_lora_layer(module, path)
+            if module.disable_adapters and module.merged:
+                module.unmerge()
             continue
         where = "at one of q/k/v/o/gate/up/down_proj" if id(module) in slots else "outside q/k/v/o/gate/up/down_proj"
         raise _refuse(f"the PEFT module {type(module).__name__} {where} ({path})")
+
+
+def _check_lora_layer(module: nn.Module, path: str) -> None:
+    """What a LoRA layer holds that the fused GEMMs cannot compute, whatever adapter is active."""
+    if type(module.base_layer) is not nn.Linear:
+        raise _refuse(f"LoRA on a {type(module.base_layer).__name__} base layer ({path}; only nn.Linear)")
+    if getattr(module, "fan_in_fan_out", False):
+        raise _refuse(f"fan_in_fan_out ({path})")
+    for name in module.lora_A:
+        if getattr(module, "use_dora", {}).get(name, False) or name in getattr(module, "lora_variant", {}):
+            raise _refuse(f"DoRA or another LoRA variant (adapter {name!r}, {path})")
+        if getattr(module, "lora_bias", {}).get(name, False) or getattr(module.lora_B[name], "bias", None) is not None:
+            raise _refuse(f"lora_bias (adapter {name!r}, {path})")
+        lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+        if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear:
+            raise _refuse(f"LoRA A/B modules of type {type(lora_a).__name__}/{type(lora_b).__name__} ({path})")
+        if not isinstance(module.lora_dropout[name], (nn.Dropout, nn.Identity)):
+            raise _refuse(f"a lora_dropout module of type {type(module.lora_dropout[name]).__name__} ({path})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,40 +125,22 @@ class Adapter:
 
 def adapter(module: nn.Module, path: str) -> Adapter | None:
     """The LoRA update ``module`` applies in this forward (None for a plain Linear, disabled or merged
-    adapters), read from the live PEFT state the way PEFT's own forward reads it."""
-    if not is_lora_linear(module):
+    adapters), read from the live PEFT state the way PEFT's own forward reads it; the layer passed
+    :func:`prepare_adapters` at the start of the forward."""
+    if not is_lora_linear(module) or module.disable_adapters or module.merged:  # merged: in the base weight
         return None
-    if module.disable_adapters:
-        if module.merged:  # PEFT's forward unmerges a disabled layer
-            module.unmerge()
-        return None
-    if module.merged:  # the merged adapters are in the base weight
-        return None
-    if type(module.base_layer) is not nn.Linear:
-        raise _refuse(f"LoRA on a {type(module.base_layer).__name__} base layer ({path}; only nn.Linear)")
     if module._forward_pre_hooks or module._forward_hooks:
         raise _refuse(f"forward hooks on a LoRA layer, e.g. mixed-batch adapter_names ({path})")
-    if getattr(module, "fan_in_fan_out", False):
-        raise _refuse(f"fan_in_fan_out ({path})")
     names = [name for name in module.active_adapters if name in module.lora_A]
     if not names:
         return None
     if len(names) > 1:
         raise _refuse(f"several active adapters on one layer {names} ({path})")
     name = names[0]
-    if getattr(module, "use_dora", {}).get(name, False) or name in getattr(module, "lora_variant", {}):
-        raise _refuse(f"DoRA or another LoRA variant (adapter {name!r}, {path})")
-    if getattr(module, "lora_bias", {}).get(name, False) or module.lora_B[name].bias is not None:
-        raise _refuse(f"lora_bias (adapter {name!r}, {path})")
     dropout = module.lora_dropout[name]
     if isinstance(dropout, nn.Dropout) and dropout.p > 0 and dropout.training:
         raise _refuse(f"lora_dropout={dropout.p} in training mode (adapter {name!r}, {path}); use lora_dropout=0")
-    if not isinstance(dropout, (nn.Dropout, nn.Identity)):
-        raise _refuse(f"a lora_dropout module of type {type(dropout).__name__} ({path})")
-    lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-    if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear:
-        raise _refuse(f"LoRA A/B modules of type {type(lora_a).__name__}/{type(lora_b).__name__} ({path})")
-    return Adapter(lora_a.weight, lora_b.weight, float(module.scaling[name]))
+    return Adapter(module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name]))
 
 
 def _adapters(parent: nn.Module, names: tuple[str, ...], where: str) -> list[Adapter | None]:
