@@ -3,6 +3,7 @@
   demo            train a small LLaMA with and without codagen (the main job)
   bench kernels   time every fused kernel against cuBLAS and its unfused peers (GPU)
   bench block     time one block forward+backward and a training step against peers (GPU)
+  bench lora      time a PEFT LoRA fine-tuning step against PEFT eager, torch.compile and Liger (GPU)
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-_BENCH_SUITES = ("kernels", "block")
+_BENCH_SUITES = ("kernels", "block", "lora")
 
 
 def main(argv: list[str] | None = None) -> int:

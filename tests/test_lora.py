@@ -219,3 +219,22 @@ def test_bf16_gpu_two_x_rule(family, monkeypatch):
     for key in exact:
         ours, theirs = rel_err(results["codagen_bf16"][key], exact[key]), rel_err(results["peft_bf16"][key], exact[key])
         assert ours <= 2 * theirs + 1e-6, f"{key}: codagen {ours:.2e} vs PEFT bf16 {theirs:.2e}"
+
+
+def test_lora_bench_smoke(tmp_path, capsys):
+    """``codagen bench lora --smoke``: the harness on CPU; codagen's losses follow eager's step by step."""
+    import json
+
+    from codagen.bench import lora as bench
+    assert bench.main(["--smoke", "--providers", "eager", "codagen", "liger", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-lora-step-smoke.json")
+    records = {r["provider"]: r for r in json.loads(path.read_text())["records"]}
+    assert set(records) == {"eager", "codagen", "liger"}
+    for name in ("eager", "codagen"):
+        r = records[name]
+        assert r["median_ms"] > 0 and r["tokens_per_s"] > 0 and len(r["step_ms"]) == 3, r.get("traceback")
+        assert r["trainable_params"] == records["eager"]["trainable_params"] > 0
+    assert max(records["codagen"]["loss_rel_diff_vs_eager"]) < 1e-5
+    assert records["codagen"]["losses"][0] != records["codagen"]["losses"][-1]  # the optimizer steps
+    assert (records["liger"]["median_ms"] is None) == ("error" in records["liger"])  # Liger may be absent
+    assert "| smoke |" in capsys.readouterr().out
