@@ -188,3 +188,27 @@ def test_bad_low_rank_arguments_are_refused():
     with pytest.raises(ValueError, match=r"down_low_rank.a: expected shape \[r, in features\] = \('\*', 40\)"):
         ops.swiglu_mlp_residual_rms(x, normed, rstd, gamma, leaf(2 * FFN, D), leaf(D, FFN), gamma, EPS,
                                     down_low_rank=LowRank(a, b, s))
+
+
+def test_compiled_lora_ops_fullgraph_match_eager():
+    """The LoRA paths of the MLP op (its low-rank operands, the frozen weights' skipped gradients) compile with
+    torch.compile(fullgraph=True) and give the eager gradients."""
+    x, gamma = leaf(M, D).float(), leaf(D).float()
+    w_gu, w_d = leaf(2 * FFN, D, scale=0.2, grad=False).float(), leaf(D, FFN, scale=0.2, grad=False).float()
+    factors = [t.float().detach().requires_grad_() for t in (*lora_pair(2 * FFN, D)[:2], *lora_pair(D, FFN)[:2])]
+    probe = torch.randn(M, D)
+
+    def step(x, a_gu, b_gu, a_d, b_d):
+        normed, rstd = ops.rms_norm_stats(x, gamma, EPS)
+        out, _, _ = ops.swiglu_mlp_residual_rms(x, normed, rstd, gamma, w_gu, w_d, gamma, EPS,
+                                                gate_up_low_rank=LowRank(a_gu, b_gu, 0.5),
+                                                down_low_rank=LowRank(a_d, b_d, 2.0))
+        return (out * probe).sum()
+
+    leaves = (x.detach().requires_grad_(), *factors)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)  # raises on any graph break
+    want = torch.autograd.grad(step(*leaves), leaves)
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    for name, g, w in zip(("x", "a_gu", "b_gu", "a_d", "b_d"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda msg: f"{name}: {msg}")
