@@ -27,8 +27,15 @@ def lora_config(targets=ALL, **overrides) -> "peft.LoraConfig":
                               **overrides})
 
 
-def wrap(model, config=None, adapter_name="default"):
-    return peft.get_peft_model(model, config or lora_config(), adapter_name=adapter_name)
+def wrap(model, config=None, adapter_name="default", boost=4.0):
+    """``get_peft_model`` with ``lora_B`` scaled by ``boost``: updates large enough that dropping one would
+    move the loss well past the tolerance."""
+    model = peft.get_peft_model(model, config or lora_config(), adapter_name=adapter_name)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(boost)
+    return model
 
 
 def loss_and_grads(model, inputs, backend="reference"):
@@ -40,14 +47,16 @@ def loss_and_grads(model, inputs, backend="reference"):
 
 
 def assert_matches(patched, reference, inputs, backend="reference", rtol=1e-4, atol=1e-6):
-    """The patched model's loss and LoRA gradients equal the unpatched PEFT model's; frozen weights get none."""
+    """The patched model's loss and LoRA gradients equal the unpatched PEFT model's (each gradient within
+    ``rtol`` in norm); frozen weights get none."""
     want_loss, want = loss_and_grads(reference, inputs)
     got_loss, got = loss_and_grads(patched, inputs, backend)
     torch.testing.assert_close(got_loss, want_loss, rtol=rtol, atol=atol)
     assert set(got) == set(want) and any("lora_A" in n for n in got)
     for name, g in got.items():
         assert g is not None, f"{name} got no gradient"
-        torch.testing.assert_close(g, want[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        error = ((g - want[name]).norm() / want[name].norm()).item()
+        assert error <= rtol, f"{name}: relative error {error:.2e}"
     for name, p in patched.named_parameters():
         if not p.requires_grad:
             assert p.grad is None, f"frozen {name} got a gradient"
@@ -88,7 +97,7 @@ def test_patch_the_inner_model():
 
 def test_rslora_and_per_module_rank_and_alpha():
     config = lora_config(use_rslora=True, rank_pattern={"q_proj": 2, "down_proj": 6}, alpha_pattern={"v_proj": 3})
-    model = wrap(build("llama"), config)
+    model = wrap(build("llama"), config, boost=1.0)  # rsLoRA's scaling (8 / sqrt(2) on q_proj) is large already
     layer = model.get_base_model().model.layers[0]
     assert layer.self_attn.q_proj.scaling["default"] == pytest.approx(8 / 2 ** 0.5)
     reference = copy.deepcopy(model)
@@ -101,7 +110,7 @@ def test_triton_interpreter():
     model = wrap(build("llama", num_hidden_layers=1))
     reference = copy.deepcopy(model)
     patch(model)
-    assert_matches(model, reference, lm_inputs(batch=1, seq=8), backend="triton", rtol=1e-4, atol=1e-5)
+    assert_matches(model, reference, lm_inputs(batch=1, seq=8), backend="triton")
 
 
 def test_adapter_changes_after_patching_are_honoured():

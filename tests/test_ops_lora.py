@@ -110,7 +110,8 @@ def test_rms_gate_up_swiglu():
 
 @pytest.mark.parametrize("adapted", ["both", "gate_up", "down"])
 def test_swiglu_mlp_residual_rms(adapted):
-    x, gamma, w_gu, w_d, next_gamma = leaf(M, D), leaf(D), leaf(2 * FFN, D, scale=0.2), leaf(D, FFN, scale=0.2), leaf(D)
+    x, gamma, next_gamma = leaf(M, D), leaf(D), leaf(D)
+    w_gu, w_d = leaf(2 * FFN, D, scale=0.2), leaf(D, FFN, scale=0.2)
     a_gu, b_gu, s_gu = gu = lora_pair(2 * FFN, D, scale=0.5)
     a_d, b_d, s_d = dn = lora_pair(D, FFN, scale=1.5)
     normed, rstd = stats(x, gamma)
@@ -212,3 +213,35 @@ def test_compiled_lora_ops_fullgraph_match_eager():
     got = torch.autograd.grad(compiled(*leaves), leaves)
     for name, g, w in zip(("x", "a_gu", "b_gu", "a_d", "b_d"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda msg: f"{name}: {msg}")
+
+
+@pytest.mark.parametrize("op", ["qkv", "gate_up", "out_proj"])
+def test_frozen_inputs_skip_the_input_gradient_gemm(monkeypatch, op):
+    """When neither the input nor the norm weight (nor the base weight) needs a gradient -- the first block
+    of a LoRA model with frozen embeddings -- no GEMM over W runs in backward; the LoRA gradients still
+    equal PyTorch's."""
+    from codagen.ops import block
+    names = spy(monkeypatch, block)
+    x, gamma = leaf(M, D, grad=False), leaf(D, grad=False)
+    normed, rstd = stats(x, gamma)
+    if op == "qkv":
+        w = leaf(QKV, D, scale=0.2, grad=False)
+        a, b, s = pair = lora_pair(QKV, D)
+        positions, freqs = torch.arange(M).double(), ops.rope_frequencies(HEADS, KV_HEADS, HD).double()
+        out = ops.rms_qkv_rope(x, normed, rstd, gamma, w, positions, freqs, low_rank=LowRank(a, b, s))
+        want = rotate_pairs(rms(x, gamma) @ effective(w, pair).t(), positions[:, None] * freqs[None, :])
+    elif op == "gate_up":
+        w = leaf(2 * FFN, D, scale=0.2, grad=False)
+        a, b, s = pair = lora_pair(2 * FFN, D)
+        out = ops.rms_gate_up_swiglu(x, normed, rstd, gamma, w, low_rank=LowRank(a, b, s))
+        want = swiglu(rms(x, gamma) @ effective(w, pair).t())
+    else:
+        w = leaf(D, D, scale=0.2, grad=False)
+        a, b, s = pair = lora_pair(D, D)
+        residual = leaf(M, D, grad=False)
+        out = ops.out_proj_residual_rms(x, w, residual, gamma, EPS, low_rank=LowRank(a, b, s))[0]
+        want = x @ effective(w, pair).t() + residual
+    probe = torch.randn_like(want)
+    names.clear()
+    check_grads((out * probe).sum(), (want * probe).sum(), (a, b), ("a", "b"))
+    assert not {"rms_norm_backward", "input_grad", "weight_grad"} & set(names), names

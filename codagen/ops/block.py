@@ -46,7 +46,8 @@ def _fake_grad(t: Tensor | None, wanted: bool, like: Tensor) -> Tensor:
     return torch.empty_like(t) if wanted and t is not None else like.new_empty(0)
 
 
-def _run(program, a: Tensor, b: Tensor, a2: Tensor | None, b2: Tensor | None, **tensors: Tensor) -> dict[str, Tensor]:
+def _run(program, a: Tensor, b: Tensor, a2: Tensor | None, b2: Tensor | None,
+         **tensors: Tensor) -> dict[str, Tensor]:
     """``execute(program, ...)``, with the GEMM's low-rank operand pair ``(a2, b2)`` when ``a2`` is given."""
     if a2 is None:
         return execute(program, a, b, **tensors)
@@ -61,7 +62,8 @@ def _low_rank_operand(inp: Tensor, lora_a: Tensor | None, scale: float) -> Tenso
     return u if scale == 1.0 else u.mul_(scale)
 
 
-def _low_rank_grads(grad: Tensor, inp: Tensor, u: Tensor, grad_b_u: Tensor, row_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _low_rank_grads(grad: Tensor, inp: Tensor, u: Tensor, grad_b_u: Tensor,
+                    row_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(grad_a, grad_b)`` of ``out = row_scale * (... + u @ b^T)`` with ``u = scale * inp' @ a^T``:
     ``grad_b = grad^T @ (row_scale * u)`` and ``grad_a = grad_b_u^T @ inp``, where ``grad_b_u = scale *
     grad @ b`` (the backward GEMM's A2 operand) and ``inp = row_scale * inp'`` (a consumer GEMM's
@@ -85,7 +87,7 @@ def _lora_args(low_rank: LowRank | None) -> tuple[Tensor | None, Tensor | None, 
 
 def consumer_rms_norm_backward(grad_z: Tensor, weight: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
                                mean_z_dz: Tensor, grad_residual: Tensor | None = None, *, weight_grad: bool = True,
-                               lora_a: Tensor | None = None, lora_b: Tensor | None = None,
+                               input_grad: bool = True, lora_a: Tensor | None = None, lora_b: Tensor | None = None,
                                lora_u: Tensor | None = None, lora_scale: float = 1.0):
     """B2/B6 + B3/B7: the RMSNorm backward of a consumer GEMM ``z = rstd * ((x * gamma) @ W^T)``.
 
@@ -98,8 +100,19 @@ def consumer_rms_norm_backward(grad_z: Tensor, weight: Tensor, x: Tensor, rstd: 
     by the forward) the effective weight is ``W + scale * b @ a``: the GEMM carries the pair
     ``(scale * grad_z @ b, a)``, so ``G`` and everything in the epilogue include the update, and
     ``grad_a``, ``grad_b`` come from ``n`` and ``rstd * u`` (:func:`_low_rank_grads`).
+
+    Without ``input_grad`` (neither ``x`` nor the norm weight needs a gradient: the first block of a model
+    with frozen embeddings and norms) and without ``weight_grad`` no GEMM over ``W`` runs: the low-rank
+    gradients need only ``grad_a = ((g_b * rstd)^T @ x) * gamma``, which equals ``g_b^T @ n``.
     Returns ``(grad_x, grad_norm_weight, grad_weight, grad_lora_a, grad_lora_b)``, None where not computed.
     """
+    if not (input_grad or weight_grad):
+        if lora_a is None:
+            return None, None, None, None, None
+        grad_b_u = _low_rank_grad_operand(grad_z, lora_b, lora_scale)
+        grad_lora_a = ((grad_b_u * rstd[:, None]).to(x.dtype).t() @ x) * norm_weight.to(x.dtype)
+        grad_lora_b = _low_rank_grads(grad_z, x, lora_u, grad_b_u, rstd)[1]
+        return None, None, None, grad_lora_a, grad_lora_b
     tensors = dict(residual=x, rstd=rstd, norm_weight=norm_weight, mean_z_dz=mean_z_dz)
     if grad_residual is None:
         program = library.rms_norm_backward("none")
@@ -160,35 +173,37 @@ def _(inp, weight, residual, norm_weight, eps, lora_u, lora_b):
 
 
 @torch.library.custom_op("codagen::linear_backward", mutates_args=())
-def _linear_backward_op(grad_out: Tensor, inp: Tensor, weight: Tensor, weight_grad: bool, lora_a: Tensor | None,
-                        lora_b: Tensor | None, lora_u: Tensor | None,
+def _linear_backward_op(grad_out: Tensor, inp: Tensor, weight: Tensor, weight_grad: bool, input_grad: bool,
+                        lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
                         lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """B8 + B9: ``grad_inp = grad_out @ W_eff``, ``grad_W = grad_out^T @ inp`` (with ``weight_grad``) and
-    the low-rank update's ``(grad_a, grad_b)`` (empty tensors where not computed)."""
+    """B8 + B9: ``grad_inp = grad_out @ W_eff`` (with ``input_grad``), ``grad_W = grad_out^T @ inp`` (with
+    ``weight_grad``) and the low-rank update's ``(grad_a, grad_b)`` (empty tensors where not computed)."""
     grad_b_u = _low_rank_grad_operand(grad_out, lora_b, lora_scale)
-    grad_inp = _run(library.input_grad(), grad_out, weight, grad_b_u, lora_a)["grad_input"]
+    grad_inp = _run(library.input_grad(), grad_out, weight, grad_b_u, lora_a)["grad_input"] if input_grad else None
     grad_weight = execute(library.weight_grad(), grad_out, inp)["grad_weight"] if weight_grad else None
     grad_lora_a = grad_lora_b = None
     if lora_a is not None:
         grad_lora_a, grad_lora_b = _low_rank_grads(grad_out, inp, lora_u, grad_b_u)
-    return grad_inp, _or_empty(grad_weight, inp), _or_empty(grad_lora_a, inp), _or_empty(grad_lora_b, inp)
+    return (_or_empty(grad_inp, inp), _or_empty(grad_weight, inp), _or_empty(grad_lora_a, inp),
+            _or_empty(grad_lora_b, inp))
 
 
 @_linear_backward_op.register_fake
-def _(grad_out, inp, weight, weight_grad, lora_a, lora_b, lora_u, lora_scale):
-    return (torch.empty_like(inp), _fake_grad(weight, weight_grad, inp), _fake_grad(lora_a, True, inp),
+def _(grad_out, inp, weight, weight_grad, input_grad, lora_a, lora_b, lora_u, lora_scale):
+    return (_fake_grad(inp, input_grad, inp), _fake_grad(weight, weight_grad, inp), _fake_grad(lora_a, True, inp),
             _fake_grad(lora_b, True, inp))
 
 
 def _linear_backward(ctx, grad: Tensor, inp: Tensor, weight: Tensor, weight_index: int, lora: tuple):
-    """``_linear_backward_op`` with the frozen weight's gradient skipped (``ctx.needs_input_grad``); returns
-    ``(grad_inp, grad_weight, grad_lora_a, grad_lora_b)`` with None for what is not computed."""
+    """``_linear_backward_op`` with the gradients nobody needs skipped (``ctx.needs_input_grad``: a frozen
+    weight's, or the input's when it comes from frozen layers); returns ``(grad_inp, grad_weight,
+    grad_lora_a, grad_lora_b)`` with None for what is not computed."""
     lora_a, lora_b, lora_u, lora_scale = lora
-    weight_grad = ctx.needs_input_grad[weight_index]
+    weight_grad, input_grad = ctx.needs_input_grad[weight_index], ctx.needs_input_grad[0]
     grad_inp, grad_weight, grad_lora_a, grad_lora_b = _linear_backward_op(
-        grad, inp, weight, weight_grad, lora_a, lora_b, lora_u, lora_scale)
+        grad, inp, weight, weight_grad, input_grad, lora_a, lora_b, lora_u, lora_scale)
     present = lora_a is not None
-    return (grad_inp, grad_weight if weight_grad else None, grad_lora_a if present else None,
+    return (grad_inp if input_grad else None, grad_weight if weight_grad else None, grad_lora_a if present else None,
             grad_lora_b if present else None)
 
 
@@ -260,39 +275,45 @@ def _(normed, rstd, qkv_weight, positions, frequencies, lora_u, lora_b):
 def _consumer_backward_outputs(x: Tensor, out: tuple, *extra: Tensor) -> tuple[Tensor, ...]:
     """A consumer backward's ``(grad_x, grad_norm_weight, grad_weight, grad_lora_a, grad_lora_b, *extra)``
     with empty tensors for the gradients not computed (custom ops return tensors only)."""
-    grad_x, grad_norm_weight, *optional = out
-    return (grad_x, grad_norm_weight, *(_or_empty(t, x) for t in optional), *extra)
+    return (*(_or_empty(t, x) for t in out), *extra)
 
 
-def _fake_consumer_grads(x, norm_weight, weight, weight_grad, lora_a, lora_b) -> tuple[Tensor, ...]:
-    return (torch.empty_like(x), torch.empty_like(norm_weight), _fake_grad(weight, weight_grad, x),
+def _fake_consumer_grads(x, norm_weight, weight, weight_grad, input_grad, lora_a, lora_b) -> tuple[Tensor, ...]:
+    return (_fake_grad(x, input_grad, x), _fake_grad(norm_weight, input_grad, x), _fake_grad(weight, weight_grad, x),
             _fake_grad(lora_a, True, x), _fake_grad(lora_b, True, x))
+
+
+def _input_grad(ctx) -> bool:
+    """Whether a consumer op's backward needs its GEMM over ``W`` for ``x`` (input 0) or the norm weight (3)."""
+    return ctx.needs_input_grad[0] or ctx.needs_input_grad[3]
 
 
 @torch.library.custom_op("codagen::rms_qkv_rope_backward", mutates_args=())
 def _rms_qkv_rope_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor | None, qkv: Tensor, x: Tensor,
                               rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor, positions: Tensor,
-                              frequencies: Tensor, weight_grad: bool, lora_a: Tensor | None, lora_b: Tensor | None,
+                              frequencies: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
+                              lora_b: Tensor | None,
                               lora_u: Tensor | None,
                               lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grad_z, mean_z_dz = kernels.rope_backward(grad_blocks, qkv, positions, frequencies, x.shape[1])  # B1
     return _consumer_backward_outputs(x, consumer_rms_norm_backward(  # B2, B3
-        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual, weight_grad=weight_grad, lora_a=lora_a,
-        lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
+        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual, weight_grad=weight_grad,
+        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
 
 
 @_rms_qkv_rope_backward_op.register_fake
-def _(grad_blocks, grad_residual, qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, weight_grad, lora_a,
-      lora_b, lora_u, lora_scale):
-    return _fake_consumer_grads(x, norm_weight, qkv_weight, weight_grad, lora_a, lora_b)
+def _(grad_blocks, grad_residual, qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, weight_grad,
+      input_grad, lora_a, lora_b, lora_u, lora_scale):
+    return _fake_consumer_grads(x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b)
 
 
 def _consumer_grads(ctx, grads: tuple[Tensor, ...], weight_index: int, lora_a: Tensor | None) -> tuple:
     """``(grad_x, grad_norm_weight, grad_weight, grad_lora_a, grad_lora_b, *rest)`` of a consumer backward
     op, with None for the ones it did not compute (frozen weight, no adapter)."""
     grad_x, grad_norm_weight, grad_weight, grad_lora_a, grad_lora_b, *rest = grads
-    present = lora_a is not None
-    return (grad_x, grad_norm_weight, grad_weight if ctx.needs_input_grad[weight_index] else None,
+    present, input_grad = lora_a is not None, _input_grad(ctx)
+    return (grad_x if input_grad else None, grad_norm_weight if input_grad else None,
+            grad_weight if ctx.needs_input_grad[weight_index] else None,
             grad_lora_a if present else None, grad_lora_b if present else None, *rest)
 
 
@@ -335,8 +356,8 @@ class _RmsQkvRope(torch.autograd.Function):
             return (grad_residual,) + (None,) * 10
         grad_x, grad_norm_weight, grad_qkv_weight, grad_lora_a, grad_lora_b = _consumer_grads(
             ctx, _rms_qkv_rope_backward_op(grad_blocks, _contiguous(grad_residual), qkv, x, rstd, norm_weight,
-                                           qkv_weight, positions, frequencies, ctx.needs_input_grad[4], lora_a,
-                                           lora_b, lora_u, ctx.lora_scale), 4, lora_a)
+                                           qkv_weight, positions, frequencies, ctx.needs_input_grad[4],
+                                           _input_grad(ctx), lora_a, lora_b, lora_u, ctx.lora_scale), 4, lora_a)
         return (grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None, None, grad_lora_a, grad_lora_b,
                 None)
 
@@ -377,7 +398,8 @@ def _rms_qkv_rope_qk_norm_backward_op(grad_blocks: list[Tensor], grad_residual: 
                                       x: Tensor, rstd: Tensor, norm_weight: Tensor,
                                       qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
                                       q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
-                                      eps: float, weight_grad: bool, lora_a: Tensor | None, lora_b: Tensor | None,
+                                      eps: float, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
+                                      lora_b: Tensor | None,
                                       lora_u: Tensor | None, lora_scale: float) -> tuple[Tensor, Tensor, Tensor,
                                                                                          Tensor, Tensor, Tensor,
                                                                                          Tensor]:
@@ -385,15 +407,16 @@ def _rms_qkv_rope_qk_norm_backward_op(grad_blocks: list[Tensor], grad_residual: 
     grad_z, mean_z_dz, grad_q_norm_weight, grad_k_norm_weight = kernels.rope_qk_norm_backward(
         grad_blocks, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, x.shape[1])
     return _consumer_backward_outputs(x, consumer_rms_norm_backward(  # B2, B3
-        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual, weight_grad=weight_grad, lora_a=lora_a,
-        lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale),
+        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual, weight_grad=weight_grad,
+        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale),
         grad_q_norm_weight.to(q_norm_weight.dtype), grad_k_norm_weight.to(k_norm_weight.dtype))
 
 
 @_rms_qkv_rope_qk_norm_backward_op.register_fake
 def _(grad_blocks, grad_residual, preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
-      k_norm_weight, num_heads, eps, weight_grad, lora_a, lora_b, lora_u, lora_scale):
-    return (*_fake_consumer_grads(x, norm_weight, qkv_weight, weight_grad, lora_a, lora_b),
+      k_norm_weight, num_heads, eps, weight_grad, input_grad, lora_a, lora_b, lora_u,
+      lora_scale):
+    return (*_fake_consumer_grads(x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b),
             torch.empty_like(q_norm_weight), torch.empty_like(k_norm_weight))
 
 
@@ -420,7 +443,7 @@ class _RmsQkvRopeQkNorm(torch.autograd.Function):
         grad_x, grad_norm_weight, grad_qkv_weight, grad_lora_a, grad_lora_b, grad_q_norm_weight, grad_k_norm_weight = \
             _consumer_grads(ctx, _rms_qkv_rope_qk_norm_backward_op(
                 grad_blocks, _contiguous(grad_residual), *saved, ctx.num_heads, ctx.eps, ctx.needs_input_grad[4],
-                lora_a, lora_b, lora_u, ctx.lora_scale), 4, lora_a)
+                _input_grad(ctx), lora_a, lora_b, lora_u, ctx.lora_scale), 4, lora_a)
         return (grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None, grad_q_norm_weight,
                 grad_k_norm_weight, None, None, None, grad_lora_a, grad_lora_b, None)
 
@@ -538,18 +561,19 @@ def _(normed, rstd, gate_up_weight, lora_u, lora_b):
 
 @torch.library.custom_op("codagen::rms_gate_up_swiglu_backward", mutates_args=())
 def _rms_gate_up_swiglu_backward_op(grad_act: Tensor, preact: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
-                                    gate_up_weight: Tensor, weight_grad: bool, lora_a: Tensor | None,
+                                    gate_up_weight: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
                                     lora_b: Tensor | None, lora_u: Tensor | None,
                                     lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grad_preact, mean_z_dz = kernels.swiglu_backward(grad_act, preact, x.shape[1])
     return _consumer_backward_outputs(x, consumer_rms_norm_backward(
-        grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz, weight_grad=weight_grad, lora_a=lora_a,
-        lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
+        grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz, weight_grad=weight_grad, input_grad=input_grad,
+        lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
 
 
 @_rms_gate_up_swiglu_backward_op.register_fake
-def _(grad_act, preact, x, rstd, norm_weight, gate_up_weight, weight_grad, lora_a, lora_b, lora_u, lora_scale):
-    return _fake_consumer_grads(x, norm_weight, gate_up_weight, weight_grad, lora_a, lora_b)
+def _(grad_act, preact, x, rstd, norm_weight, gate_up_weight, weight_grad, input_grad, lora_a, lora_b, lora_u,
+      lora_scale):
+    return _fake_consumer_grads(x, norm_weight, gate_up_weight, weight_grad, input_grad, lora_a, lora_b)
 
 
 class _RmsGateUpSwiglu(torch.autograd.Function):
@@ -569,7 +593,7 @@ class _RmsGateUpSwiglu(torch.autograd.Function):
         saved = ctx.saved_tensors
         grad_x, grad_norm_weight, grad_gate_up_weight, grad_lora_a, grad_lora_b = _consumer_grads(
             ctx, _rms_gate_up_swiglu_backward_op(grad_act.contiguous(), *saved[:5], ctx.needs_input_grad[4],
-                                                 *saved[5:], ctx.lora_scale), 4, saved[5])
+                                                 _input_grad(ctx), *saved[5:], ctx.lora_scale), 4, saved[5])
         return grad_x, None, None, grad_norm_weight, grad_gate_up_weight, grad_lora_a, grad_lora_b, None
 
 
@@ -636,19 +660,20 @@ def _(grad_x_out, preact, down_weight, weight_grad, lora_a, lora_b, lora_u, lora
 @torch.library.custom_op("codagen::gate_up_rms_norm_backward", mutates_args=())
 def _gate_up_rms_norm_backward_op(grad_preact: Tensor, grad_residual: Tensor, x: Tensor, rstd: Tensor,
                                   norm_weight: Tensor, gate_up_weight: Tensor, mean_z_dz: Tensor, weight_grad: bool,
-                                  lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
+                                  input_grad: bool, lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
                                   lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """B6 + B7: ``grad_x = grad_residual + norm_grad`` in one store, ``grad_norm_weight``, ``grad_gate_up_weight``
     and the low-rank update's gradients."""
     return _consumer_backward_outputs(x, consumer_rms_norm_backward(
         grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz, grad_residual=grad_residual,
-        weight_grad=weight_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
+        weight_grad=weight_grad, input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u,
+        lora_scale=lora_scale))
 
 
 @_gate_up_rms_norm_backward_op.register_fake
-def _(grad_preact, grad_residual, x, rstd, norm_weight, gate_up_weight, mean_z_dz, weight_grad, lora_a, lora_b, lora_u,
-      lora_scale):
-    return _fake_consumer_grads(x, norm_weight, gate_up_weight, weight_grad, lora_a, lora_b)
+def _(grad_preact, grad_residual, x, rstd, norm_weight, gate_up_weight, mean_z_dz, weight_grad, input_grad, lora_a,
+      lora_b, lora_u, lora_scale):
+    return _fake_consumer_grads(x, norm_weight, gate_up_weight, weight_grad, input_grad, lora_a, lora_b)
 
 
 class _MlpGateUp(torch.autograd.Function):
@@ -676,7 +701,8 @@ class _MlpGateUp(torch.autograd.Function):
         grad_x, grad_norm_weight, grad_gate_up_weight, grad_lora_a, grad_lora_b = _consumer_grads(
             ctx, _gate_up_rms_norm_backward_op(grad_preact.contiguous(), grad_residual.contiguous(), x, rstd,
                                                norm_weight, gate_up_weight, mean_z_dz.contiguous(),
-                                               ctx.needs_input_grad[4], lora_a, lora_b, lora_u, ctx.lora_scale),
+                                               ctx.needs_input_grad[4], _input_grad(ctx), lora_a, lora_b, lora_u,
+                                               ctx.lora_scale),
             4, lora_a)
         return grad_x, None, None, grad_norm_weight, grad_gate_up_weight, grad_lora_a, grad_lora_b, None
 
