@@ -236,7 +236,7 @@ def test_lora_bench_smoke(tmp_path, capsys):
 
     from codagen.bench import lora as bench
     assert bench.main(["--smoke", "--providers", "eager", "codagen", "liger", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("*-lora-step-smoke.json")
+    (path,) = tmp_path.glob("*-lora-step-smoke-eager-codagen-liger.json")
     records = {r["provider"]: r for r in json.loads(path.read_text())["records"]}
     assert set(records) == {"eager", "codagen", "liger"}
     for name in ("eager", "codagen"):

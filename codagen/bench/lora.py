@@ -16,8 +16,8 @@ Per provider and shape: the model is built, ``--warmup`` steps run (torch.compil
 them), then ``--steps`` steps are timed one by one with CUDA events; the record holds the median step
 time, tokens/s, the peak of ``torch.cuda.max_memory_allocated`` over the steps (the model included) and
 the losses of the first and last step, compared with eager's. Records go to
-``bench/results/<date>-lora-step-<shapes>.json`` with a chart beside it. ``--smoke`` runs a tiny model
-on CPU (fp32, wall-clock) to check the harness.
+``bench/results/<date>-lora-step-<shapes>[-<providers>].json`` with a chart beside it. ``--smoke`` runs a
+tiny model on CPU (fp32, wall-clock) to check the harness.
 """
 from __future__ import annotations
 
@@ -125,9 +125,6 @@ def run_provider(shape: LoraShape, vocab: int, batch: int, seq: int, provider: s
     record["losses"] = [float(x) for x in losses]
     if cuda:
         record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    del model, step_model, optimizer, params
-    if cuda:
-        torch.cuda.empty_cache()
     return record
 
 
@@ -226,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     providers = [p for p in PROVIDERS if p in args.providers]  # liger last
     print(f"LoRA step benchmark on {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}, {dtype}, "
           f"M = {batch} x {seq} tokens, r {args.rank}, alpha {args.alpha}; providers {providers}", flush=True)
-    suite = "lora-step-" + "-".join(shapes)
+    # the file names the shapes, and the providers when not all ran (separate runs keep separate files)
+    suite = "lora-step-" + "-".join(shapes) + ("" if set(providers) == set(PROVIDERS) else "-" + "-".join(providers))
     records = []
     for provider in providers:  # provider-major: Liger's global patches come last
         for name, shape in shapes.items():
@@ -243,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
                 record = dict(base, provider=provider, median_ms=None, error=f"{type(error).__name__}: {error}"[:500],
                               traceback=traceback.format_exc()[-1500:])
                 print(f"  {name:<10} {provider:<8} failed: {record['error'][:200]}", flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+            if provider == "compile":
+                torch._dynamo.reset()  # its caches hold the compiled model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the provider's model is gone: the next one starts from an empty GPU
             records.append(record)
             check_losses(records)
             write_results(suite, records, args.out)  # after every run: a run cut short keeps what it measured
