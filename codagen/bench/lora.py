@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name:<10} {provider:<8} failed: {record['error'][:200]}", flush=True)
             if provider == "compile":
                 torch._dynamo.reset()  # its caches hold the compiled model
+            gc.collect()  # a patched model's bound forward is a reference cycle
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the provider's model is gone: the next one starts from an empty GPU
             records.append(record)
