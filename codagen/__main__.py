@@ -15,6 +15,7 @@ BENCH_SUITES = {
     "block": ("codagen.bench.block", "time one block forward+backward and a training step against peers (GPU)"),
     "checkpoint": ("codagen.bench.checkpoint",
                    "peak memory and step time of a checkpointed HF Llama, patched and unpatched (GPU)"),
+    "lora": ("codagen.bench.lora", "a LoRA fine-tuning step against PEFT eager, torch.compile and Liger (GPU)"),
     "generate": ("codagen.bench.generate",
                  "prefill and decode with a KV cache against transformers eager and compiled (GPU)"),
 }

@@ -495,16 +495,17 @@ def test_reserved_names_cover_the_generated_kernels():
     refused with a clear error."""
     import ast
 
-    from codagen.backends.triton import codegen, pingpong, pingpong_codegen
+    from codagen.backends.triton import codegen, pingpong_codegen
     from codagen.epilogue.ir import _GENERATED_NAME, RESERVED_NAMES, RowVector
     fixed_helpers = {"tile_coords", "column_halves", "cast_for_store", "merge_logsumexp", "stamp"}  # own scopes
     programs = [f() for f in library.PROGRAMS.values()] + [
         library.rms_norm_backward("accumulate"), library.rms_norm_backward("none"),
-        library.rms_qkv_rope(qk_norm_head_dim=64), library.weight_grad(True, "float32")]
+        library.rms_qkv_rope(qk_norm_head_dim=64), library.weight_grad(True, "float32"),
+        library.rms_gate_up_swiglu().with_low_rank(), library.weight_grad().with_low_rank()]
     for program in programs:
-        own = set(program.inputs) | {o.name for o in program.outputs} | {program.name, "a", "b"}  # a, b: the operands
+        own = set(program.inputs) | {o.name for o in program.outputs} | {program.name, "a", "b", "a2", "b2"}  # the operands
         sources = [codegen.generate(program)]
-        if pingpong.supports(program) is None:
+        if pingpong_codegen.refusal(program) is None:
             sources += [pingpong_codegen.generate(program), pingpong_codegen.generate(program, timeline=True)]
         for source in sources:
             tree = ast.parse(source)

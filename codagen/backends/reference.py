@@ -128,7 +128,13 @@ class ReferenceBackend:
         cd = bound.compute_dtype
         a = bound.a if bound.program.gemm.a_layout == "mk" else bound.a.t()
         b = bound.b.t() if bound.program.gemm.b_layout == "nk" else bound.b
-        return evaluate_epilogue(bound.program, a.to(cd) @ b.to(cd), bound.tensors)
+        acc = a.to(cd) @ b.to(cd)
+        if bound.program.gemm.low_rank:
+            a2, b2 = bound.tensors["a2"], bound.tensors["b2"]
+            a2 = a2 if bound.program.gemm.a_layout == "mk" else a2.t()
+            b2 = b2.t() if bound.program.gemm.b_layout == "nk" else b2
+            acc = acc + a2.to(cd) @ b2.to(cd)
+        return evaluate_epilogue(bound.program, acc, bound.tensors)
 
     @staticmethod
     def _row_partial(value: torch.Tensor, reduction: str, tile_cols: int) -> torch.Tensor:

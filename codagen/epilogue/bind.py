@@ -2,7 +2,8 @@
 
 Backends call :func:`bind` first and may then assume: A and B are 2-D, contiguous, of one float
 dtype and on one device; every named input exists with the right shape, dtype class and device;
-accumulated outputs are given; N is even when the program uses column pairs; the columns of every
+accumulated outputs are given; for a low-rank GEMM, ``a2`` and ``b2`` (in ``tensors``) are contiguous
+2-D matrices of A's dtype and device with one inner size R >= 1; N is even when the program uses column pairs; the columns of every
 ``SegmentSum`` value split into whole groups (``N * w`` a multiple of its ``size``).
 """
 from __future__ import annotations
@@ -47,6 +48,11 @@ class BoundProgram:
     n: int
     k: int
     tensors: dict[str, torch.Tensor]
+
+    @property
+    def r(self) -> int:
+        """Inner size of the low-rank operand pair (0 without one)."""
+        return self.tensors["b2"].shape[1 if self.program.gemm.b_layout == "nk" else 0] if self.program.gemm.low_rank else 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -139,7 +145,8 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, 
                            f"b{list(b_shape)} = {tuple(b.shape)} give K = {k} and {k_b}")
 
     inputs = program.inputs
-    wanted = set(inputs) | set(program.accumulated_outputs())
+    low_rank = ("a2", "b2") if gemm.low_rank else ()
+    wanted = set(inputs) | set(program.accumulated_outputs()) | set(low_rank)
     unexpected = sorted(set(tensors) - wanted)
     if unexpected:
         raise ProgramError(f"{program.name}: unexpected tensor(s) {unexpected}; it takes {sorted(wanted)}")
@@ -155,7 +162,11 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, 
             raise ProgramError(f"{program.name}: segment_sum(size={segment.size}) needs whole groups of {segment.size} "
                                f"columns, got {columns} columns (N = {n}, width {segment.width!r})")
 
+    if low_rank:
+        _check_low_rank(program, tensors["a2"], tensors["b2"], a, m, n)
     for name, t in tensors.items():
+        if name in low_rank:
+            continue
         _tensor(name, t, "program input")
         if t.device != a.device:
             raise ProgramError(f"{name}: expected device {a.device} (that of a), got {t.device}")
@@ -186,3 +197,24 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, 
         if t.dim() > 0:
             _check_contiguous(name, t)
     return BoundProgram(program, a, b, m, n, k, dict(tensors))
+
+
+def _check_low_rank(program: Program, a2, b2, a: torch.Tensor, m: int, n: int) -> None:
+    """The low-rank pair: A2 [M, R] ("mk") or [R, M] ("km"), B2 [N, R] ("nk") or [R, N] ("kn")."""
+    gemm = program.gemm
+    for name, t in (("a2", a2), ("b2", b2)):
+        _tensor(name, t, "low-rank GEMM operand")
+        if t.dtype != a.dtype:
+            raise ProgramError(f"{name}: expected dtype {a.dtype} (that of a), got {t.dtype}")
+        if t.device != a.device:
+            raise ProgramError(f"{name}: expected device {a.device} (that of a), got {t.device}")
+        if t.dim() != 2:
+            raise ProgramError(f"{name}: expected a 2-D matrix, got shape {tuple(t.shape)}")
+        _check_contiguous(name, t)
+    r = b2.shape[1] if gemm.b_layout == "nk" else b2.shape[0]
+    a_shape, b_shape = gemm.shapes(m, n, r)
+    a_desc, b_desc = gemm.shapes("M", "N", "R")
+    if r < 1:
+        raise ProgramError(f"b2: expected a rank R >= 1, got shape {tuple(b2.shape)}")
+    _check_shape("b2", b2, b_shape, f"[{', '.join(b_desc)}]")
+    _check_shape("a2", a2, a_shape, f"[{', '.join(a_desc)}] (R = {r} from b2)")

@@ -79,21 +79,28 @@ class Width(enum.Enum):
 # --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Gemm:
-    """``acc[M, N] = op(A) @ op(B)`` with fp32 accumulation.
+    """``acc[M, N] = op(A) @ op(B)`` with fp32 accumulation; with ``low_rank``, ``+ op(A2) @ op(B2)``.
 
     ``a_layout``: ``"mk"`` (A is [M, K]) or ``"km"`` (A is [K, M], used transposed).
     ``b_layout``: ``"nk"`` (B is [N, K], ``nn.Linear`` weight layout, used transposed) or ``"kn"``.
     The three forms training needs have names: ``Gemm.linear()`` ``X @ W^T`` (forward),
     ``Gemm.input_grad()`` ``dY @ W`` and ``Gemm.weight_grad()`` ``dY^T @ X``.
+
+    ``low_rank=True`` adds a second operand pair of small inner size R in the same layouts (A2 is
+    [M, R] or [R, M], B2 [N, R] or [R, N]): after its K loop the mainloop runs a short loop over R, so
+    a rank-R weight update ``W + B2 A2``-style (LoRA) joins the accumulator before the epilogue.
     """
     a_layout: str = "mk"
     b_layout: str = "nk"
+    low_rank: bool = False
 
     def __post_init__(self):
         if self.a_layout not in ("mk", "km"):
             raise ProgramError(f"Gemm.a_layout must be 'mk' or 'km', got {self.a_layout!r}")
         if self.b_layout not in ("nk", "kn"):
             raise ProgramError(f"Gemm.b_layout must be 'nk' or 'kn', got {self.b_layout!r}")
+        if not isinstance(self.low_rank, bool):
+            raise ProgramError(f"Gemm.low_rank must be a bool, got {self.low_rank!r}")
 
     @staticmethod
     def linear() -> "Gemm":
@@ -108,15 +115,18 @@ class Gemm:
         return Gemm("km", "kn")
 
     def shapes(self, m: int | str = "M", n: int | str = "N", k: int | str = "K"):
-        """Expected shapes of A and B."""
+        """Expected shapes of A and B (of A2 and B2 with ``k = R``)."""
         a = (m, k) if self.a_layout == "mk" else (k, m)
         b = (n, k) if self.b_layout == "nk" else (k, n)
         return a, b
 
     def __repr__(self) -> str:
-        a = "a[M, K]" if self.a_layout == "mk" else "a[K, M]^T"
-        b = "b[N, K]^T" if self.b_layout == "nk" else "b[K, N]"
-        return f"acc[M, N] = {a} @ {b}"
+        def term(a_name: str, b_name: str, k: str) -> str:
+            a = f"{a_name}[M, {k}]" if self.a_layout == "mk" else f"{a_name}[{k}, M]^T"
+            b = f"{b_name}[N, {k}]^T" if self.b_layout == "nk" else f"{b_name}[{k}, N]"
+            return f"{a} @ {b}"
+        low_rank = f" + {term('a2', 'b2', 'R')}" if self.low_rank else ""
+        return f"acc[M, N] = {term('a', 'b', 'K')}{low_rank}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,15 +218,15 @@ def _node(cls):
 #: (``tests/test_triton_backend.py`` checks the list against the generated sources); plus
 #: ``<stem>_<number>``, their numbered temporaries
 RESERVED_NAMES = frozenset("""
-    acc bar cast_for_store col0 col_ok col_ok_b col_ok_double col_ok_half cols cols_b cols_double
+    a2 b2 acc bar cast_for_store col0 col_ok col_ok_b col_ok_double col_ok_half cols cols_b cols_double
     cols_half column_halves column_pieces cos_sin empty fence_async_shared float gl gluon input_bars
-    input_bars_0 input_bars_1 iteration k_ok k_steps k_tile k_tiles local mainloop mbarrier
+    input_bars_0 input_bars_1 iteration k_ok low_rank_steps off_r offs_r r_ok r_tile k_steps k_tile k_tiles local mainloop mbarrier
     merge_logsumexp my_tiles next_vectors num_pid_m num_pid_n num_tiles off_k off_m off_n offs_k
     partial_offsets pid_m pid_n piece pieces probe_even probe_odd producer range ready row_layout row_ok
     row_ok_P row_ok_H row_ok_a rows rows_64 rows_a sigmoid slot slot_index stamp stamp_slot stamping
     tile_coords tile_id tile_index tile_ok tile_ok_double tile_ok_half timeline_ptr tl tma triton turn vectors
-    BK BLOCK_K BLOCK_M BLOCK_N BM BN B_NK DOT_PRECISION EPILOGUE_SPLIT FLATTEN GROUP_M H INTERPRETER
-    IN_SLOTS J K M N OUT_BUFFERS P PIECES PIECE_N RING SUB_N TIMELINE_TILES TMA_EPILOGUE TMA_MAINLOOP
+    BK BLOCK_K BLOCK_M BLOCK_N BLOCK_R BM BN B_NK DOT_PRECISION EPILOGUE_SPLIT FLATTEN GROUP_M H INTERPRETER
+    IN_SLOTS J K M N OUT_BUFFERS P PIECES R PIECE_N RING SUB_N TIMELINE_TILES TMA_EPILOGUE TMA_MAINLOOP
     UPCAST_OPERANDS WHICH
     """.split())
 _GENERATED_NAME = re.compile(r"(v|const|onehot|swiglu|swiglu_grad|rope|theta|segment_sum|joined|acc)_\d+(_\w+)?")
@@ -720,8 +730,8 @@ class Program:
         clash = set(inputs) & set(names)
         if clash:
             raise ProgramError(f"program {self.name!r}: names used for both an input and an output: {sorted(clash)}")
-        if {"a", "b"} & (set(inputs) | set(names)):
-            raise ProgramError(f"program {self.name!r}: 'a' and 'b' are reserved for the GEMM operands")
+        if {"a", "b", "a2", "b2"} & (set(inputs) | set(names)):
+            raise ProgramError(f"program {self.name!r}: 'a', 'b', 'a2' and 'b2' are reserved for the GEMM operands")
         taken = sorted(n for n in set(inputs) | set(names) if n in RESERVED_NAMES or _GENERATED_NAME.fullmatch(n))
         if taken:
             raise ProgramError(f"program {self.name!r}: input/output names {taken} are used by the generated "
@@ -814,8 +824,18 @@ class Program:
     def __repr__(self) -> str:
         return f"<Program {self.name}: {len(self.outputs)} outputs, inputs {list(self.inputs)}>"
 
+    def with_low_rank(self) -> "Program":
+        """The same program with the GEMM's low-rank operand pair (``Gemm.low_rank``)."""
+        return _with_low_rank(self)
+
     def triton_source(self, schedule: str = "persistent") -> str:
         """Source of the fused kernel this program compiles to (see ``codagen.backends.triton``): the
         ``tl`` kernel, or with ``schedule="pingpong"`` the warp-specialized Gluon kernel (Hopper)."""
         from codagen.backends.triton import program_source
         return program_source(self, schedule=schedule)
+
+
+@functools.cache
+def _with_low_rank(program: Program) -> Program:
+    gemm = Gemm(program.gemm.a_layout, program.gemm.b_layout, low_rank=True)
+    return Program(program.name, gemm, program.outputs, doc=program.doc)

@@ -30,6 +30,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from codagen.ops import LowRank
+
 __all__ = ["CheckpointFn", "checkpoint_block", "keep_attention"]
 
 CheckpointFn = Callable[..., Any]
@@ -46,13 +48,21 @@ _ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
 def checkpoint_block(checkpoint: CheckpointFn, block: Callable, x: torch.Tensor, normed: torch.Tensor,
                      rstd: torch.Tensor, weights, next_norm: torch.Tensor):
     """``block(x, normed, rstd, weights, next_norm)`` under ``checkpoint``. Every tensor of the
-    ``weights`` dataclass is passed positionally: under reentrant checkpointing their gradients then
-    leave through the checkpoint's own node, not through a backward nested inside it."""
-    names = [f.name for f in dataclasses.fields(weights) if isinstance(getattr(weights, f.name), torch.Tensor)]
+    ``weights`` dataclass (those of its ``LowRank`` adapters included) is passed positionally: under
+    reentrant checkpointing their gradients then leave through the checkpoint's own node, not through a
+    backward nested inside it."""
+    fields = {f.name: getattr(weights, f.name) for f in dataclasses.fields(weights)}
+    tensors = {name: value for name, value in fields.items() if isinstance(value, torch.Tensor)}
+    adapters = {name: value for name, value in fields.items() if isinstance(value, LowRank)}
+    flat = [*tensors.values()] + [t for adapter in adapters.values() for t in (adapter.a, adapter.b)]
 
-    def run(x, normed, rstd, next_norm, *tensors):
-        return block(x, normed, rstd, dataclasses.replace(weights, **dict(zip(names, tensors))), next_norm)
-    return checkpoint(run, x, normed, rstd, next_norm, *(getattr(weights, name) for name in names))
+    def run(x, normed, rstd, next_norm, *flat):
+        given = dict(zip(tensors, flat))
+        pairs = iter(flat[len(tensors):])
+        given.update({name: dataclasses.replace(adapter, a=next(pairs), b=next(pairs))
+                      for name, adapter in adapters.items()})
+        return block(x, normed, rstd, dataclasses.replace(weights, **given), next_norm)
+    return checkpoint(run, x, normed, rstd, next_norm, *flat)
 
 
 def _keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -53,7 +53,7 @@ from torch import nn
 
 from codagen import ops
 
-from . import hf_cache
+from . import hf_cache, lora
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
@@ -102,6 +102,7 @@ def _check_model(model: nn.Module) -> None:
                 raise _refuse(f"QK-norm weights of shape other than [head_dim] = ({attn.head_dim},) (layer {i})")
             if any(norm.variance_epsilon != layer.input_layernorm.variance_epsilon for norm in qk_norms):
                 raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})")
+    lora.prepare_adapters(model)
 
 
 def _check_shapes(model: nn.Module) -> None:
@@ -143,26 +144,29 @@ def patch(model: nn.Module) -> nn.Module:
     """Make a ``transformers`` Llama/Mistral/Qwen2/Qwen3 ``...ForCausalLM`` run on codagen kernels; returns it.
 
     Undo with :func:`unpatch`. Patching twice is a no-op. See the module docstring for what is
-    handled and what is refused.
+    handled and what is refused. A ``peft.PeftModel`` (LoRA) is accepted: the ``...ForCausalLM`` inside it
+    is patched and the PeftModel returned (:mod:`codagen.models.lora`).
     """
-    _check_model(model)
-    _check_shapes(model)
-    _check_hooks(model)
-    if not is_patched(model):
-        model.forward = _PatchedForward(model)
+    inner = lora.unwrap_peft(model)
+    _check_model(inner)
+    _check_shapes(inner)
+    _check_hooks(inner)
+    if not is_patched(inner):
+        inner.forward = _PatchedForward(inner)
     return model
 
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Undo :func:`patch`: ``model.forward`` is the ``transformers`` one again; returns the model."""
-    if not is_patched(model):
+    inner = lora.unwrap_peft(model)
+    if not is_patched(inner):
         raise ValueError("codagen.unpatch: model is not patched by codagen.patch")
-    del model.forward
+    del inner.forward
     return model
 
 
 def is_patched(model: nn.Module) -> bool:
-    return isinstance(model.__dict__.get("forward"), _PatchedForward)
+    return isinstance(lora.unwrap_peft(model).__dict__.get("forward"), _PatchedForward)
 
 
 class _PatchedForward:
@@ -209,8 +213,9 @@ def _check_hooks(model: nn.Module) -> None:
 
 def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, dtype: torch.dtype) -> BlockWeights:
     """One HF decoder layer's parameters in the fused layout and ``dtype`` (differentiable gathers and
-    casts, see the module docstring)."""
+    casts, see the module docstring), with its PEFT LoRA updates (:mod:`codagen.models.lora`)."""
     attn, mlp = layer.self_attn, layer.mlp
+    where = f"layer {getattr(attn, 'layer_idx', '?')}: "
 
     def cast(t):
         return None if t is None else t.to(dtype)
@@ -225,7 +230,11 @@ def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, 
         attn_norm=cast(layer.input_layernorm.weight), qkv=qkv, qkv_bias=qkv_bias,
         o=cast(attn.o_proj.weight), o_bias=cast(attn.o_proj.bias), mlp_norm=cast(layer.post_attention_layernorm.weight),
         gate_up=ops.interleave_gate_up(cast(mlp.gate_proj.weight), cast(mlp.up_proj.weight)),
-        down=cast(mlp.down_proj.weight), q_norm=q_norm, k_norm=k_norm, sliding_window=sliding_window)
+        down=cast(mlp.down_proj.weight), q_norm=q_norm, k_norm=k_norm, sliding_window=sliding_window,
+        qkv_low_rank=lora.qkv_low_rank(attn, head_dim, dtype, where + "self_attn"),
+        o_low_rank=lora.linear_low_rank(attn.o_proj, dtype, where + "self_attn.o_proj"),
+        gate_up_low_rank=lora.gate_up_low_rank(mlp, dtype, where + "mlp"),
+        down_low_rank=lora.linear_low_rank(mlp.down_proj, dtype, where + "mlp.down_proj"))
 
 
 def _sliding_window(model: nn.Module, layer: nn.Module) -> int | None:
@@ -320,10 +329,12 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype))
     layers = self.model.layers[: config.num_hidden_layers]
+    lora.prepare_adapters(self)  # PEFT wrappers and adapter states can change after patching
 
     def fuse():
         return [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
-    blocks = hf_cache.inference_blocks(self, dtype, fuse)
+    # adapters switch (set_adapter, disable_adapter) without touching a parameter: fused on every forward
+    blocks = fuse() if lora.has_lora_layers(self) else hf_cache.inference_blocks(self, dtype, fuse)
     norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
     head_weight = self.lm_head.weight.to(dtype)
     if cache is None:

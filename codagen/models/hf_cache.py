@@ -45,14 +45,16 @@ def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWei
     With autograd on, the fused layout is rebuilt on every forward (differentiable gathers: the gradients
     reach the model's parameters) and any kept copy is dropped. Under ``torch.no_grad`` / inference mode
     (generation, evaluation) it is built once and kept while every parameter has the same storage and
-    version counter: an optimizer step or ``load_state_dict`` changes them and the next forward re-fuses.
+    version counter and the same modules: an optimizer step, ``load_state_dict`` or a module swap changes them
+    and the next forward re-fuses.
     A decode step then reads each weight once instead of gathering QKV and gate/up into new copies.
     (Writes through ``param.data`` bypass the version counter and are not seen.)
     """
     if torch.is_grad_enabled():
         _FUSED_WEIGHTS.pop(model, None)
         return fuse()
-    key = (dtype, tuple((p.data_ptr(), p._version) for p in model.parameters()))
+    # modules too: merging an adapter (peft's merge_and_unload) writes through ``.data`` and swaps modules
+    key = (dtype, tuple((p.data_ptr(), p._version) for p in model.parameters()), tuple(map(id, model.modules())))
     kept = _FUSED_WEIGHTS.get(model)
     if kept is None or kept[0] != key:
         kept = (key, fuse())

@@ -53,6 +53,11 @@ class BlockWeights:
     q_norm: torch.Tensor | None = None  # QK-norm weights [head_dim], pair order, as each head's rows of ``qkv``
     k_norm: torch.Tensor | None = None
     sliding_window: int | None = None  # key j is visible to query i iff i - window < j <= i
+    # LoRA updates (codagen.ops.LowRank) in the fused layouts: b's rows ordered like the weight's rows
+    qkv_low_rank: ops.LowRank | None = None
+    o_low_rank: ops.LowRank | None = None
+    gate_up_low_rank: ops.LowRank | None = None
+    down_low_rank: ops.LowRank | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,13 +121,13 @@ def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: to
     split_sizes = (q_cols, kv_cols, kv_cols)
     if blk.q_norm is None and blk.k_norm is None:
         q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
-                                      split_sizes=split_sizes, pass_residual=True)
+                                      split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank)
     else:
         if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
             raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
         q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
                                       blk.q_norm, blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps,
-                                      split_sizes=split_sizes, pass_residual=True)
+                                      split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank)
     if blk.qkv_bias is not None:
         # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
         angles = positions.float()[:, None] * frequencies[None, :]
@@ -135,8 +140,9 @@ def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_n
     """A block after attention: O-proj + residual, then the MLP + residual; ``(x, normed, rstd)`` of ``next_norm``."""
     # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
     residual = x if blk.o_bias is None else x + blk.o_bias
-    x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps)
-    return ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down, next_norm, eps)
+    x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps, low_rank=blk.o_low_rank)
+    return ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down, next_norm, eps,
+                                       gate_up_low_rank=blk.gate_up_low_rank, down_low_rank=blk.down_low_rank)
 
 
 def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: torch.Tensor, eps: float,

@@ -9,9 +9,10 @@ from .block import (out_proj_residual_rms, rms_gate_up_swiglu, rms_linear, rms_n
                     swiglu_mlp_residual_rms)
 from .cross_entropy import rms_lm_head_cross_entropy
 from .embedding import embedding
+from .low_rank import LowRank
 from .layouts import (interleave_gate_up, rope_frequencies, rope_half_split_from_pairs, rope_pairs_from_half_split,
                       split_gate_up)
 
 __all__ = ["rms_norm_stats", "out_proj_residual_rms", "rms_qkv_rope", "rms_gate_up_swiglu", "swiglu_mlp_residual_rms",
-           "rms_linear", "rms_lm_head_cross_entropy", "embedding", "interleave_gate_up", "split_gate_up",
+           "rms_linear", "rms_lm_head_cross_entropy", "embedding", "LowRank", "interleave_gate_up", "split_gate_up",
            "rope_pairs_from_half_split", "rope_half_split_from_pairs", "rope_frequencies"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from .low_rank import LowRank
+
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -162,3 +164,21 @@ def head_vector(name: str, t, x: torch.Tensor) -> torch.Tensor:
     if t.dim() != 1 or t.shape[0] < 2 or t.shape[0] % 2:
         raise ValueError(f"{name}: expected a vector [head_dim] with an even head_dim, got shape {tuple(t.shape)}")
     return vector(name, t, t.shape[0], "[head_dim]", x)
+
+
+def low_rank(name: str, value, in_features: int, out_features: int, like: torch.Tensor) -> LowRank | None:
+    """A :class:`LowRank` update of a ``[out_features, in_features]`` weight (or None): ``a`` [r, in],
+    ``b`` [out, r] contiguous, of the activations' dtype and device, ``scale`` a finite float."""
+    if value is None:
+        return None
+    if not isinstance(value, LowRank):
+        raise TypeError(f"{name}: expected a codagen.ops.LowRank(a, b, scale) or None, got {type(value).__name__}")
+    a = weight(f"{name}.a", value.a, (None, in_features), "[r, in features]", like)
+    r = a.shape[0]
+    if r < 1:
+        raise ValueError(f"{name}.a: expected a rank r >= 1, got shape {tuple(a.shape)}")
+    weight(f"{name}.b", value.b, (out_features, r), f"[out features, r] with r = {r} (a's rows)", like)
+    scale = value.scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale or abs(scale) == float("inf"):
+        raise ValueError(f"{name}.scale: expected a finite float, got {scale!r}")
+    return value

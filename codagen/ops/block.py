@@ -25,6 +25,7 @@ from . import _checks as check
 from . import kernels
 from ._checks import stats_dtype
 from .layouts import kv_heads_of
+from .low_rank import LowRank
 
 __all__ = ["rms_norm_stats", "out_proj_residual_rms", "rms_qkv_rope", "rms_gate_up_swiglu",
            "swiglu_mlp_residual_rms", "rms_linear"]
@@ -34,25 +35,99 @@ def _stats(x: Tensor, length: int) -> Tensor:
     return x.new_empty(length, dtype=stats_dtype(x.dtype))
 
 
+# --- the low-rank pair (LoRA, codagen.ops.low_rank) ------------------------------------------------
+# Custom ops cannot return None: a gradient that is not computed (a frozen weight's, an absent
+# adapter's) comes back as an empty tensor, and the autograd Function hands autograd None instead.
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    return like.new_empty(0) if t is None else t
+
+
+def _fake_grad(t: Tensor | None, wanted: bool, like: Tensor) -> Tensor:
+    return torch.empty_like(t) if wanted and t is not None else like.new_empty(0)
+
+
+def _run(program, a: Tensor, b: Tensor, a2: Tensor | None, b2: Tensor | None,
+         **tensors: Tensor) -> dict[str, Tensor]:
+    """``execute(program, ...)``, with the GEMM's low-rank operand pair ``(a2, b2)`` when ``a2`` is given."""
+    if a2 is None:
+        return execute(program, a, b, **tensors)
+    return execute(program.with_low_rank(), a, b, a2=a2, b2=b2, **tensors)
+
+
+def _low_rank_operand(inp: Tensor, lora_a: Tensor | None, scale: float) -> Tensor | None:
+    """``u = scale * inp @ a^T`` [M, r], the A2 operand of the forward GEMM's low-rank pair (B2 is ``b``)."""
+    if lora_a is None:
+        return None
+    u = inp @ lora_a.t()
+    return u if scale == 1.0 else u.mul_(scale)
+
+
+def _low_rank_grads(grad: Tensor, inp: Tensor, u: Tensor, grad_b_u: Tensor,
+                    row_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(grad_a, grad_b)`` of ``out = row_scale * (... + u @ b^T)`` with ``u = scale * inp' @ a^T``:
+    ``grad_b = grad^T @ (row_scale * u)`` and ``grad_a = grad_b_u^T @ inp``, where ``grad_b_u = scale *
+    grad @ b`` (the backward GEMM's A2 operand) and ``inp = row_scale * inp'`` (a consumer GEMM's
+    normalized input ``n``, which includes rstd; a producer's own input with ``row_scale`` None)."""
+    if row_scale is not None:
+        u = (u * row_scale[:, None]).to(u.dtype)
+    return grad_b_u.t() @ inp, grad.t() @ u
+
+
+def _low_rank_grad_operand(grad: Tensor, lora_b: Tensor | None, scale: float) -> Tensor | None:
+    """``scale * grad @ b`` [M, r]: the A2 operand of the input-gradient GEMM (its B2 is ``a``, "kn")."""
+    if lora_b is None:
+        return None
+    g = grad @ lora_b
+    return g if scale == 1.0 else g.mul_(scale)
+
+
+def _lora_args(low_rank: LowRank | None) -> tuple[Tensor | None, Tensor | None, float]:
+    return (None, None, 1.0) if low_rank is None else (low_rank.a, low_rank.b, float(low_rank.scale))
+
+
 def consumer_rms_norm_backward(grad_z: Tensor, weight: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
-                             mean_z_dz: Tensor, grad_residual: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                               mean_z_dz: Tensor, grad_residual: Tensor | None = None, *, weight_grad: bool = True,
+                               input_grad: bool = True, lora_a: Tensor | None = None, lora_b: Tensor | None = None,
+                               lora_u: Tensor | None = None, lora_scale: float = 1.0):
     """B2/B6 + B3/B7: the RMSNorm backward of a consumer GEMM ``z = rstd * ((x * gamma) @ W^T)``.
 
     One GEMM ``G = grad_z @ W`` whose epilogue writes ``grad_x = [grad_residual +] rstd * (gamma * G - c * mean_z_dz)``
     (``c = x * rstd``), the normalized activation ``n = c * gamma`` and per-tile partials of ``G * c``;
-    then the plain GEMM ``grad_W = grad_z^T @ n`` and the finishing sum ``grad_gamma = sum_tiles(partials)``.
-    Returns ``(grad_x, grad_norm_weight, grad_weight)``.
+    then the plain GEMM ``grad_W = grad_z^T @ n`` (only with ``weight_grad``) and the finishing sum
+    ``grad_gamma = sum_tiles(partials)``.
+
+    With a low-rank update (``lora_a`` [r, d], ``lora_b`` [N, r], ``lora_u = scale * normed @ a^T`` saved
+    by the forward) the effective weight is ``W + scale * b @ a``: the GEMM carries the pair
+    ``(scale * grad_z @ b, a)``, so ``G`` and everything in the epilogue include the update, and
+    ``grad_a``, ``grad_b`` come from ``n`` and ``rstd * u`` (:func:`_low_rank_grads`).
+
+    Without ``input_grad`` (neither ``x`` nor the norm weight needs a gradient: the first block of a model
+    with frozen embeddings and norms) and without ``weight_grad`` no GEMM over ``W`` runs: the low-rank
+    gradients need only ``grad_a = ((g_b * rstd)^T @ x) * gamma``, which equals ``g_b^T @ n``.
+    Returns ``(grad_x, grad_norm_weight, grad_weight, grad_lora_a, grad_lora_b)``, None where not computed.
     """
+    if not (input_grad or weight_grad):
+        if lora_a is None:
+            return None, None, None, None, None
+        grad_b_u = _low_rank_grad_operand(grad_z, lora_b, lora_scale)
+        grad_lora_a = ((grad_b_u * rstd[:, None]).to(x.dtype).t() @ x) * norm_weight.to(x.dtype)
+        grad_lora_b = _low_rank_grads(grad_z, x, lora_u, grad_b_u, rstd)[1]
+        return None, None, None, grad_lora_a, grad_lora_b
     tensors = dict(residual=x, rstd=rstd, norm_weight=norm_weight, mean_z_dz=mean_z_dz)
     if grad_residual is None:
         program = library.rms_norm_backward("none")
     else:
         program = library.rms_norm_backward("add")
         tensors["grad_residual"] = grad_residual
-    out = execute(program, grad_z, weight, **tensors)
+    grad_b_u = _low_rank_grad_operand(grad_z, lora_b, lora_scale)
+    out = _run(program, grad_z, weight, grad_b_u, lora_a, **tensors)
     grad_norm_weight = kernels.finish_col_sum(out.pop("partial_grad_norm_weight"), norm_weight.dtype)
-    grad_weight = execute(library.weight_grad(), grad_z, out.pop("normed"))["grad_weight"]  # n is freed here
-    return out["grad_x"], grad_norm_weight, grad_weight
+    n = out.pop("normed")
+    grad_weight = execute(library.weight_grad(), grad_z, n)["grad_weight"] if weight_grad else None
+    grad_lora_a = grad_lora_b = None
+    if lora_a is not None:
+        grad_lora_a, grad_lora_b = _low_rank_grads(grad_z, n, lora_u, grad_b_u, rstd)
+    return out["grad_x"], grad_norm_weight, grad_weight, grad_lora_a, grad_lora_b
 
 
 # ==================================================================================================
@@ -85,36 +160,61 @@ def rms_norm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, 
 # F1/F3: out-projection + residual + RMSNorm statistics
 # ==================================================================================================
 @torch.library.custom_op("codagen::out_proj_residual_rms", mutates_args=())
-def _out_proj_residual_rms_op(inp: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor,
-                              eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    out = execute(library.residual_rms_stats(), inp, weight, residual=residual, norm_weight=norm_weight)
+def _out_proj_residual_rms_op(inp: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
+                              lora_u: Tensor | None, lora_b: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    out = _run(library.residual_rms_stats(), inp, weight, lora_u, lora_b, residual=residual, norm_weight=norm_weight)
     rstd = kernels.finish_rstd(out["partial_sumsq"], residual.shape[1], eps)
     return out["residual_out"], out["normed"], rstd
 
 
 @_out_proj_residual_rms_op.register_fake
-def _(inp, weight, residual, norm_weight, eps):
+def _(inp, weight, residual, norm_weight, eps, lora_u, lora_b):
     return torch.empty_like(residual), torch.empty_like(residual), _stats(residual, residual.shape[0])
 
 
 @torch.library.custom_op("codagen::linear_backward", mutates_args=())
-def _linear_backward_op(grad_out: Tensor, inp: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    """B8 + B9: ``grad_inp = grad_out @ W``, ``grad_W = grad_out^T @ inp``."""
-    grad_inp = execute(library.input_grad(), grad_out, weight)["grad_input"]
-    grad_weight = execute(library.weight_grad(), grad_out, inp)["grad_weight"]
-    return grad_inp, grad_weight
+def _linear_backward_op(grad_out: Tensor, inp: Tensor, weight: Tensor, weight_grad: bool, input_grad: bool,
+                        lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
+                        lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """B8 + B9: ``grad_inp = grad_out @ W_eff`` (with ``input_grad``), ``grad_W = grad_out^T @ inp`` (with
+    ``weight_grad``) and the low-rank update's ``(grad_a, grad_b)`` (empty tensors where not computed)."""
+    grad_b_u = _low_rank_grad_operand(grad_out, lora_b, lora_scale)
+    grad_inp = _run(library.input_grad(), grad_out, weight, grad_b_u, lora_a)["grad_input"] if input_grad else None
+    grad_weight = execute(library.weight_grad(), grad_out, inp)["grad_weight"] if weight_grad else None
+    grad_lora_a = grad_lora_b = None
+    if lora_a is not None:
+        grad_lora_a, grad_lora_b = _low_rank_grads(grad_out, inp, lora_u, grad_b_u)
+    return (_or_empty(grad_inp, inp), _or_empty(grad_weight, inp), _or_empty(grad_lora_a, inp),
+            _or_empty(grad_lora_b, inp))
 
 
 @_linear_backward_op.register_fake
-def _(grad_out, inp, weight):
-    return torch.empty_like(inp), torch.empty_like(weight)
+def _(grad_out, inp, weight, weight_grad, input_grad, lora_a, lora_b, lora_u, lora_scale):
+    return (_fake_grad(inp, input_grad, inp), _fake_grad(weight, weight_grad, inp), _fake_grad(lora_a, True, inp),
+            _fake_grad(lora_b, True, inp))
+
+
+def _linear_backward(ctx, grad: Tensor, inp: Tensor, weight: Tensor, weight_index: int, lora: tuple):
+    """``_linear_backward_op`` with the gradients nobody needs skipped (``ctx.needs_input_grad``: a frozen
+    weight's, or the input's when it comes from frozen layers); returns ``(grad_inp, grad_weight,
+    grad_lora_a, grad_lora_b)`` with None for what is not computed."""
+    lora_a, lora_b, lora_u, lora_scale = lora
+    weight_grad, input_grad = ctx.needs_input_grad[weight_index], ctx.needs_input_grad[0]
+    grad_inp, grad_weight, grad_lora_a, grad_lora_b = _linear_backward_op(
+        grad, inp, weight, weight_grad, input_grad, lora_a, lora_b, lora_u, lora_scale)
+    present = lora_a is not None
+    return (grad_inp if input_grad else None, grad_weight if weight_grad else None, grad_lora_a if present else None,
+            grad_lora_b if present else None)
 
 
 class _OutProjResidualRms(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, residual, norm_weight, eps):
-        residual_out, normed, rstd = _out_proj_residual_rms_op(inp, weight, residual, norm_weight, eps)
-        ctx.save_for_backward(inp, weight)
+    def forward(ctx, inp, weight, residual, norm_weight, eps, lora_a, lora_b, lora_scale):
+        lora_u = _low_rank_operand(inp, lora_a, lora_scale)
+        residual_out, normed, rstd = _out_proj_residual_rms_op(inp, weight, residual, norm_weight, eps, lora_u,
+                                                               lora_b)
+        ctx.save_for_backward(inp, weight, lora_a, lora_b, lora_u)
+        ctx.lora_scale = lora_scale
         ctx.mark_non_differentiable(normed, rstd)
         ctx.set_materialize_grads(False)
         return residual_out, normed, rstd
@@ -122,32 +222,39 @@ class _OutProjResidualRms(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_residual_out, _grad_normed, _grad_rstd):
         if grad_residual_out is None:
-            return None, None, None, None, None
-        inp, weight = ctx.saved_tensors
+            return (None,) * 8
+        inp, weight, lora_a, lora_b, lora_u = ctx.saved_tensors
         grad = grad_residual_out.contiguous()
-        grad_inp, grad_weight = _linear_backward_op(grad, inp, weight)
+        grad_inp, grad_weight, grad_lora_a, grad_lora_b = _linear_backward(
+            ctx, grad, inp, weight, 1, (lora_a, lora_b, lora_u, ctx.lora_scale))
         # residual_out = inp @ W^T + residual: the residual's gradient passes through unchanged; the
         # norm weight's gradient belongs to the norm's consumer (ownership rule).
-        return grad_inp, grad_weight, grad, None, None
+        return grad_inp, grad_weight, grad, None, None, grad_lora_a, grad_lora_b, None
 
 
 def out_proj_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor,
-                          eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                          eps: float, *, low_rank: LowRank | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """F1/F3: ``x = inp @ weight^T + residual``; returns ``(x, normed = x * norm_weight, rstd)``.
 
     One GEMM: the epilogue adds the residual tile, stores ``x`` and ``normed`` and writes per-tile
     partial sums of ``x^2``, finished to ``rstd = rsqrt(sum / d + eps)``. ``normed`` and ``rstd`` are
     non-differentiable (the norm's consumer owns its backward).
 
-    Backward: ``grad_inp = grad_x @ W`` (B8), ``grad_W = grad_x^T @ inp`` (B9), ``grad_residual = grad_x``.
-    Saved: ``inp``, ``weight``.
+    ``low_rank=LowRank(a, b, scale)``: ``weight + scale * b @ a`` (LoRA) in the same GEMM, through its
+    low-rank operand pair ``(scale * inp @ a^T, b)``.
+
+    Backward: ``grad_inp = grad_x @ W`` (B8, with the pair ``(scale * grad_x @ b, a)``), ``grad_W = grad_x^T @
+    inp`` (B9, skipped when ``weight`` needs no gradient), ``grad_residual = grad_x``; ``grad_b = grad_x^T @ u``,
+    ``grad_a = (scale * grad_x @ b)^T @ inp``. Saved: ``inp``, ``weight`` (and ``u`` [M, r]).
     """
     residual = check.activation("residual", residual)
     m, d = residual.shape
     inp = check.activation("inp", inp, rows=m, like=residual)
     weight = check.weight("weight", weight, (d, inp.shape[1]), "[features, inp features]", residual)
     norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", residual)
-    return _OutProjResidualRms.apply(inp, weight, residual, norm_weight.detach(), check.eps(eps))
+    low_rank = check.low_rank("low_rank", low_rank, inp.shape[1], d, residual)
+    return _OutProjResidualRms.apply(inp, weight, residual, norm_weight.detach(), check.eps(eps),
+                                     *_lora_args(low_rank))
 
 
 # ==================================================================================================
@@ -155,27 +262,59 @@ def out_proj_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, norm_we
 # ==================================================================================================
 @torch.library.custom_op("codagen::rms_qkv_rope", mutates_args=())
 def _rms_qkv_rope_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor,
-                     frequencies: Tensor) -> Tensor:
-    return execute(library.rms_qkv_rope(), normed, qkv_weight, rstd=rstd, positions=positions,
-                   frequencies=frequencies)["qkv"]
+                     frequencies: Tensor, lora_u: Tensor | None, lora_b: Tensor | None) -> Tensor:
+    return _run(library.rms_qkv_rope(), normed, qkv_weight, lora_u, lora_b, rstd=rstd, positions=positions,
+                frequencies=frequencies)["qkv"]
 
 
 @_rms_qkv_rope_op.register_fake
-def _(normed, rstd, qkv_weight, positions, frequencies):
+def _(normed, rstd, qkv_weight, positions, frequencies, lora_u, lora_b):
     return normed.new_empty(normed.shape[0], qkv_weight.shape[0])
+
+
+def _consumer_backward_outputs(x: Tensor, out: tuple, *extra: Tensor) -> tuple[Tensor, ...]:
+    """A consumer backward's ``(grad_x, grad_norm_weight, grad_weight, grad_lora_a, grad_lora_b, *extra)``
+    with empty tensors for the gradients not computed (custom ops return tensors only)."""
+    return (*(_or_empty(t, x) for t in out), *extra)
+
+
+def _fake_consumer_grads(x, norm_weight, weight, weight_grad, input_grad, lora_a, lora_b) -> tuple[Tensor, ...]:
+    return (_fake_grad(x, input_grad, x), _fake_grad(norm_weight, input_grad, x), _fake_grad(weight, weight_grad, x),
+            _fake_grad(lora_a, True, x), _fake_grad(lora_b, True, x))
+
+
+def _input_grad(ctx) -> bool:
+    """Whether a consumer op's backward needs its GEMM over ``W`` for ``x`` (input 0) or the norm weight (3)."""
+    return ctx.needs_input_grad[0] or ctx.needs_input_grad[3]
 
 
 @torch.library.custom_op("codagen::rms_qkv_rope_backward", mutates_args=())
 def _rms_qkv_rope_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor | None, qkv: Tensor, x: Tensor,
                               rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor, positions: Tensor,
-                              frequencies: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                              frequencies: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
+                              lora_b: Tensor | None,
+                              lora_u: Tensor | None,
+                              lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grad_z, mean_z_dz = kernels.rope_backward(grad_blocks, qkv, positions, frequencies, x.shape[1])  # B1
-    return consumer_rms_norm_backward(grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual)  # B2, B3
+    return _consumer_backward_outputs(x, consumer_rms_norm_backward(  # B2, B3
+        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual, weight_grad=weight_grad,
+        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
 
 
 @_rms_qkv_rope_backward_op.register_fake
-def _(grad_blocks, grad_residual, qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies):
-    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(qkv_weight)
+def _(grad_blocks, grad_residual, qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, weight_grad,
+      input_grad, lora_a, lora_b, lora_u, lora_scale):
+    return _fake_consumer_grads(x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b)
+
+
+def _consumer_grads(ctx, grads: tuple[Tensor, ...], weight_index: int, lora_a: Tensor | None) -> tuple:
+    """``(grad_x, grad_norm_weight, grad_weight, grad_lora_a, grad_lora_b, *rest)`` of a consumer backward
+    op, with None for the ones it did not compute (frozen weight, no adapter)."""
+    grad_x, grad_norm_weight, grad_weight, grad_lora_a, grad_lora_b, *rest = grads
+    present, input_grad = lora_a is not None, _input_grad(ctx)
+    return (grad_x if input_grad else None, grad_norm_weight if input_grad else None,
+            grad_weight if ctx.needs_input_grad[weight_index] else None,
+            grad_lora_a if present else None, grad_lora_b if present else None, *rest)
 
 
 def _contiguous(t: Tensor | None) -> Tensor | None:
@@ -199,23 +338,28 @@ def _grad_blocks(grads: tuple[Tensor | None, ...], split_sizes: tuple[int, ...] 
 
 class _RmsQkvRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, split_sizes):
-        qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies)
-        ctx.save_for_backward(qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies)
-        ctx.split_sizes = split_sizes
+    def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, split_sizes, lora_a, lora_b,
+                lora_scale):
+        lora_u = _low_rank_operand(normed, lora_a, lora_scale)
+        qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies, lora_u, lora_b)
+        ctx.save_for_backward(qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, lora_a, lora_b, lora_u)
+        ctx.split_sizes, ctx.lora_scale = split_sizes, lora_scale
         ctx.set_materialize_grads(False)
         return *_split_outputs(qkv, split_sizes), x.view_as(x)
 
     @staticmethod
     def backward(ctx, *grads):
         *grad_outputs, grad_residual = grads
-        qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies = ctx.saved_tensors
+        qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, lora_a, lora_b, lora_u = ctx.saved_tensors
         grad_blocks = _grad_blocks(tuple(grad_outputs), ctx.split_sizes, qkv)
         if grad_blocks is None:  # only the residual path carries a gradient
-            return (grad_residual,) + (None,) * 7
-        grad_x, grad_norm_weight, grad_qkv_weight = _rms_qkv_rope_backward_op(
-            grad_blocks, _contiguous(grad_residual), qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies)
-        return grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None, None
+            return (grad_residual,) + (None,) * 10
+        grad_x, grad_norm_weight, grad_qkv_weight, grad_lora_a, grad_lora_b = _consumer_grads(
+            ctx, _rms_qkv_rope_backward_op(grad_blocks, _contiguous(grad_residual), qkv, x, rstd, norm_weight,
+                                           qkv_weight, positions, frequencies, ctx.needs_input_grad[4],
+                                           _input_grad(ctx), lora_a, lora_b, lora_u, ctx.lora_scale), 4, lora_a)
+        return (grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None, None, grad_lora_a, grad_lora_b,
+                None)
 
 
 def _qk_norm_columns(q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
@@ -234,17 +378,17 @@ def _qk_norm_columns(q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: in
 @torch.library.custom_op("codagen::rms_qkv_rope_qk_norm", mutates_args=())
 def _rms_qkv_rope_qk_norm_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
                              q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
-                             eps: float) -> tuple[Tensor, Tensor]:
+                             eps: float, lora_u: Tensor | None, lora_b: Tensor | None) -> tuple[Tensor, Tensor]:
     head_dim = q_norm_weight.shape[0]
     qk_norm_weight, qk_passthrough = _qk_norm_columns(
         q_norm_weight, k_norm_weight, num_heads, kv_heads_of(qkv_weight.shape[0], head_dim, num_heads))
-    out = execute(library.rms_qkv_rope(head_dim, eps), normed, qkv_weight, rstd=rstd, positions=positions,
-                  frequencies=frequencies, qk_norm_weight=qk_norm_weight, qk_passthrough=qk_passthrough)
+    out = _run(library.rms_qkv_rope(head_dim, eps), normed, qkv_weight, lora_u, lora_b, rstd=rstd, positions=positions,
+               frequencies=frequencies, qk_norm_weight=qk_norm_weight, qk_passthrough=qk_passthrough)
     return out["qkv"], out["preact"]
 
 
 @_rms_qkv_rope_qk_norm_op.register_fake
-def _(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps):
+def _(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, lora_u, lora_b):
     shape = (normed.shape[0], qkv_weight.shape[0])
     return normed.new_empty(shape), normed.new_empty(shape)
 
@@ -254,53 +398,61 @@ def _rms_qkv_rope_qk_norm_backward_op(grad_blocks: list[Tensor], grad_residual: 
                                       x: Tensor, rstd: Tensor, norm_weight: Tensor,
                                       qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
                                       q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
-                                      eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                                      eps: float, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
+                                      lora_b: Tensor | None,
+                                      lora_u: Tensor | None, lora_scale: float) -> tuple[Tensor, Tensor, Tensor,
+                                                                                         Tensor, Tensor, Tensor,
+                                                                                         Tensor]:
     # B1: RoPE backward + the Q/K heads' RMSNorm backward (+ q_norm/k_norm weight gradients)
     grad_z, mean_z_dz, grad_q_norm_weight, grad_k_norm_weight = kernels.rope_qk_norm_backward(
         grad_blocks, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, x.shape[1])
-    grad_x, grad_norm_weight, grad_qkv_weight = consumer_rms_norm_backward(
-        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual)  # B2, B3
-    return (grad_x, grad_norm_weight, grad_qkv_weight, grad_q_norm_weight.to(q_norm_weight.dtype),
-            grad_k_norm_weight.to(k_norm_weight.dtype))
+    return _consumer_backward_outputs(x, consumer_rms_norm_backward(  # B2, B3
+        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual, weight_grad=weight_grad,
+        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale),
+        grad_q_norm_weight.to(q_norm_weight.dtype), grad_k_norm_weight.to(k_norm_weight.dtype))
 
 
 @_rms_qkv_rope_qk_norm_backward_op.register_fake
 def _(grad_blocks, grad_residual, preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
-      k_norm_weight, num_heads, eps):
-    return (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(qkv_weight),
+      k_norm_weight, num_heads, eps, weight_grad, input_grad, lora_a, lora_b, lora_u,
+      lora_scale):
+    return (*_fake_consumer_grads(x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b),
             torch.empty_like(q_norm_weight), torch.empty_like(k_norm_weight))
 
 
 class _RmsQkvRopeQkNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
-                num_heads, eps, split_sizes):
+                num_heads, eps, split_sizes, lora_a, lora_b, lora_scale):
+        lora_u = _low_rank_operand(normed, lora_a, lora_scale)
         qkv, preact = _rms_qkv_rope_qk_norm_op(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight,
-                                               k_norm_weight, num_heads, eps)
+                                               k_norm_weight, num_heads, eps, lora_u, lora_b)
         ctx.save_for_backward(preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
-                              k_norm_weight)
-        ctx.num_heads, ctx.eps, ctx.split_sizes = num_heads, eps, split_sizes
+                              k_norm_weight, lora_a, lora_b, lora_u)
+        ctx.num_heads, ctx.eps, ctx.split_sizes, ctx.lora_scale = num_heads, eps, split_sizes, lora_scale
         ctx.set_materialize_grads(False)
         return *_split_outputs(qkv, split_sizes), x.view_as(x)
 
     @staticmethod
     def backward(ctx, *grads):
         *grad_outputs, grad_residual = grads
-        saved = ctx.saved_tensors  # preact first
+        *saved, lora_a, lora_b, lora_u = ctx.saved_tensors  # preact first
         grad_blocks = _grad_blocks(tuple(grad_outputs), ctx.split_sizes, saved[0])
         if grad_blocks is None:  # only the residual path carries a gradient
-            return (grad_residual,) + (None,) * 11
-        grad_x, grad_norm_weight, grad_qkv_weight, grad_q_norm_weight, grad_k_norm_weight = \
-            _rms_qkv_rope_qk_norm_backward_op(grad_blocks, _contiguous(grad_residual), *saved, ctx.num_heads, ctx.eps)
+            return (grad_residual,) + (None,) * 14
+        grad_x, grad_norm_weight, grad_qkv_weight, grad_lora_a, grad_lora_b, grad_q_norm_weight, grad_k_norm_weight = \
+            _consumer_grads(ctx, _rms_qkv_rope_qk_norm_backward_op(
+                grad_blocks, _contiguous(grad_residual), *saved, ctx.num_heads, ctx.eps, ctx.needs_input_grad[4],
+                _input_grad(ctx), lora_a, lora_b, lora_u, ctx.lora_scale), 4, lora_a)
         return (grad_x, None, None, grad_norm_weight, grad_qkv_weight, None, None, grad_q_norm_weight,
-                grad_k_norm_weight, None, None, None)
+                grad_k_norm_weight, None, None, None, grad_lora_a, grad_lora_b, None)
 
 
 def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor,
                  positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor | None = None,
                  k_norm_weight: Tensor | None = None, num_heads: int | None = None,
                  qk_norm_eps: float = 1e-6, *, split_sizes: tuple[int, int, int] | None = None,
-                 pass_residual: bool = False) -> Tensor | tuple[Tensor, ...]:
+                 pass_residual: bool = False, low_rank: LowRank | None = None) -> Tensor | tuple[Tensor, ...]:
     """F4: ``qkv = rope(RMSNorm(x) @ qkv_weight^T)`` on adjacent pairs, one GEMM; optionally QK-norm before RoPE.
 
     ``z = rstd[m] * (normed @ W^T)``; pair ``j`` of row ``m`` rotates by ``positions[m] * frequencies[j]``
@@ -331,6 +483,11 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     as the block's residual (the out-projection's ``residual``). Its gradient then comes back into this
     op's backward and B2 writes ``grad_x = grad_residual + norm_grad`` in its one store, where autograd
     would otherwise add the two paths' ``[M, d]`` gradients in a separate kernel.
+    ``low_rank=LowRank(a, b, scale)``: ``qkv_weight + scale * b @ a`` (LoRA; ``b``'s rows in the fused row
+    order of ``qkv_weight``) in the same GEMM through its low-rank pair ``(scale * normed @ a^T, b)``, so
+    RoPE and QK-norm see the sum; the backward GEMM carries ``(scale * grad_z @ b, a)``.
+    ``grad_qkv_weight`` is computed only when ``qkv_weight`` requires a gradient.
+
     Saved: ``qkv`` (attention keeps it alive anyway), ``x``, ``rstd``; with QK-norm ``preact = z``
     [M, N] instead of ``qkv`` (one extra activation of qkv's size: the norm's backward needs the
     pre-norm heads; ``rho`` is recomputed from it). ``n = RMSNorm(x)`` is recomputed.
@@ -346,12 +503,13 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     frequencies = check.vector("frequencies", frequencies, qkv_weight.shape[0] // 2, "[qkv features / 2]", x,
                                dtypes=(torch.float32, torch.float64))
     positions = positions.to(stats_dtype(x.dtype))  # angles are computed in fp32 registers
+    lora = _lora_args(check.low_rank("low_rank", low_rank, d, qkv_weight.shape[0], x))
     if q_norm_weight is None and k_norm_weight is None:
         if num_heads is not None:
             raise ValueError("num_heads: only used with QK-norm (give q_norm_weight and k_norm_weight too)")
         split_sizes = check.split_sizes("split_sizes", split_sizes, qkv_weight.shape[0])
         out = _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
-                                frequencies.detach(), split_sizes)
+                                frequencies.detach(), split_sizes, *lora)
         return _outputs(out, pass_residual)
     if q_norm_weight is None or k_norm_weight is None:
         missing = "q_norm_weight" if q_norm_weight is None else "k_norm_weight"
@@ -374,7 +532,8 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     kv_cols = kv_rows // 2 * head_dim
     split_sizes = check.split_sizes("split_sizes", split_sizes, rows, (num_heads * head_dim, kv_cols, kv_cols))
     out = _RmsQkvRopeQkNorm.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
-                                  frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps, split_sizes)
+                                  frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps, split_sizes,
+                                  *lora)
     return _outputs(out, pass_residual)
 
 
@@ -388,47 +547,58 @@ def _outputs(out: tuple[Tensor, ...], pass_residual: bool):
 # F2 standalone: RMSNorm-scaled gate/up projection + SwiGLU
 # ==================================================================================================
 @torch.library.custom_op("codagen::rms_gate_up_swiglu", mutates_args=())
-def _rms_gate_up_swiglu_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor) -> tuple[Tensor, Tensor]:
-    out = execute(library.rms_gate_up_swiglu(), normed, gate_up_weight, rstd=rstd)
+def _rms_gate_up_swiglu_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None,
+                           lora_b: Tensor | None) -> tuple[Tensor, Tensor]:
+    out = _run(library.rms_gate_up_swiglu(), normed, gate_up_weight, lora_u, lora_b, rstd=rstd)
     return out["out"], out["preact"]
 
 
 @_rms_gate_up_swiglu_op.register_fake
-def _(normed, rstd, gate_up_weight):
+def _(normed, rstd, gate_up_weight, lora_u, lora_b):
     m, two_f = normed.shape[0], gate_up_weight.shape[0]
     return normed.new_empty(m, two_f // 2), normed.new_empty(m, two_f)
 
 
 @torch.library.custom_op("codagen::rms_gate_up_swiglu_backward", mutates_args=())
 def _rms_gate_up_swiglu_backward_op(grad_act: Tensor, preact: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
-                                    gate_up_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                                    gate_up_weight: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
+                                    lora_b: Tensor | None, lora_u: Tensor | None,
+                                    lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grad_preact, mean_z_dz = kernels.swiglu_backward(grad_act, preact, x.shape[1])
-    return consumer_rms_norm_backward(grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz)
+    return _consumer_backward_outputs(x, consumer_rms_norm_backward(
+        grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz, weight_grad=weight_grad, input_grad=input_grad,
+        lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
 
 
 @_rms_gate_up_swiglu_backward_op.register_fake
-def _(grad_act, preact, x, rstd, norm_weight, gate_up_weight):
-    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(gate_up_weight)
+def _(grad_act, preact, x, rstd, norm_weight, gate_up_weight, weight_grad, input_grad, lora_a, lora_b, lora_u,
+      lora_scale):
+    return _fake_consumer_grads(x, norm_weight, gate_up_weight, weight_grad, input_grad, lora_a, lora_b)
 
 
 class _RmsGateUpSwiglu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight):
-        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight)
-        ctx.save_for_backward(preact, x, rstd, norm_weight, gate_up_weight)
+    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale):
+        lora_u = _low_rank_operand(normed, lora_a, lora_scale)
+        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b)
+        ctx.save_for_backward(preact, x, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_u)
+        ctx.lora_scale = lora_scale
         ctx.set_materialize_grads(False)
         return act
 
     @staticmethod
     def backward(ctx, grad_act):
         if grad_act is None:
-            return (None,) * 5
-        grad_x, grad_norm_weight, grad_gate_up_weight = _rms_gate_up_swiglu_backward_op(
-            grad_act.contiguous(), *ctx.saved_tensors)
-        return grad_x, None, None, grad_norm_weight, grad_gate_up_weight
+            return (None,) * 8
+        saved = ctx.saved_tensors
+        grad_x, grad_norm_weight, grad_gate_up_weight, grad_lora_a, grad_lora_b = _consumer_grads(
+            ctx, _rms_gate_up_swiglu_backward_op(grad_act.contiguous(), *saved[:5], ctx.needs_input_grad[4],
+                                                 _input_grad(ctx), *saved[5:], ctx.lora_scale), 4, saved[5])
+        return grad_x, None, None, grad_norm_weight, grad_gate_up_weight, grad_lora_a, grad_lora_b, None
 
 
-def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor) -> Tensor:
+def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, *,
+                       low_rank: LowRank | None = None) -> Tensor:
     """F2: ``act = swiglu(RMSNorm(x) @ gate_up_weight^T)``, rows of ``gate_up_weight`` interleaved ``g0, u0, ...``.
 
     One GEMM: ``z = rstd[m] * (normed @ W^T)``; stores ``preact = z`` [M, 2F] (saved) and
@@ -437,6 +607,7 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
     Backward (standalone, so the SwiGLU backward has no GEMM to live in): one elementwise kernel for
     ``(dg, du)`` and ``mean_z_dz = sum (g dg + u du) / d``, then the RMSNorm-backward GEMM and ``grad_W``.
     Prefer :func:`swiglu_mlp_residual_rms`, which moves the SwiGLU backward into the down-projection's epilogue.
+    ``low_rank``: as in :func:`rms_qkv_rope` (``b``'s rows interleaved like ``gate_up_weight``'s).
     Saved: ``preact``, ``x``, ``rstd``.
     """
     x = check.activation("x", x)
@@ -446,7 +617,9 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
     norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
     gate_up_weight = check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, features]", x,
                                   even_rows=True)
-    return _RmsGateUpSwiglu.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight)
+    low_rank = check.low_rank("low_rank", low_rank, d, gate_up_weight.shape[0], x)
+    return _RmsGateUpSwiglu.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight,
+                                  *_lora_args(low_rank))
 
 
 # ==================================================================================================
@@ -460,42 +633,59 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
 # the residual gradient grad_x_out (the gradient of the passed-through x, joined into B6's store) and
 # mean_z_dz, the RMSNorm statistic B4 computes from preact (the gradient of a zero [M] slot output).
 @torch.library.custom_op("codagen::swiglu_down_backward", mutates_args=())
-def _swiglu_down_backward_op(grad_x_out: Tensor, preact: Tensor, down_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """B4 + B5: ``(grad_preact, mean_z_dz, grad_down_weight)``."""
-    # B4: grad_act = grad_x_out @ W_down with the SwiGLU backward in its epilogue (recomputes act for B5)
-    b4 = execute(library.swiglu_backward(), grad_x_out, down_weight, preact=preact)
+def _swiglu_down_backward_op(grad_x_out: Tensor, preact: Tensor, down_weight: Tensor, weight_grad: bool,
+                             lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
+                             lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """B4 + B5: ``(grad_preact, mean_z_dz, grad_down_weight, grad_lora_a, grad_lora_b)`` (empty where not computed)."""
+    # B4: grad_act = grad_x_out @ W_down_eff with the SwiGLU backward in its epilogue (recomputes act for B5)
+    grad_b_u = _low_rank_grad_operand(grad_x_out, lora_b, lora_scale)
+    b4 = _run(library.swiglu_backward(), grad_x_out, down_weight, grad_b_u, lora_a, preact=preact)
     mean_z_dz = kernels.finish_row_mean(b4["partial_z_dz"], down_weight.shape[0])
-    grad_down_weight = execute(library.weight_grad(), grad_x_out, b4["act"])["grad_weight"]  # B5
-    return b4["grad_preact"], mean_z_dz, grad_down_weight
+    act = b4.pop("act")
+    grad_down_weight = execute(library.weight_grad(), grad_x_out, act)["grad_weight"] if weight_grad else None  # B5
+    grad_lora_a = grad_lora_b = None
+    if lora_a is not None:
+        grad_lora_a, grad_lora_b = _low_rank_grads(grad_x_out, act, lora_u, grad_b_u)
+    return (b4["grad_preact"], mean_z_dz, _or_empty(grad_down_weight, preact), _or_empty(grad_lora_a, preact),
+            _or_empty(grad_lora_b, preact))
 
 
 @_swiglu_down_backward_op.register_fake
-def _(grad_x_out, preact, down_weight):
-    return torch.empty_like(preact), _stats(grad_x_out, grad_x_out.shape[0]), torch.empty_like(down_weight)
+def _(grad_x_out, preact, down_weight, weight_grad, lora_a, lora_b, lora_u, lora_scale):
+    return (torch.empty_like(preact), _stats(grad_x_out, grad_x_out.shape[0]),
+            _fake_grad(down_weight, weight_grad, preact), _fake_grad(lora_a, True, preact),
+            _fake_grad(lora_b, True, preact))
 
 
 @torch.library.custom_op("codagen::gate_up_rms_norm_backward", mutates_args=())
 def _gate_up_rms_norm_backward_op(grad_preact: Tensor, grad_residual: Tensor, x: Tensor, rstd: Tensor,
-                                  norm_weight: Tensor, gate_up_weight: Tensor,
-                                  mean_z_dz: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """B6 + B7: ``grad_x = grad_residual + norm_grad`` in one store, ``grad_norm_weight``, ``grad_gate_up_weight``."""
-    return consumer_rms_norm_backward(grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz,
-                                      grad_residual=grad_residual)
+                                  norm_weight: Tensor, gate_up_weight: Tensor, mean_z_dz: Tensor, weight_grad: bool,
+                                  input_grad: bool, lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
+                                  lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """B6 + B7: ``grad_x = grad_residual + norm_grad`` in one store, ``grad_norm_weight``, ``grad_gate_up_weight``
+    and the low-rank update's gradients."""
+    return _consumer_backward_outputs(x, consumer_rms_norm_backward(
+        grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz, grad_residual=grad_residual,
+        weight_grad=weight_grad, input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u,
+        lora_scale=lora_scale))
 
 
 @_gate_up_rms_norm_backward_op.register_fake
-def _(grad_preact, grad_residual, x, rstd, norm_weight, gate_up_weight, mean_z_dz):
-    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(gate_up_weight)
+def _(grad_preact, grad_residual, x, rstd, norm_weight, gate_up_weight, mean_z_dz, weight_grad, input_grad, lora_a,
+      lora_b, lora_u, lora_scale):
+    return _fake_consumer_grads(x, norm_weight, gate_up_weight, weight_grad, input_grad, lora_a, lora_b)
 
 
 class _MlpGateUp(torch.autograd.Function):
     """Node 1: F2. Its backward is B6 + B7; the SwiGLU backward ran in node 2's B4 epilogue."""
 
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight):
-        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight)
+    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale):
+        lora_u = _low_rank_operand(normed, lora_a, lora_scale)
+        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b)
         mean_z_dz_slot = _stats(x, x.shape[0]).zero_()
-        ctx.save_for_backward(x, rstd, norm_weight, gate_up_weight)
+        ctx.save_for_backward(x, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_u)
+        ctx.lora_scale = lora_scale
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)
         return act, preact, x.view_as(x), mean_z_dz_slot
@@ -503,24 +693,31 @@ class _MlpGateUp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad_act, grad_preact, grad_residual, mean_z_dz):
         if grad_preact is None:  # only the residual path carries a gradient
-            return grad_residual, None, None, None, None
+            return (grad_residual,) + (None,) * 7
         if mean_z_dz is None or grad_residual is None:
             raise RuntimeError("swiglu_mlp_residual_rms: the gate/up backward needs the down-projection's backward "
                                "(its outputs must only feed that op)")
-        x, rstd, norm_weight, gate_up_weight = ctx.saved_tensors
-        grad_x, grad_norm_weight, grad_gate_up_weight = _gate_up_rms_norm_backward_op(
-            grad_preact.contiguous(), grad_residual.contiguous(), x, rstd, norm_weight, gate_up_weight,
-            mean_z_dz.contiguous())
-        return grad_x, None, None, grad_norm_weight, grad_gate_up_weight
+        x, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_u = ctx.saved_tensors
+        grad_x, grad_norm_weight, grad_gate_up_weight, grad_lora_a, grad_lora_b = _consumer_grads(
+            ctx, _gate_up_rms_norm_backward_op(grad_preact.contiguous(), grad_residual.contiguous(), x, rstd,
+                                               norm_weight, gate_up_weight, mean_z_dz.contiguous(),
+                                               ctx.needs_input_grad[4], _input_grad(ctx), lora_a, lora_b, lora_u,
+                                               ctx.lora_scale),
+            4, lora_a)
+        return grad_x, None, None, grad_norm_weight, grad_gate_up_weight, grad_lora_a, grad_lora_b, None
 
 
 class _MlpDownResidualRms(torch.autograd.Function):
     """Node 2: F3. Its backward is B4 (with the SwiGLU backward) + B5; it releases ``preact``."""
 
     @staticmethod
-    def forward(ctx, act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight, eps):
-        x_out, normed_next, rstd_next = _out_proj_residual_rms_op(act, down_weight, residual, next_norm_weight, eps)
-        ctx.save_for_backward(preact, down_weight)
+    def forward(ctx, act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight, eps, lora_a, lora_b,
+                lora_scale):
+        lora_u = _low_rank_operand(act, lora_a, lora_scale)
+        x_out, normed_next, rstd_next = _out_proj_residual_rms_op(act, down_weight, residual, next_norm_weight, eps,
+                                                                  lora_u, lora_b)
+        ctx.save_for_backward(preact, down_weight, lora_a, lora_b, lora_u)
+        ctx.lora_scale = lora_scale
         ctx.mark_non_differentiable(normed_next, rstd_next)
         ctx.set_materialize_grads(False)
         return x_out, normed_next, rstd_next
@@ -528,15 +725,21 @@ class _MlpDownResidualRms(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x_out, _grad_normed_next, _grad_rstd_next):
         if grad_x_out is None:
-            return (None,) * 7
-        preact, down_weight = ctx.saved_tensors
+            return (None,) * 10
+        preact, down_weight, lora_a, lora_b, lora_u = ctx.saved_tensors
         grad = grad_x_out.contiguous()
-        grad_preact, mean_z_dz, grad_down_weight = _swiglu_down_backward_op(grad, preact, down_weight)
-        return None, grad_preact, grad, mean_z_dz, grad_down_weight, None, None
+        weight_grad = ctx.needs_input_grad[4]
+        grad_preact, mean_z_dz, grad_down_weight, grad_lora_a, grad_lora_b = _swiglu_down_backward_op(
+            grad, preact, down_weight, weight_grad, lora_a, lora_b, lora_u, ctx.lora_scale)
+        present = lora_a is not None
+        return (None, grad_preact, grad, mean_z_dz, grad_down_weight if weight_grad else None, None, None,
+                grad_lora_a if present else None, grad_lora_b if present else None, None)
 
 
 def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor,
-                            down_weight: Tensor, next_norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                            down_weight: Tensor, next_norm_weight: Tensor, eps: float, *,
+                            gate_up_low_rank: LowRank | None = None,
+                            down_low_rank: LowRank | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """F2 + F3: ``x_out = x + swiglu(RMSNorm(x) @ gate_up_weight^T) @ down_weight^T``, two GEMMs.
 
     Returns ``(x_out, normed_next = x_out * next_norm_weight, rstd_next)`` (the latter two
@@ -548,6 +751,10 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     ``grad_W_down = grad_x_out^T @ act``; then, with ``preact`` already released, B6 the RMSNorm-backward
     GEMM ``grad_preact @ W_gate_up`` writing ``grad_x = grad_x_out + norm_grad`` in one store and B7
     ``grad_W_gate_up = grad_preact^T @ n``.
+    ``gate_up_low_rank`` / ``down_low_rank``: LoRA updates of the two weights (:class:`LowRank`; the gate/up
+    one with ``b``'s rows interleaved like ``gate_up_weight``'s), each in its GEMM's low-rank pair: F2 and
+    B6 as in :func:`rms_gate_up_swiglu`, F3 with ``(scale * act @ a^T, b)``, B4 with ``(scale * grad_x_out @ b,
+    a)``. A weight that requires no gradient gets no weight-gradient GEMM (B5, B7).
     Saved: ``preact`` (until B4 has run), ``x``, ``rstd``; ``act`` and ``n = RMSNorm(x)`` are recomputed.
     """
     x = check.activation("x", x)
@@ -562,10 +769,12 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
         raise ValueError(f"gate_up_weight: expected 2 * ffn rows with an even ffn, got shape {tuple(gate_up_weight.shape)}")
     down_weight = check.weight("down_weight", down_weight, (d, ffn), "[features, ffn features]", x)
     next_norm_weight = check.vector("next_norm_weight", next_norm_weight, d, "[features]", x)
+    gate_up_low_rank = check.low_rank("gate_up_low_rank", gate_up_low_rank, d, 2 * ffn, x)
+    down_low_rank = check.low_rank("down_low_rank", down_low_rank, ffn, d, x)
     act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed.detach(), rstd.detach(), norm_weight,
-                                                            gate_up_weight)
+                                                            gate_up_weight, *_lora_args(gate_up_low_rank))
     return _MlpDownResidualRms.apply(act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight.detach(),
-                                     check.eps(eps))
+                                     check.eps(eps), *_lora_args(down_low_rank))
 
 
 # ==================================================================================================
@@ -583,14 +792,16 @@ def _(normed, rstd, weight):
 
 @torch.library.custom_op("codagen::rms_linear_backward", mutates_args=())
 def _rms_linear_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
-                            weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                            weight: Tensor, weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     mean_z_dz = kernels.mean_row_dot(out, grad_out, x.shape[1])
-    return consumer_rms_norm_backward(grad_out, weight, x, rstd, norm_weight, mean_z_dz)
+    grad_x, grad_norm_weight, grad_weight, _, _ = consumer_rms_norm_backward(grad_out, weight, x, rstd, norm_weight,
+                                                                            mean_z_dz, weight_grad=weight_grad)
+    return grad_x, grad_norm_weight, _or_empty(grad_weight, x)
 
 
 @_rms_linear_backward_op.register_fake
-def _(grad_out, out, x, rstd, norm_weight, weight):
-    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(weight)
+def _(grad_out, out, x, rstd, norm_weight, weight, weight_grad):
+    return torch.empty_like(x), torch.empty_like(norm_weight), _fake_grad(weight, weight_grad, x)
 
 
 class _RmsLinear(torch.autograd.Function):
@@ -605,8 +816,10 @@ class _RmsLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         if grad_out is None:
             return (None,) * 5
-        grad_x, grad_norm_weight, grad_weight = _rms_linear_backward_op(grad_out.contiguous(), *ctx.saved_tensors)
-        return grad_x, None, None, grad_norm_weight, grad_weight
+        weight_grad = ctx.needs_input_grad[4]
+        grad_x, grad_norm_weight, grad_weight = _rms_linear_backward_op(grad_out.contiguous(), *ctx.saved_tensors,
+                                                                        weight_grad)
+        return grad_x, None, None, grad_norm_weight, grad_weight if weight_grad else None
 
 
 def rms_linear(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, weight: Tensor) -> Tensor:

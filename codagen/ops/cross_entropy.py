@@ -95,19 +95,20 @@ def _accumulates_wide(m: int, rows_per_chunk: int, lm_head_weight: Tensor) -> bo
 
 @torch.library.custom_op("codagen::rms_lm_head_cross_entropy_with_grad", mutates_args=())
 def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, lm_head_weight: Tensor,
-                     target: Tensor, ignore_index: int, mean: bool,
-                     rows_per_chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     target: Tensor, ignore_index: int, mean: bool, rows_per_chunk: int,
+                     weight_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, grad_x, grad_norm_weight, grad_weight)`` for a loss gradient of 1 (module docstring, steps 1-3).
 
     ``grad_norm_weight`` is fp32 (the stats dtype), ``grad_weight`` fp32 when chunks accumulate it: the
-    backward rounds them once, after scaling."""
+    backward rounds them once, after scaling. Without ``weight_grad`` (a frozen head) no weight-gradient
+    GEMM runs and ``grad_weight`` is an empty tensor."""
     m, d = x.shape
     cd = stats_dtype(x.dtype)
     valid, row_weight = _row_weight(target, ignore_index, mean, cd)
     row_loss = x.new_empty(m, dtype=cd)
     grad_x = torch.zeros_like(x)  # each chunk accumulates into its own rows
     grad_norm_weight = norm_weight.new_zeros(d, dtype=cd)
-    wide = _accumulates_wide(m, rows_per_chunk, lm_head_weight)
+    wide = weight_grad and _accumulates_wide(m, rows_per_chunk, lm_head_weight)
     grad_weight = None
     for start in range(0, m, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
@@ -116,22 +117,27 @@ def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tenso
         norm = execute(library.rms_norm_backward("accumulate"), grad_logits, lm_head_weight, residual=x[rows],
                        rstd=rstd[rows], norm_weight=norm_weight, mean_z_dz=mean_z_dz, grad_residual=grad_x[rows])
         grad_norm_weight += kernels.finish_col_sum(norm["partial_grad_norm_weight"], cd)
+        if not weight_grad:
+            continue
         if grad_weight is None:
             grad_weight = execute(library.weight_grad(dtype="float32" if wide else "input"), grad_logits,
                                   norm["normed"])["grad_weight"]
         else:
             execute(library.weight_grad(accumulate=True), grad_logits, norm["normed"], grad_weight=grad_weight)
-    if grad_weight is None:  # no tokens
+    if not weight_grad:
+        grad_weight = lm_head_weight.new_empty(0)
+    elif grad_weight is None:  # no tokens
         grad_weight = torch.zeros_like(lm_head_weight)
     return _reduce(row_loss, valid, row_weight, mean), grad_x, grad_norm_weight, grad_weight
 
 
 @_ce_with_grad_op.register_fake
-def _(x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk):
+def _(x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk, weight_grad):
     cd = stats_dtype(x.dtype)
     wide = _accumulates_wide(x.shape[0], rows_per_chunk, lm_head_weight)
-    return (x.new_empty((), dtype=cd), torch.empty_like(x), norm_weight.new_empty(norm_weight.shape, dtype=cd),
-            torch.empty_like(lm_head_weight, dtype=torch.float32 if wide else None))
+    grad_weight = (torch.empty_like(lm_head_weight, dtype=torch.float32 if wide else None) if weight_grad
+                   else lm_head_weight.new_empty(0))
+    return x.new_empty((), dtype=cd), torch.empty_like(x), norm_weight.new_empty(norm_weight.shape, dtype=cd), grad_weight
 
 
 @torch.library.custom_op("codagen::scale_cast", mutates_args=())
@@ -150,16 +156,17 @@ class _RmsLmHeadCrossEntropy(torch.autograd.Function):
                 with_grad):
         if not with_grad:
             return _ce_op(normed, rstd, lm_head_weight, target, ignore_index, mean, rows_per_chunk)
+        weight_grad = lm_head_weight.requires_grad
         loss, grad_x, grad_norm_weight, grad_weight = _ce_with_grad_op(
-            x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk)
-        ctx.save_for_backward(grad_x, grad_norm_weight, grad_weight)
+            x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk, weight_grad)
+        ctx.save_for_backward(grad_x, grad_norm_weight, grad_weight if weight_grad else None)
         ctx.dtypes = (x.dtype, norm_weight.dtype, lm_head_weight.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         # every gradient is linear in the loss gradient: scaled in fp32, rounded once (one kernel each)
-        grad_x, grad_norm_weight, grad_weight = (_scale_cast_op(g, grad_loss, dtype)
+        grad_x, grad_norm_weight, grad_weight = (None if g is None else _scale_cast_op(g, grad_loss, dtype)
                                                  for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
         return grad_x, None, None, grad_norm_weight, grad_weight, None, None, None, None, None
 

@@ -26,7 +26,7 @@ import torch
 import codagen
 from codagen.backends import on_device
 from codagen.epilogue.bind import BoundProgram, cdiv
-from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
+from codagen.epilogue.ir import Gemm, Program, ProgramError, Store, TileInput
 
 from . import codegen
 from .configs import KernelConfig, TuningCache, cache_dir, candidates, gemm_layout, interpreter_config
@@ -65,8 +65,8 @@ def kernel_hash(program: Program) -> str:
         here = Path(__file__).parent
         parts = code_lines(codegen.generate(program)) + [_code_of(here / "device_math.py")]
         if pingpong_unsupported() is None:  # the ping-pong kernels exist on this Triton
-            from . import pingpong, pingpong_codegen
-            if pingpong.supports(program) is None:
+            from . import pingpong_codegen
+            if pingpong_codegen.refusal(program) is None:
                 parts += code_lines(pingpong_codegen.generate(program)) + [_code_of(here / "pingpong.py")]
         _kernel_hashes[key] = codegen.source_hash(*parts)
     return _kernel_hashes[key]
@@ -335,10 +335,11 @@ class TritonBackend:
             pingpong.launch(launch.pingpong(program), bound, outs, cfg.sub_n, slots, _num_sms(bound.device))
             self.launches += 1
             return
-        args = [bound.a, bound.b]
+        low_rank = program.gemm.low_rank
+        args = [bound.a, bound.b] + ([bound.tensors["a2"], bound.tensors["b2"]] if low_rank else [])
         args += [bound.tensors[name] for name in program.inputs]
         args += [outs[o.name] for o in program.outputs]
-        args += [launch.m, launch.n, launch.k]
+        args += [launch.m, launch.n, launch.k] + ([bound.r] if low_rank else [])
         num_tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
         if launch.interpret:
             grid = (min(num_tiles, 3),)  # several tiles per program: the persistent loop is exercised
@@ -348,6 +349,8 @@ class TritonBackend:
                     EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
                     TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok, UPCAST_OPERANDS=launch.upcast,
                     DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
+        if low_rank:  # the rank loop's step: at least the dot's minimum inner size 16, at most BLOCK_K
+            meta["BLOCK_R"] = max(16, min(cfg.block_k, 1 << (bound.r - 1).bit_length()))
         if launch.interpret:
             with _interpreting():
                 launch.kernel[grid](*args, **meta)
@@ -402,8 +405,8 @@ class TritonBackend:
                 name = bound.program.name
                 if (reason := pingpong_unsupported()) is not None:
                     raise ProgramError(f"{name}: {reason}; use a persistent configuration")
-                from . import pingpong
-                reason = pingpong.supports(bound.program)
+                from . import pingpong, pingpong_codegen
+                reason = pingpong_codegen.refusal(bound.program)
                 if reason:
                     raise ProgramError(f"{name}: the ping-pong kernel cannot compute this program: {reason}; "
                                        f"use a persistent configuration")
@@ -421,7 +424,13 @@ class TritonBackend:
         if self._autotuning() and len(pool) > 1 and (key not in self.tuning or _env_flag("CODAGEN_TRITON_RETUNE")):
             cfg, source = self._tune(bound, launch, pool, key), "timed"
         else:
-            cfg, source = self.tuning.choose(key, gemm_layout(bound.program), bound.program, pool, bound.k)
+            lookup = key
+            if bound.program.gemm.low_rank and key not in self.tuning:
+                # a low-rank program adds a short R loop to its base program's mainloop: until it has a
+                # choice of its own, the base program's choice (or its fastest persistent candidate) stands in
+                base_key = self._tuning_key(_without_low_rank(bound), launch)
+                lookup = base_key if base_key in self.tuning else key
+            cfg, source = self.tuning.choose(lookup, gemm_layout(bound.program), bound.program, pool, bound.k)
         self.choices[key] = source
         return cfg
 
@@ -498,6 +507,14 @@ class TritonBackend:
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes")
+
+
+def _without_low_rank(bound: BoundProgram) -> BoundProgram:
+    """``bound`` as its base program (the same GEMM without the low-rank pair): its tuning key."""
+    program = bound.program
+    base = Program(program.name, Gemm(program.gemm.a_layout, program.gemm.b_layout), program.outputs, doc=program.doc)
+    tensors = {name: t for name, t in bound.tensors.items() if name not in ("a2", "b2")}
+    return BoundProgram(base, bound.a, bound.b, bound.m, bound.n, bound.k, tensors)
 
 
 def _smem_limit(device: torch.device) -> int:

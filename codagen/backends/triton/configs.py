@@ -209,8 +209,8 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         pool = fitting or pool
     pingpong_pool = ()
     if major == 9 and tma and tma_epilogue and operand_bytes == 2 and not small_m and pingpong_available():
-        from . import pingpong
-        if pingpong.supports(program) is None:
+        from . import pingpong_codegen
+        if pingpong_codegen.refusal(program) is None:
             pingpong_pool = tuple(cfg for cfg in PINGPONG if smem_estimate(program, cfg, operand_bytes) <= smem_limit)
     # A SegmentSum group (a head, for QK-norm) must lie inside one epilogue sub-tile: a hard constraint,
     # so it filters the pool before the fallback below.

@@ -339,6 +339,16 @@ class _Piece:
                       f"{out.name}_out.index(piece % OUT_BUFFERS))")
 
 
+def refusal(program: Program) -> str | None:
+    """Why the ping-pong schedule cannot take ``program`` (None if it can): :func:`.pingpong.supports`, and
+    the GEMM's low-rank operand pair (LoRA), which the producer warp does not stream: its TMA ring and
+    barriers carry one A/B pair, and the short R loop would need a second ring of its own. The persistent
+    schedule runs low-rank programs."""
+    if program.gemm.low_rank:
+        return "a low-rank operand pair (the producer warp's TMA ring streams one A/B pair)"
+    return pingpong.supports(program)
+
+
 def generate(program: Program, header: str = "", timeline: bool = False) -> str:
     """The Gluon source of ``program``'s ping-pong kernel (a complete Python module).
 
@@ -346,7 +356,7 @@ def generate(program: Program, header: str = "", timeline: bool = False) -> str:
     after ``K`` and CTA 0's consumers write four ``%globaltimer`` stamps for each of their first
     ``TIMELINE_TILES`` tiles into it (int64 [2, TIMELINE_TILES, 4]): tile start, turn taken, mainloop done,
     epilogue done. The stamps' branches also change how ptxas may schedule across them (see the script)."""
-    reason = pingpong.supports(program)
+    reason = refusal(program)
     if reason:
         raise ValueError(f"{program.name}: the ping-pong generator cannot take this program: {reason}")
     name = program.name
