@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import codagen
+from codagen.ops import _checks
 from codagen.models import patch, unpatch
 from codagen.models import hf_cache
 from codagen.models.decode import GreedyDecoder
@@ -220,9 +221,11 @@ class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_static_cache_decode_step_is_capture_safe():
+def test_static_cache_decode_step_is_capture_safe(monkeypatch):
     """A decode step with a StaticCache and generate's 4-D mask: no host syncs, no data-dependent shapes
-    (the condition for CUDA-graph capture)."""
+    (the condition for CUDA-graph capture). The id checks read values on CPU only (a device-side assert on
+    CUDA), so they take their CUDA path here."""
+    monkeypatch.setattr(_checks, "reads_values", lambda t: False)
     model = patch(build("qwen2", **FAMILIES["qwen2_hybrid"][1])).eval()
     ids, mask = prompts(batch=2, seq=5)
     cache = StaticCache(config=model.config, max_cache_len=8)
@@ -256,8 +259,10 @@ def test_unsupported_caches_refused():
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
-def test_greedy_decoder_matches_generate(variant):
-    """GreedyDecoder's step (run eagerly on CPU: the same code the GPU captures) gives generate()'s tokens."""
+def test_greedy_decoder_matches_generate(variant, monkeypatch):
+    """GreedyDecoder's step (run eagerly on CPU: the same code the GPU captures) gives generate()'s tokens;
+    the id checks take their CUDA path (a device-side assert) as in a captured step."""
+    monkeypatch.setattr(_checks, "reads_values", lambda t: False)
     family, overrides = FAMILIES[variant]
     model = build(family, **overrides).eval()
     model.generation_config.eos_token_id = None  # GreedyDecoder has no stopping criteria

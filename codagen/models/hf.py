@@ -274,9 +274,11 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
         raise ValueError(f"codagen.patch: expected [batch, seq] input_ids or [batch, seq, hidden] inputs_embeds, "
                          f"got embeddings of shape {tuple(x.shape)}")
     batch, seq, hidden = x.shape
-    if attention_mask is not None and attention_mask.dim() != 2:
+    # with a KV cache the mask spans the cached tokens too (transformers' mask functions read it, a
+    # prepared 4-D one as given); without one it is the [batch, seq] padding mask
+    if cache is None and attention_mask is not None and attention_mask.dim() != 2:
         raise _refuse(f"a {attention_mask.dim()}-D attention_mask (give the 2-D [batch, seq] padding mask)")
-    if attention_mask is not None and tuple(attention_mask.shape) != (batch, seq):
+    if cache is None and attention_mask is not None and tuple(attention_mask.shape) != (batch, seq):
         raise ValueError(f"codagen.patch: attention_mask must be [batch, seq] = {(batch, seq)}, "
                          f"got shape {tuple(attention_mask.shape)}")
     # Under autocast (e.g. fp32 master weights, bf16 compute) everything runs in the autocast dtype,

@@ -111,6 +111,12 @@ def index_vector(name: str, t, length: int, like: torch.Tensor, *, allow_float: 
     return t
 
 
+def reads_values(t: torch.Tensor) -> bool:
+    """Whether a check may read ``t``'s values on the host: a real CPU tensor outside ``torch.compile``
+    (elsewhere reading them is a host sync, or impossible)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(t)
+
+
 def index_range(name: str, t: torch.Tensor, high: int, ignore_index: int | None = None) -> None:
     """Every value of ``t`` in ``[0, high)`` (or equal to ``ignore_index``), checked without a host sync on
     CUDA: a CPU tensor raises ``ValueError`` here; a CUDA one (or any under ``torch.compile``, or a fake one) gets a
@@ -121,7 +127,7 @@ def index_range(name: str, t: torch.Tensor, high: int, ignore_index: int | None 
     bad = (t < 0) | (t >= high)
     if ignore_index is not None:
         bad &= t != ignore_index
-    if t.device.type != "cpu" or torch.compiler.is_compiling() or is_fake(t):  # reading values would sync
+    if not reads_values(t):
         torch._assert_async(~bad.any(), f"{name}: values must lie in [0, {high})")
         return
     if bool(bad.any()):
