@@ -182,38 +182,32 @@ def test_persistent_kernel_compiles_for_sm90(name):
     assert "wgmma.mma_async" in ptx or "mma.sync" in ptx
 
 
-def test_tuning_falls_back_to_the_base_programs_choice(monkeypatch):
-    """A low-rank program without a tuned choice of its own takes its base program's (no tuning at first use,
-    tuning on or off); a base choice the persistent schedule cannot take (ping-pong) gives the base
-    program's fastest persistent config; with no base choice, tuning off gives the first candidate."""
+def test_tuning_falls_back_to_the_base_programs_choice(monkeypatch, tmp_path):
+    """Untimed (the default), a low-rank program without a tuned choice of its own takes its base program's;
+    a base choice the persistent schedule cannot take (ping-pong) gives the base program's fastest
+    persistent config; with no base choice, the untimed heuristic (the first persistent candidate)."""
     from codagen.backends.triton.backend import TritonBackend
-    from codagen.backends.triton.configs import KernelConfig
+    from codagen.backends.triton.configs import KernelConfig, TuningCache
     persistent = [KernelConfig(128, 128, 64, 3, 8, 2), KernelConfig(128, 256, 64, 3, 8, 2)]
     pingpong_cfg = KernelConfig(128, 128, 64, 3, 8, 4, schedule="pingpong")
 
-    class Tuning:
-        def __init__(self, entries):
-            self.entries = entries
-
-        def get(self, key):
-            return self.entries.get(key, {}).get("config")
-
-        def fastest(self, key, pool):
-            timings = self.entries.get(key, {}).get("timings", {})
-            timed = [cfg for cfg in pool if cfg in timings]
-            return min(timed, key=timings.get) if timed else None
-
-    backend = TritonBackend(autotune=True)
+    backend = TritonBackend(autotune=False)
     monkeypatch.setattr(backend, "_candidates", lambda bound, launch: list(persistent))
     monkeypatch.setattr(backend, "_tuning_key", lambda bound, launch: f"{bound.program.name}:{bound.program.gemm!r}")
-    monkeypatch.setattr(backend, "_tune", lambda *args: pytest.fail("tuned at first use"))
+    monkeypatch.setattr(backend, "_tune", lambda *args: pytest.fail("timed without being asked"))
     program = library.rms_gate_up_swiglu().with_low_rank()
     a, b, a2, b2, _ = low_rank_operands(program.gemm, torch.float32)
     bound = bind(program, a, b, {"rstd": torch.rand(M), "a2": a2, "b2": b2})
     base_key = f"{program.name}:{library.rms_gate_up_swiglu().gemm!r}"
-    backend.tuning = Tuning({base_key: {"config": persistent[1]}})
+
+    def table(name, entries):
+        tuning = TuningCache(tmp_path / f"{name}.json")
+        for cfg, timings in entries:
+            tuning.put(base_key, cfg, {c.short(): ms for c, ms in timings.items()})
+        return tuning
+    backend.tuning = table("base", [(persistent[1], {})])
     assert backend._choose(bound, None, interpret=False) == persistent[1]
-    backend.tuning = Tuning({base_key: {"config": pingpong_cfg, "timings": {persistent[0]: 2.0, persistent[1]: 1.0}}})
+    backend.tuning = table("pingpong", [(pingpong_cfg, {persistent[0]: 2.0, persistent[1]: 1.0})])
     assert backend._choose(bound, None, interpret=False) == persistent[1]
-    backend.tuning, backend.autotune = Tuning({}), False
+    backend.tuning = table("empty", [])
     assert backend._choose(bound, None, interpret=False) == persistent[0]

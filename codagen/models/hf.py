@@ -248,6 +248,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
              labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
              return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
+    lora.prepare_adapters(self)  # PEFT wrappers and adapter states can change after patching
     _check_hooks(self)
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
@@ -331,12 +332,13 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype))
     layers = self.model.layers[: config.num_hidden_layers]
-    lora.prepare_adapters(self)  # PEFT wrappers and adapter states can change after patching
 
     def fuse():
         return [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
     # adapters switch (set_adapter, disable_adapter) without touching a parameter: fused on every forward
-    blocks = fuse() if lora.has_lora_layers(self) else hf_cache.inference_blocks(self, dtype, fuse)
+    # with autograd on they are differentiable gathers, rebuilt every forward (traceable: no graph break)
+    blocks = (fuse() if torch.is_grad_enabled() or lora.has_lora_layers(self)
+              else hf_cache.inference_blocks(self, dtype, fuse))
     norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
     head_weight = self.lm_head.weight.to(dtype)
     if cache is None:

@@ -103,6 +103,8 @@ def prepare_adapters(model: nn.Module) -> None:
 
 def _check_lora_layer(module: nn.Module, path: str) -> None:
     """What a LoRA layer holds that the fused GEMMs cannot compute, whatever adapter is active."""
+    if module._forward_pre_hooks or module._forward_hooks:
+        raise _refuse(f"forward hooks on a LoRA layer, e.g. mixed-batch adapter_names ({path})")
     if type(module.base_layer) is not nn.Linear:
         raise _refuse(f"LoRA on a {type(module.base_layer).__name__} base layer ({path}; only nn.Linear)")
     if getattr(module, "fan_in_fan_out", False):
@@ -133,8 +135,6 @@ def adapter(module: nn.Module, path: str) -> Adapter | None:
     :func:`prepare_adapters` at the start of the forward."""
     if not is_lora_linear(module) or module.disable_adapters or module.merged:  # merged: in the base weight
         return None
-    if module._forward_pre_hooks or module._forward_hooks:
-        raise _refuse(f"forward hooks on a LoRA layer, e.g. mixed-batch adapter_names ({path})")
     names = [name for name in module.active_adapters if name in module.lora_A]
     if not names:
         return None
