@@ -185,8 +185,8 @@ def test_fused_weights_kept_for_inference_until_a_parameter_changes():
             model(ids)
             assert blocks[2] is not blocks[0]
             torch.testing.assert_close(blocks[2][1].gate_up[1::2], model.model.layers[1].mlp.up_proj.weight)
-        model(ids)  # with autograd: fused afresh, nothing kept
-        assert blocks[3] is not blocks[2] and model not in hf_cache._FUSED_WEIGHTS
+        model(ids)  # with autograd: fused afresh (differentiably), nothing kept
+        assert len(blocks) == 3 and model not in hf_cache._FUSED_WEIGHTS
     finally:
         hf_cache.inference_blocks = fuse
 

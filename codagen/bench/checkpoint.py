@@ -10,9 +10,9 @@ Variants (the same weights and batch; ``model.gradient_checkpointing_enable`` wi
 - ``codagen``: patched without checkpointing, for reference (``--variants`` adds ``hf``, unpatched without it).
 
 Shape: LLaMA-3-8B layers (d 4096, ffn 14336, 32/8 heads, head_dim 128), 8 layers, vocabulary 32768
-(``--vocab``), 4 x 8192 tokens, bf16 parameters, labels on every token. M = 32768 tokens has no shipped
-Triton tuning at this shape: run with ``CODAGEN_TRITON_AUTOTUNE=0`` (the first viable configuration) unless
-minutes of autotuning are wanted. A step is forward + backward with fresh gradients; ``median_ms`` is the
+(``--vocab``), 4 x 8192 tokens, bf16 parameters, labels on every token. M = 32768 tokens has few shipped
+Triton tunings at this shape: by default each kernel takes the untimed choice of the nearest shipped bucket
+(``CODAGEN_TRITON_AUTOTUNE=1`` times them instead, minutes). A step is forward + backward with fresh gradients; ``median_ms`` is the
 median over ``--steps`` timed steps after two warm-up steps, ``peak_mem_gib`` the peak allocation of one step
 above what was allocated before it (the weights). Records go to ``bench/results/<date>-checkpoint.json``.
 ``--smoke`` runs a tiny model on CPU to check the harness.
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = {"hidden": c.hidden_size, "ffn": c.intermediate_size, "heads": c.num_attention_heads,
              "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "layers": layers, "vocab": vocab,
              "batch": batch, "seq": seq, "tokens": batch * seq}
-    autotune = os.environ.get("CODAGEN_TRITON_AUTOTUNE", "1")
+    autotune = os.environ.get("CODAGEN_TRITON_AUTOTUNE", "unset (untimed choices)")
     print(f"checkpoint benchmark on {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}, {dtype}, "
           f"{shape}, CODAGEN_TRITON_AUTOTUNE={autotune}", flush=True)
     records = []

@@ -336,9 +336,14 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     def fuse():
         return [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
     # adapters switch (set_adapter, disable_adapter) without touching a parameter: fused on every forward
-    # with autograd on they are differentiable gathers, rebuilt every forward (traceable: no graph break)
-    blocks = (fuse() if torch.is_grad_enabled() or lora.has_lora_layers(self)
-              else hf_cache.inference_blocks(self, dtype, fuse))
+    if torch.is_grad_enabled() or lora.has_lora_layers(self):
+        # differentiable gathers, rebuilt every forward (traceable: no graph break); a copy kept by an
+        # earlier forward without autograd is dropped (under torch.compile no forward keeps one)
+        if not torch.compiler.is_compiling():
+            hf_cache.drop_inference_blocks(self)
+        blocks = fuse()
+    else:
+        blocks = hf_cache.inference_blocks(self, dtype, fuse)
     norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
     head_weight = self.lm_head.weight.to(dtype)
     if cache is None:

@@ -38,21 +38,23 @@ _SUPPORTED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer",
 _FUSED_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def drop_inference_blocks(model) -> None:
+    """Forget the fused weights :func:`inference_blocks` keeps for ``model`` (a forward with autograd on)."""
+    _FUSED_WEIGHTS.pop(model, None)
+
+
 @torch.compiler.disable  # reads version counters; a compiled forward (generate's static cache) calls it eagerly
 def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWeights]]) -> list[BlockWeights]:
     """``fuse()`` (the blocks' weights in the fused layout), reused across forwards without autograd.
 
-    With autograd on, the fused layout is rebuilt on every forward (differentiable gathers: the gradients
-    reach the model's parameters) and any kept copy is dropped. Under ``torch.no_grad`` / inference mode
-    (generation, evaluation) it is built once and kept while every parameter has the same storage and
+    For forwards without autograd (with autograd on the caller fuses differentiably and drops the kept
+    copy: :func:`drop_inference_blocks`): under ``torch.no_grad`` / inference mode (generation,
+    evaluation) the fused layout is built once and kept while every parameter has the same storage and
     version counter and the same modules: an optimizer step, ``load_state_dict`` or a module swap changes them
     and the next forward re-fuses.
     A decode step then reads each weight once instead of gathering QKV and gate/up into new copies.
     (Writes through ``param.data`` bypass the version counter and are not seen.)
     """
-    if torch.is_grad_enabled():
-        _FUSED_WEIGHTS.pop(model, None)
-        return fuse()
     # modules too: merging an adapter (peft's merge_and_unload) writes through ``.data`` and swaps modules
     key = (dtype, tuple((p.data_ptr(), p._version) for p in model.parameters()), tuple(map(id, model.modules())))
     kept = _FUSED_WEIGHTS.get(model)
