@@ -47,7 +47,7 @@ from codagen.models.llama import AttentionSpec, BlockWeights, decoder_stack, fus
 from codagen.models.masks import causal_mask, document_ids
 from codagen.models.reference import rotate_half
 
-from .common import median_ms, timed_rounds, wall_ms, write_results
+from .common import median_ms, pyplot, timed_rounds, wall_ms, write_results
 
 __all__ = ["main", "BlockShape", "SHAPES"]
 
@@ -459,12 +459,8 @@ def table(records: list[dict], providers: list[str]) -> str:
 
 def plot(records: list[dict], providers: list[str], path: Path) -> Path | None:
     """Grouped bars of time / speed of light per shape, one panel per pass (lower is better)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no chart")
+    plt = pyplot()
+    if plt is None:
         return None
     passes = sorted({r["pass"] for r in records})
     fig, axes = plt.subplots(1, len(passes), figsize=(6 * len(passes), 4), squeeze=False)

@@ -134,3 +134,15 @@ def write_results(suite: str, records: list[dict], out_dir: str | os.PathLike | 
     path = out_dir / f"{env['date'][:10]}-{suite}.json"
     path.write_text(json.dumps({"env": env, "records": records}, indent=1) + "\n")
     return path
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or ``None`` (with a note) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart")
+        return None
+    return plt

@@ -42,7 +42,7 @@ import torch
 import codagen
 from codagen.models.decode import GreedyDecoder
 
-from .common import median_ms, wall_ms, write_results
+from .common import median_ms, pyplot, wall_ms, write_results
 
 __all__ = ["main", "ModelShape", "MODELS"]
 
@@ -287,12 +287,8 @@ def _print(r: dict) -> None:
 
 def plot(records: list[dict], providers: list[str], path: Path) -> Path | None:
     """Decode: fraction of the physical limit per provider; prefill: time relative to compile_static."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no chart")
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(13, 4))
     for ax, pass_ in zip(axes, ("decode", "prefill")):

@@ -34,7 +34,7 @@ import torch
 
 import codagen
 
-from .common import write_results
+from .common import pyplot, write_results
 
 __all__ = ["main", "LoraShape", "SHAPES", "PROVIDERS"]
 
@@ -166,12 +166,8 @@ def table(records: list[dict], providers: list[str]) -> str:
 
 def plot(records: list[dict], providers: list[str], path: Path) -> Path | None:
     """Tokens/s and peak memory per shape and provider."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no chart")
+    plt = pyplot()
+    if plt is None:
         return None
     names = list(dict.fromkeys(r["name"] for r in records))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
