@@ -112,3 +112,17 @@ def test_gpu_compiled_patched_llama_triton(monkeypatch):
     for name, p in eager.named_parameters():
         g, w = model.get_parameter(name).grad.float(), p.grad.float()
         assert (g - w).abs().max() <= 0.05 * w.abs().max() + 1e-3, name
+
+
+def test_codagen_ops_are_inductor_fallbacks_before_lowering():
+    """Compiling an op registers every codagen op as an Inductor fallback before Inductor lowers the graph
+    (torch 2.11's implicit-fallback path formats the whole graph above an op: exponential in depth)."""
+    import torch._inductor.lowering as lowering
+
+    from codagen import ops
+    x, weight = torch.randn(8, 16), torch.rand(16) + 0.5
+    compiled = torch.compile(lambda x, w: ops.rms_norm_stats(x, w, 1e-6)[1], backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(x, weight), ops.rms_norm_stats(x, weight, 1e-6)[1])
+    packets = [getattr(torch.ops.codagen, name) for name in dir(torch.ops.codagen)]
+    overloads = [getattr(p, o) for p in packets if isinstance(p, torch._ops.OpOverloadPacket) for o in p.overloads()]
+    assert len(overloads) >= 17 and all(op in lowering.lowerings for op in overloads)

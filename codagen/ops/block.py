@@ -23,6 +23,7 @@ from codagen.epilogue import library
 
 from . import _checks as check
 from . import kernels
+from ._inductor import register_fake
 from ._checks import stats_dtype
 from .layouts import kv_heads_of
 from .low_rank import LowRank
@@ -138,7 +139,7 @@ def _rms_norm_stats_op(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tens
     return kernels.rms_norm_stats(x, norm_weight, eps)
 
 
-@_rms_norm_stats_op.register_fake
+@register_fake(_rms_norm_stats_op)
 def _(x, norm_weight, eps):
     return torch.empty_like(x), _stats(x, x.shape[0])
 
@@ -167,7 +168,7 @@ def _out_proj_residual_rms_op(inp: Tensor, weight: Tensor, residual: Tensor, nor
     return out["residual_out"], out["normed"], rstd
 
 
-@_out_proj_residual_rms_op.register_fake
+@register_fake(_out_proj_residual_rms_op)
 def _(inp, weight, residual, norm_weight, eps, lora_u, lora_b):
     return torch.empty_like(residual), torch.empty_like(residual), _stats(residual, residual.shape[0])
 
@@ -188,7 +189,7 @@ def _linear_backward_op(grad_out: Tensor, inp: Tensor, weight: Tensor, weight_gr
             _or_empty(grad_lora_b, inp))
 
 
-@_linear_backward_op.register_fake
+@register_fake(_linear_backward_op)
 def _(grad_out, inp, weight, weight_grad, input_grad, lora_a, lora_b, lora_u, lora_scale):
     return (_fake_grad(inp, input_grad, inp), _fake_grad(weight, weight_grad, inp), _fake_grad(lora_a, True, inp),
             _fake_grad(lora_b, True, inp))
@@ -267,7 +268,7 @@ def _rms_qkv_rope_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions
                 frequencies=frequencies)["qkv"]
 
 
-@_rms_qkv_rope_op.register_fake
+@register_fake(_rms_qkv_rope_op)
 def _(normed, rstd, qkv_weight, positions, frequencies, lora_u, lora_b):
     return normed.new_empty(normed.shape[0], qkv_weight.shape[0])
 
@@ -301,7 +302,7 @@ def _rms_qkv_rope_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor |
         input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
 
 
-@_rms_qkv_rope_backward_op.register_fake
+@register_fake(_rms_qkv_rope_backward_op)
 def _(grad_blocks, grad_residual, qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, weight_grad,
       input_grad, lora_a, lora_b, lora_u, lora_scale):
     return _fake_consumer_grads(x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b)
@@ -387,7 +388,7 @@ def _rms_qkv_rope_qk_norm_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, p
     return out["qkv"], out["preact"]
 
 
-@_rms_qkv_rope_qk_norm_op.register_fake
+@register_fake(_rms_qkv_rope_qk_norm_op)
 def _(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, lora_u, lora_b):
     shape = (normed.shape[0], qkv_weight.shape[0])
     return normed.new_empty(shape), normed.new_empty(shape)
@@ -412,7 +413,7 @@ def _rms_qkv_rope_qk_norm_backward_op(grad_blocks: list[Tensor], grad_residual: 
         grad_q_norm_weight.to(q_norm_weight.dtype), grad_k_norm_weight.to(k_norm_weight.dtype))
 
 
-@_rms_qkv_rope_qk_norm_backward_op.register_fake
+@register_fake(_rms_qkv_rope_qk_norm_backward_op)
 def _(grad_blocks, grad_residual, preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
       k_norm_weight, num_heads, eps, weight_grad, input_grad, lora_a, lora_b, lora_u,
       lora_scale):
@@ -553,7 +554,7 @@ def _rms_gate_up_swiglu_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor,
     return out["out"], out["preact"]
 
 
-@_rms_gate_up_swiglu_op.register_fake
+@register_fake(_rms_gate_up_swiglu_op)
 def _(normed, rstd, gate_up_weight, lora_u, lora_b):
     m, two_f = normed.shape[0], gate_up_weight.shape[0]
     return normed.new_empty(m, two_f // 2), normed.new_empty(m, two_f)
@@ -570,7 +571,7 @@ def _rms_gate_up_swiglu_backward_op(grad_act: Tensor, preact: Tensor, x: Tensor,
         lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
 
 
-@_rms_gate_up_swiglu_backward_op.register_fake
+@register_fake(_rms_gate_up_swiglu_backward_op)
 def _(grad_act, preact, x, rstd, norm_weight, gate_up_weight, weight_grad, input_grad, lora_a, lora_b, lora_u,
       lora_scale):
     return _fake_consumer_grads(x, norm_weight, gate_up_weight, weight_grad, input_grad, lora_a, lora_b)
@@ -650,7 +651,7 @@ def _swiglu_down_backward_op(grad_x_out: Tensor, preact: Tensor, down_weight: Te
             _or_empty(grad_lora_b, preact))
 
 
-@_swiglu_down_backward_op.register_fake
+@register_fake(_swiglu_down_backward_op)
 def _(grad_x_out, preact, down_weight, weight_grad, lora_a, lora_b, lora_u, lora_scale):
     return (torch.empty_like(preact), _stats(grad_x_out, grad_x_out.shape[0]),
             _fake_grad(down_weight, weight_grad, preact), _fake_grad(lora_a, True, preact),
@@ -670,7 +671,7 @@ def _gate_up_rms_norm_backward_op(grad_preact: Tensor, grad_residual: Tensor, x:
         lora_scale=lora_scale))
 
 
-@_gate_up_rms_norm_backward_op.register_fake
+@register_fake(_gate_up_rms_norm_backward_op)
 def _(grad_preact, grad_residual, x, rstd, norm_weight, gate_up_weight, mean_z_dz, weight_grad, input_grad, lora_a,
       lora_b, lora_u, lora_scale):
     return _fake_consumer_grads(x, norm_weight, gate_up_weight, weight_grad, input_grad, lora_a, lora_b)
@@ -785,7 +786,7 @@ def _rms_linear_op(normed: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
     return execute(library.rms_linear(), normed, weight, rstd=rstd)["out"]
 
 
-@_rms_linear_op.register_fake
+@register_fake(_rms_linear_op)
 def _(normed, rstd, weight):
     return normed.new_empty(normed.shape[0], weight.shape[0])
 
@@ -799,7 +800,7 @@ def _rms_linear_backward_op(grad_out: Tensor, out: Tensor, x: Tensor, rstd: Tens
     return grad_x, grad_norm_weight, _or_empty(grad_weight, x)
 
 
-@_rms_linear_backward_op.register_fake
+@register_fake(_rms_linear_backward_op)
 def _(grad_out, out, x, rstd, norm_weight, weight, weight_grad):
     return torch.empty_like(x), torch.empty_like(norm_weight), _fake_grad(weight, weight_grad, x)
 

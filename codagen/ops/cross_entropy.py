@@ -32,6 +32,7 @@ from codagen.epilogue import library
 
 from . import _checks as check
 from . import kernels
+from ._inductor import register_fake
 from ._checks import stats_dtype
 
 __all__ = ["rms_lm_head_cross_entropy", "CHUNK_BYTES", "chunk_rows"]
@@ -83,7 +84,7 @@ def _ce_op(normed: Tensor, rstd: Tensor, lm_head_weight: Tensor, target: Tensor,
     return _reduce(row_loss, valid, row_weight, mean)
 
 
-@_ce_op.register_fake
+@register_fake(_ce_op)
 def _(normed, rstd, lm_head_weight, target, ignore_index, mean, rows_per_chunk):
     return normed.new_empty((), dtype=stats_dtype(normed.dtype))
 
@@ -131,7 +132,7 @@ def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tenso
     return _reduce(row_loss, valid, row_weight, mean), grad_x, grad_norm_weight, grad_weight
 
 
-@_ce_with_grad_op.register_fake
+@register_fake(_ce_with_grad_op)
 def _(x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk, weight_grad):
     cd = stats_dtype(x.dtype)
     wide = _accumulates_wide(x.shape[0], rows_per_chunk, lm_head_weight)
@@ -145,7 +146,7 @@ def _scale_cast_op(src: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
     return kernels.scale_cast(src, factor, dtype)
 
 
-@_scale_cast_op.register_fake
+@register_fake(_scale_cast_op)
 def _(src, factor, dtype):
     return src.new_empty(src.shape, dtype=dtype)
 

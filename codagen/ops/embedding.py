@@ -17,6 +17,7 @@ from torch import Tensor
 
 from . import _checks as check
 from . import kernels
+from ._inductor import register_fake
 
 __all__ = ["embedding"]
 
@@ -29,7 +30,7 @@ def _embedding_backward_op(grad_out: Tensor, ids: Tensor, vocab: int, padding_id
     return grad_weight
 
 
-@_embedding_backward_op.register_fake
+@register_fake(_embedding_backward_op)
 def _(grad_out, ids, vocab, padding_idx):
     return grad_out.new_empty(vocab, grad_out.shape[1])
 
