@@ -64,10 +64,24 @@ def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWei
     return kept[1]
 
 
+_TRANSFORMERS: tuple | None = None
+
+
+def load_transformers() -> None:
+    """Import ``transformers``' cache, mask and output modules (an optional dependency: only a patched
+    forward needs them). ``codagen.patch`` calls it, so the forward finds them loaded: under
+    ``torch.compile`` an import of transformers' lazy modules inside the forward is a graph break (torch
+    2.11 with transformers 5.17)."""
+    global _TRANSFORMERS
+    if _TRANSFORMERS is None:
+        from transformers import cache_utils, masking_utils, modeling_outputs
+        _TRANSFORMERS = cache_utils, masking_utils, modeling_outputs
+
+
 def _transformers():
-    """``transformers``' cache and mask modules (an optional dependency: only a patched forward needs it)."""
-    from transformers import cache_utils, masking_utils, modeling_outputs
-    return cache_utils, masking_utils, modeling_outputs
+    if _TRANSFORMERS is None:
+        load_transformers()
+    return _TRANSFORMERS
 
 
 def _refuse_cache(kind: str) -> NotImplementedError:

@@ -101,13 +101,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attention
     return out.transpose(1, 2).reshape(b * s, h * hd)
 
 
+#: whether the decoder layer is a ``torch.compiler.nested_compile_region``: torch 2.11's Dynamo fails on it
+#: (``KeyError: example_value`` comparing the second layer's backward subgraph with the first's) and torch
+#: < 2.8 has none; there the layer is inlined into the model's graph
+COMPILE_REGION = (hasattr(torch.compiler, "nested_compile_region")
+                  and tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13))
+
+
 def _compile_region(fn):
-    """``torch.compiler.nested_compile_region`` where it traces our layer: torch 2.11's dynamo fails on it
-    (``KeyError: example_value`` comparing the second layer's backward subgraph with the first's), and
-    torch < 2.8 has none; there the layer is inlined into the model's graph."""
-    region = getattr(torch.compiler, "nested_compile_region", None)
-    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
-    return fn if region is None or version < (2, 13) else region(fn)
+    return torch.compiler.nested_compile_region(fn) if COMPILE_REGION else fn
 
 
 def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, spec: AttentionSpec,
