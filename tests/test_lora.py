@@ -48,15 +48,22 @@ def loss_and_grads(model, inputs, backend="reference"):
 
 def assert_matches(patched, reference, inputs, backend="reference", rtol=1e-4, atol=1e-6):
     """The patched model's loss and LoRA gradients equal the unpatched PEFT model's (each gradient within
-    ``rtol`` in norm); frozen weights get none."""
+    ``rtol`` in norm, or, where fp32 rounding alone exceeds that, within twice the unpatched model's error
+    against its float64 copy); frozen weights get none."""
     want_loss, want = loss_and_grads(reference, inputs)
     got_loss, got = loss_and_grads(patched, inputs, backend)
     torch.testing.assert_close(got_loss, want_loss, rtol=rtol, atol=atol)
     assert set(got) == set(want) and any("lora_A" in n for n in got)
+    exact = None
     for name, g in got.items():
         assert g is not None, f"{name} got no gradient"
         error = ((g - want[name]).norm() / want[name].norm()).item()
-        assert error <= rtol, f"{name}: relative error {error:.2e}"
+        if error > rtol:  # an ill-conditioned gradient: the project's 2x rule against float64 decides
+            if exact is None:
+                exact = loss_and_grads(copy.deepcopy(reference).double(), inputs)[1]
+            ours, theirs = ((t.double() - exact[name]).norm() / exact[name].norm() for t in (g, want[name]))
+            assert ours <= 2 * theirs + 1e-6, (f"{name}: relative error {error:.2e} to the unpatched model; against "
+                                               f"float64 {ours:.2e}, the unpatched model's {theirs:.2e}")
     for name, p in patched.named_parameters():
         if not p.requires_grad:
             assert p.grad is None, f"frozen {name} got a gradient"
