@@ -251,7 +251,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
     if torch.compiler.is_compiling() and torch.is_grad_enabled() and not COMPILE_REGION:
         _refuse_compiled_training()
-    lora.prepare_adapters(self)  # PEFT wrappers and adapter states can change after patching
+    adapters = lora.prepare_adapters(self)  # PEFT wrappers and adapter states can change after patching
     _check_hooks(self)
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
@@ -291,7 +291,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     with torch.autocast(device_type, enabled=False):
         return _decoder_forward(self, x.to(dtype), dtype, attention_mask, position_ids, labels, shift_labels,
-                                logits_to_keep, num_items_in_batch, return_dict, cache)
+                                logits_to_keep, num_items_in_batch, return_dict, cache, adapters)
 
 
 
@@ -318,9 +318,10 @@ def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift_labels, logits_to_keep,
-                     num_items_in_batch, return_dict, cache=None):
+                     num_items_in_batch, return_dict, cache=None, adapters=False):
     """The checked forward: embeddings ``x`` [B, S, d] in ``dtype`` through the fused decoder and head;
-    with ``cache`` (a checked ``transformers`` cache) the KV-cache forward of :mod:`.hf_cache`."""
+    with ``cache`` (a checked ``transformers`` cache) the KV-cache forward of :mod:`.hf_cache`; ``adapters``:
+    the model holds LoRA layers (:func:`.lora.prepare_adapters`)."""
     batch, seq, hidden = x.shape
     config = self.config
     # As transformers: a padding mask when given, else documents from position_ids (packed rows); both on the
@@ -348,7 +349,7 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     def fuse():
         return [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
     # adapters switch (set_adapter, disable_adapter) without touching a parameter: fused on every forward
-    if torch.is_grad_enabled() or lora.has_lora_layers(self):
+    if torch.is_grad_enabled() or adapters:
         # differentiable gathers, rebuilt every forward (traceable: no graph break); a copy kept by an
         # earlier forward without autograd is dropped (under torch.compile no forward keeps one)
         if not torch.compiler.is_compiling():

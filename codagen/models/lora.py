@@ -54,10 +54,6 @@ def is_lora_linear(module: nn.Module) -> bool:
     return _is_peft_module(module) and hasattr(module, "lora_A") and hasattr(module, "base_layer")
 
 
-def has_lora_layers(model: nn.Module) -> bool:
-    return any(is_lora_linear(module) for module in model.modules())
-
-
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The ``...ForCausalLM`` inside a ``peft.PeftModel`` (checked against its LoRA configs), else ``model``."""
     if not (_is_peft_module(model) and hasattr(model, "get_base_model") and hasattr(model, "peft_config")):
@@ -79,26 +75,28 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model.get_base_model()
 
 
-def prepare_adapters(model: nn.Module) -> None:
+def prepare_adapters(model: nn.Module) -> bool:
     """Before a forward reads any weight: refuse PEFT modules the fused decoder would bypass (any PEFT
     module other than a LoRA layer, with its own submodules, at one of the seven projections of a decoder
-    layer) and LoRA layers it cannot compute; unmerge disabled merged layers, as PEFT's forward does."""
+    layer) and LoRA layers it cannot compute; unmerge disabled merged layers, as PEFT's forward does.
+    Returns whether the model holds LoRA layers."""
     slots = {id(getattr(getattr(layer, parent), name)) for layer in model.model.layers
              for parent, names in PROJECTIONS for name in names}
-    inside = ()
+    inside, lora_layers = (), False
     for path, module in model.named_modules():
         if inside and path.startswith(inside):
             continue
         if not _is_peft_module(module):
             continue
         if id(module) in slots and is_lora_linear(module):
-            inside = path + "."
+            inside, lora_layers = path + ".", True
             _check_lora_layer(module, path)
             if module.disable_adapters and module.merged:
                 module.unmerge()
             continue
         where = "at one of q/k/v/o/gate/up/down_proj" if id(module) in slots else "outside q/k/v/o/gate/up/down_proj"
         raise _refuse(f"the PEFT module {type(module).__name__} {where} ({path})")
+    return lora_layers
 
 
 def _check_lora_layer(module: nn.Module, path: str) -> None:
