@@ -47,7 +47,7 @@ from codagen.models.llama import AttentionSpec, BlockWeights, decoder_stack, fus
 from codagen.models.masks import causal_mask, document_ids
 from codagen.models.reference import rotate_half
 
-from .common import median_ms, pyplot, timed_rounds, wall_ms, write_results
+from .common import median_ms, peak_gib, pyplot, timed_rounds, wall_ms, write_results
 
 __all__ = ["main", "BlockShape", "SHAPES"]
 
@@ -228,21 +228,8 @@ def _timer(device) -> Callable[[Callable], float]:
 
 
 def _peak_gib(fn, device) -> float | None:
-    """Peak memory of one step above what was allocated before it (activations, gradients), GiB.
-
-    The previous step's gradients are released first: a step frees them itself, and counting them in
-    the baseline would hide as much of its own peak.
-    """
-    if device.type != "cuda":
-        return None
-    for t in getattr(fn, "params", ()):
-        t.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+    """:func:`.common.peak_gib` of one step, which carries its parameters as ``fn.params``."""
+    return peak_gib(fn, device, getattr(fn, "params", ()))
 
 
 def _train_step(loss_fn: Callable[[], torch.Tensor], params: list, grad_out=None) -> Callable[[], None]:

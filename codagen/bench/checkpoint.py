@@ -32,7 +32,7 @@ import torch
 
 from codagen.models import keep_attention, patch
 
-from .common import write_results
+from .common import peak_gib, write_results
 
 __all__ = ["main", "VARIANTS"]
 
@@ -88,14 +88,7 @@ def measure(model, ids, steps: int, device) -> dict:
             times.append(1e3 * (time.perf_counter() - started))
     record = {"median_ms": statistics.median(times), "step_ms": times}
     if device.type == "cuda":
-        for p in params:
-            p.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        record["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+        record["peak_mem_gib"] = peak_gib(step, device, params)
     return record
 
 

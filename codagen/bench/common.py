@@ -146,3 +146,19 @@ def pyplot():
         print("matplotlib is not installed: no chart")
         return None
     return plt
+
+
+def peak_gib(step: Callable[[], object], device: torch.device, params=()) -> float | None:
+    """Peak memory of one ``step`` above what was allocated before it (activations, gradients), GiB; None
+    off CUDA. The ``params``' gradients are released first: a step frees the previous ones itself, and
+    counting them in the baseline would hide as much of its own peak."""
+    if device.type != "cuda":
+        return None
+    for t in params:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2 ** 30
