@@ -334,10 +334,14 @@ def test_gpu_bf16_cached_logits_two_x_rule(family, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_greedy_decoder_cuda_graph(monkeypatch):
-    """The captured decode step replays to the tokens of the same step run eagerly and of generate()."""
+    """The captured decode step replays to the tokens of the same step run eagerly; every token is a greedy
+    choice of the exact model: its float64 teacher-forced logit is within twice transformers' bf16 logit
+    error of the float64 maximum. (Token equality with the unpatched bf16 ``generate()`` is no criterion:
+    two bf16 computations may break a near-tie differently, and the sequences part from there.)"""
     monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
-    model = patch(build("llama", **GPU_FIELDS).cuda().bfloat16().eval())
-    model.generation_config.eos_token_id = None  # GreedyDecoder has no stopping criteria
+    base = build("llama", **GPU_FIELDS).cuda().eval()
+    base.generation_config.eos_token_id = None  # GreedyDecoder has no stopping criteria
+    model = patch(copy.deepcopy(base).bfloat16())
     ids = torch.randint(1, 1000, (4, 32), device="cuda")
     mask = torch.ones_like(ids)
     mask[2, :7] = 0
@@ -347,9 +351,12 @@ def test_gpu_greedy_decoder_cuda_graph(monkeypatch):
     assert graphed.graph is not None
     assert torch.equal(tokens, eager(ids, mask, max_new_tokens=16))
     assert torch.equal(graphed(ids, mask, max_new_tokens=16), tokens)  # replayed again, cache reset in place
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
-                          cache_implementation="static", disable_compile=True)
-    assert torch.equal(tokens, want[:, ids.shape[1]:])
+    with torch.no_grad():
+        exact = teacher_forced_logits(copy.deepcopy(base).double(), ids, mask, tokens[:, :-1])
+        theirs = teacher_forced_logits(copy.deepcopy(base).bfloat16(), ids, mask, tokens[:, :-1])
+    bf16_error = (theirs.double() - exact).abs().amax().item()
+    shortfall = exact.amax(-1) - exact.gather(-1, tokens[..., None]).squeeze(-1)  # [batch, steps], 0 at argmax
+    assert shortfall.max().item() <= 2 * bf16_error + 1e-6, (shortfall.max().item(), bf16_error)
 
 
 @pytest.mark.gpu
