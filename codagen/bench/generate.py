@@ -212,7 +212,10 @@ def _error(record: dict, error: Exception) -> None:
 
 
 def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str], device, dtype, prefill_cases,
-                decode_cases, context: int, new_tokens: int, bandwidth_gbps: float | None) -> list[dict]:
+                decode_cases, context: int, new_tokens: int, bandwidth_gbps: float | None,
+                records: list[dict], save: Callable[[], object]) -> None:
+    """Appends one record per (case, provider) to ``records`` and calls ``save`` after each case, so a run cut
+    short keeps what it measured."""
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
@@ -221,7 +224,6 @@ def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str],
     timer = _timer(device)
     base = {"suite": "generate", "name": name, "shape": dict(dataclasses.asdict(shape), layers=layers),
             "dtype": str(dtype)}
-    records = []
     with torch.no_grad():
         for batch, seq in prefill_cases:
             ids = torch.randint(0, shape.vocab, (batch, seq), device=device)
@@ -239,6 +241,7 @@ def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str],
                     _error(record, error)
                 records.append(record)
                 _print(record)
+            save()
         for batch in decode_cases:
             ids = torch.randint(0, shape.vocab, (batch, context), device=device)
             reference = None
@@ -268,10 +271,10 @@ def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str],
                     _error(record, error)
                 records.append(record)
                 _print(record)
+            save()
     del runs, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return records
 
 
 def _print(r: dict) -> None:
@@ -358,9 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     records = []
     for name, (shape, layers) in models.items():
-        records += bench_model(name, shape, layers, providers, device, dtype, prefill_cases, decode_cases, context,
-                               new_tokens, bandwidth)
-        write_results("generate", records, args.out)  # after every model: a run cut short keeps what it measured
+        bench_model(name, shape, layers, providers, device, dtype, prefill_cases, decode_cases, context, new_tokens,
+                    bandwidth, records, save=lambda: write_results("generate", records, args.out))
     path = write_results("generate", records, args.out)
     chart = plot(records, providers, path.with_suffix(".png"))
     print(f"\n{time.perf_counter() - started:.0f} s; results: {path}" + (f", chart: {chart}" if chart else ""))
