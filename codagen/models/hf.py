@@ -54,7 +54,7 @@ from torch import nn
 from codagen import ops
 
 from . import hf_cache, lora
-from .llama import COMPILE_REGION, AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
+from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
 __all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODELS"]
@@ -249,8 +249,6 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
              labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
              return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
-    if torch.compiler.is_compiling() and torch.is_grad_enabled() and not COMPILE_REGION:
-        _refuse_compiled_training()
     adapters = lora.prepare_adapters(self)  # PEFT wrappers and adapter states can change after patching
     _check_hooks(self)
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
@@ -297,14 +295,6 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
 
 # the signature of ...ForCausalLM.forward without self: transformers' Trainer reads it to keep dataset columns
 _PatchedForward.__signature__ = inspect.Signature(list(inspect.signature(_forward).parameters.values())[1:])
-
-@torch.compiler.disable  # runs (and raises) when the compiled forward runs, not while it is traced
-def _refuse_compiled_training() -> None:
-    raise NotImplementedError(
-        f"codagen.patch: torch.compile of a patched model's training forward needs torch >= 2.13 (installed: "
-        f"{torch.__version__}); on earlier versions its gradients below the last layer's MLP differ from the "
-        f"eager model's (docs/notes/compile.md). Run the patched model without torch.compile, or compile "
-        f"without autograd (inference)")
 
 
 def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -684,7 +684,9 @@ class _MlpGateUp(torch.autograd.Function):
     def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale):
         lora_u = _low_rank_operand(normed, lora_a, lora_scale)
         act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b)
-        mean_z_dz_slot = _stats(x, x.shape[0]).zero_()
+        # out of place: torch 2.11's Dynamo hands the gradient of an output an in-place op made here to
+        # backward as zeros (pytorch/pytorch#180642; docs/notes/compile.md)
+        mean_z_dz_slot = x.new_zeros(x.shape[0], dtype=stats_dtype(x.dtype))
         ctx.save_for_backward(x, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_u)
         ctx.lora_scale = lora_scale
         ctx.mark_non_differentiable(act)
