@@ -5,8 +5,10 @@ Producers of the residual stream return ``(x, normed, rstd)``; ``normed = x * no
 ``rstd = rsqrt(mean(x^2) + eps)`` are non-differentiable, and the norm's single consumer op takes
 ``(x, normed, rstd, norm_weight, ...)`` and owns the whole RMSNorm backward (docs/design.md).
 """
-from .block import (out_proj_residual_rms, rms_gate_up_swiglu, rms_linear, rms_norm_stats, rms_qkv_rope,
-                    swiglu_mlp_residual_rms)
+from .mlp import rms_gate_up_swiglu, swiglu_mlp_residual_rms
+from .qkv import rms_qkv_rope
+from .residual import out_proj_residual_rms, rms_norm_stats
+from .linear import rms_linear
 from .cross_entropy import rms_lm_head_cross_entropy
 from .embedding import embedding
 from .low_rank import LowRank
