@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from codagen.backends.triton.backend import load_kernel  # noqa: E402
-from codagen.backends.triton.configs import _SM90, candidates, smem_estimate  # noqa: E402
+from codagen.backends.triton.configs import SM90, candidates, smem_estimate  # noqa: E402
 from codagen.epilogue import library  # noqa: E402
 from codagen.epilogue.ir import RowVector, Store, TileInput  # noqa: E402
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     print(f"{'program':36s} {'config':34s} {'est KiB':>7s} {'smem KiB':>8s} {'regs':>4s} {'stack':>5s} wgmma")
     for name in names:
         program = library.PROGRAMS[name]()
-        pool = list(_SM90) if args.all else candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True,
+        pool = list(SM90) if args.all else candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True,
                                                                         tma_epilogue=True)
         for cfg in pool:
             est = smem_estimate(program, cfg, 2) / 1024
