@@ -9,7 +9,7 @@ from torch.autograd import gradcheck
 from codagen import ops
 from codagen.ops import kernels
 
-from .test_ops_block import reference_tiles, rms_norm, rope_half_split
+from .conftest import reference_tiles, rms_norm, rope_half_split
 
 EPS = 1e-5
 M, D, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 5, 6, 2, 1, 4, 4, 7

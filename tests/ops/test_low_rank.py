@@ -105,7 +105,8 @@ def test_rms_gate_up_swiglu():
     act = ops.rms_gate_up_swiglu(x, normed, rstd, gamma, w, low_rank=LowRank(a, b, s))
     want = swiglu(rms(x, gamma) @ effective(w, pair).t())
     probe = torch.randn_like(want)
-    check_grads((act * probe).sum(), (want * probe).sum(), (x, gamma, w, a, b), ("x", "norm_weight", "weight", "a", "b"))
+    check_grads((act * probe).sum(), (want * probe).sum(), (x, gamma, w, a, b),
+                ("x", "norm_weight", "weight", "a", "b"))
 
 
 @pytest.mark.parametrize("adapted", ["both", "gate_up", "down"])
