@@ -17,8 +17,9 @@ and the kernel at other (BLOCK, num_warps) than the launcher's. Prints a table o
 [M, N] bf16 passes over the time); writes the JSON to ``--out``.
 
 ``--qk-norm`` times B1 with QK-norm (Qwen3: ``rope_qk_norm_backward``, head_dim 128) instead, against the same
-``add_same_bytes``; ``--baseline FILE`` also times the launcher of a saved ``codagen/ops/kernels/rope_qk_norm_backward.py``
-(``git show REV:codagen/ops/kernels/rope_qk_norm_backward.py > FILE``), checked against today's output.
+``add_same_bytes``; ``--baseline FILE`` also times the launcher of a saved
+``codagen/ops/kernels/rope_qk_norm_backward.py`` (``git show REV:codagen/ops/kernels/rope_qk_norm_backward.py >
+FILE``), checked against today's output.
 """
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--out", default=None, help="directory for the JSON (default: none written)")
     parser.add_argument("--qk-norm", action="store_true", help="B1 with QK-norm (head_dim 128 shapes only)")
-    parser.add_argument("--baseline", default=None, help="a saved codagen/ops/kernels/rope_qk_norm_backward.py to time beside (--qk-norm)")
+    parser.add_argument("--baseline", default=None,
+                        help="a saved codagen/ops/kernels/rope_qk_norm_backward.py to time beside (--qk-norm)")
     args = parser.parse_args()
     baseline = load_module("codagen.ops.kernels.baseline", args.baseline) if args.baseline else None
     records = []

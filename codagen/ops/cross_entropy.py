@@ -32,8 +32,8 @@ from codagen.epilogue import library
 
 from . import _checks as check
 from . import kernels
-from ._custom_op import custom_op, named_gradients
 from ._checks import stats_dtype
+from ._custom_op import custom_op, named_gradients
 
 __all__ = ["rms_lm_head_cross_entropy", "CHUNK_BYTES", "chunk_rows"]
 

@@ -12,9 +12,21 @@ from codagen.epilogue import library
 from . import _checks as check
 from . import kernels
 from ._custom_op import custom_op, named_gradients
-from ._fused import (consumer_backward_outputs, consumer_gradients, consumer_input_grad, consumer_rms_norm_backward,
-                     fake_consumer_grads, fake_grad, lora_args, low_rank_grad_operand, low_rank_grads,
-                     low_rank_operand, or_empty, run, stats_like)
+from ._fused import (
+    consumer_backward_outputs,
+    consumer_gradients,
+    consumer_input_grad,
+    consumer_rms_norm_backward,
+    fake_consumer_grads,
+    fake_grad,
+    lora_args,
+    low_rank_grad_operand,
+    low_rank_grads,
+    low_rank_operand,
+    or_empty,
+    run,
+    stats_like,
+)
 from .low_rank import LowRank
 from .residual import out_proj_residual_rms_op
 

@@ -15,8 +15,16 @@ from . import _checks as check
 from . import kernels
 from ._checks import stats_dtype
 from ._custom_op import custom_op, named_gradients
-from ._fused import (consumer_backward_outputs, consumer_gradients, consumer_input_grad, consumer_rms_norm_backward,
-                     fake_consumer_grads, lora_args, low_rank_operand, run)
+from ._fused import (
+    consumer_backward_outputs,
+    consumer_gradients,
+    consumer_input_grad,
+    consumer_rms_norm_backward,
+    fake_consumer_grads,
+    lora_args,
+    low_rank_operand,
+    run,
+)
 from .layouts import kv_heads_of
 from .low_rank import LowRank
 

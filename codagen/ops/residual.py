@@ -12,8 +12,16 @@ from codagen.epilogue import library
 from . import _checks as check
 from . import kernels
 from ._custom_op import custom_op, named_gradients
-from ._fused import (fake_grad, lora_args, low_rank_grad_operand, low_rank_grads, low_rank_operand, or_empty, run,
-                     stats_like)
+from ._fused import (
+    fake_grad,
+    lora_args,
+    low_rank_grad_operand,
+    low_rank_grads,
+    low_rank_operand,
+    or_empty,
+    run,
+    stats_like,
+)
 from .low_rank import LowRank
 
 __all__ = ["rms_norm_stats", "out_proj_residual_rms"]

@@ -22,17 +22,37 @@ and the dispatcher ``foo`` (:mod:`._launch`): the kernel for CUDA tensors when t
 ``*_triton`` launchers on CPU under ``TRITON_INTERPRET=1``.) Kernels keep fp32 statistics and write one
 value per row or column: no atomics, so results are deterministic.
 """
-from .cross_entropy_logits_grad import (CROSS_ENTROPY_GROUP, CROSS_ENTROPY_LAUNCH, cross_entropy_logits_grad,
-                                        cross_entropy_logits_grad_ref, cross_entropy_logits_grad_triton)
+from .cross_entropy_logits_grad import (
+    CROSS_ENTROPY_GROUP,
+    CROSS_ENTROPY_LAUNCH,
+    cross_entropy_logits_grad,
+    cross_entropy_logits_grad_ref,
+    cross_entropy_logits_grad_triton,
+)
 from .embedding_backward import embedding_backward, embedding_backward_ref, embedding_backward_triton
-from .finish import (finish_col_sum, finish_col_sum_ref, finish_col_sum_triton, finish_cross_entropy,
-                     finish_cross_entropy_ref, finish_cross_entropy_triton, finish_row_mean, finish_row_mean_ref,
-                     finish_row_mean_triton, finish_rstd, finish_rstd_ref, finish_rstd_triton)
+from .finish import (
+    finish_col_sum,
+    finish_col_sum_ref,
+    finish_col_sum_triton,
+    finish_cross_entropy,
+    finish_cross_entropy_ref,
+    finish_cross_entropy_triton,
+    finish_row_mean,
+    finish_row_mean_ref,
+    finish_row_mean_triton,
+    finish_rstd,
+    finish_rstd_ref,
+    finish_rstd_triton,
+)
 from .mean_row_dot import mean_row_dot, mean_row_dot_ref, mean_row_dot_triton
 from .rms_norm_stats import rms_norm_stats, rms_norm_stats_ref, rms_norm_stats_triton
 from .rope_backward import rope_backward, rope_backward_ref, rope_backward_triton
-from .rope_qk_norm_backward import (QK_NORM_LAUNCH, rope_qk_norm_backward, rope_qk_norm_backward_ref,
-                                    rope_qk_norm_backward_triton)
+from .rope_qk_norm_backward import (
+    QK_NORM_LAUNCH,
+    rope_qk_norm_backward,
+    rope_qk_norm_backward_ref,
+    rope_qk_norm_backward_triton,
+)
 from .scale_cast import scale_cast, scale_cast_ref, scale_cast_triton
 from .swiglu_backward import swiglu_backward, swiglu_backward_ref, swiglu_backward_triton
 

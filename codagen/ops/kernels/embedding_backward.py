@@ -51,7 +51,8 @@ def embedding_backward_triton(grad_out: torch.Tensor, ids: torch.Tensor, vocab: 
     if vocab and d:
         sorted_ids, token_order = torch.sort(ids.to(torch.int32), stable=True)
         vocab_rows = torch.arange(vocab + 1, dtype=torch.int32, device=ids.device)
-        row_start = torch.searchsorted(sorted_ids, vocab_rows, out_int32=True)  # [vocab + 1]: row v is [start v, start v+1)
+        # [vocab + 1]: row v is [start v, start v+1)
+        row_start = torch.searchsorted(sorted_ids, vocab_rows, out_int32=True)
         block, rows = min(triton.next_power_of_2(d), 1024), 8
         _embedding_backward_kernel[(triton.cdiv(vocab, rows), triton.cdiv(d, block))](
             grad_out, token_order, row_start, grad_weight, vocab, d, ROWS=rows, BLOCK=block)

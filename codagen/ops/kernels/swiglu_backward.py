@@ -47,7 +47,8 @@ def swiglu_backward_ref(grad_act: torch.Tensor, preact: torch.Tensor, width: int
 
 
 @launcher
-def swiglu_backward_triton(grad_act: torch.Tensor, preact: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward_triton(grad_act: torch.Tensor, preact: torch.Tensor,
+                           width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`swiglu_backward_ref` as one kernel launch (fp16/bf16/fp32)."""
     m, f = grad_act.shape
     grad_preact = torch.empty_like(preact)
