@@ -18,7 +18,7 @@ and the kernel at other (BLOCK, num_warps) than the launcher's. Prints a table o
 
 ``--qk-norm`` times B1 with QK-norm (Qwen3: ``rope_qk_norm_backward``, head_dim 128) instead, against the same
 ``add_same_bytes``; ``--baseline FILE`` also times the launcher of a saved
-``codagen/ops/kernels/rope_qk_norm_backward.py`` (``git show REV:codagen/ops/kernels/rope_qk_norm_backward.py >
+``codagen/ops/kernels/rope_qk_norm.py`` (``git show REV:codagen/ops/kernels/rope_qk_norm.py >
 FILE``), checked against today's output.
 """
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main():
     parser.add_argument("--out", default=None, help="directory for the JSON (default: none written)")
     parser.add_argument("--qk-norm", action="store_true", help="B1 with QK-norm (head_dim 128 shapes only)")
     parser.add_argument("--baseline", default=None,
-                        help="a saved codagen/ops/kernels/rope_qk_norm_backward.py to time beside (--qk-norm)")
+                        help="a saved codagen/ops/kernels/rope_qk_norm.py to time beside (--qk-norm)")
     args = parser.parse_args()
     baseline = load_module("codagen.ops.kernels.baseline", args.baseline) if args.baseline else None
     records = []

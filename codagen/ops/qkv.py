@@ -1,7 +1,7 @@
 """F4 (+ B1, B2, B3): the RMSNorm-scaled QKV projection + RoPE, optionally with QK-norm, one GEMM.
 
-Backward: B1 a row kernel (:mod:`codagen.ops.kernels.rope_backward`, with QK-norm
-:mod:`codagen.ops.kernels.rope_qk_norm_backward`), then the norm consumer's backward B2 + B3
+Backward: B1 a row kernel (:mod:`codagen.ops.kernels.rope`, with QK-norm
+:mod:`codagen.ops.kernels.rope_qk_norm`), then the norm consumer's backward B2 + B3
 (:func:`codagen.ops._fused.consumer_rms_norm_backward`).
 """
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Small row-wise kernels the ops need outside any GEMM, one module each, each with a PyTorch ``*_ref`` twin.
 
-- :mod:`.rms_norm_stats`: the first block's RMSNorm statistics (no producer GEMM precedes it);
-- :mod:`.rope_backward` (B1): rotate the QKV gradient back and compute ``mean_z_dz`` for the RMSNorm backward;
-- :mod:`.rope_qk_norm_backward` (B1 with QK-norm): the same, plus the per-head RMSNorm backward of the Q/K
+- :mod:`.rms_norm`: the first block's RMSNorm statistics (no producer GEMM precedes it);
+- :mod:`.rope` (B1): rotate the QKV gradient back and compute ``mean_z_dz`` for the RMSNorm backward;
+- :mod:`.rope_qk_norm` (B1 with QK-norm): the same, plus the per-head RMSNorm backward of the Q/K
   heads and the q_norm / k_norm weight gradients (per-row-block partials, summed after the launch);
-- :mod:`.swiglu_backward`: SwiGLU backward + ``mean_z_dz`` for the standalone gate/up op (the fused MLP op
+- :mod:`.swiglu`: SwiGLU backward + ``mean_z_dz`` for the standalone gate/up op (the fused MLP op
   does this in the down-projection's input-gradient epilogue instead);
-- :mod:`.mean_row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is;
-- :mod:`.cross_entropy_logits_grad`: a chunk of logits -> each row's loss, its gradient (in place) and
+- :mod:`.row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is;
+- :mod:`.cross_entropy`: a chunk of logits -> each row's loss, its gradient (in place) and
   ``mean_z_dz``;
-- :mod:`.scale_cast`: ``(src * factor).to(dtype)`` with ``factor`` a device scalar, one rounding (the LM
+- :mod:`.scale`: ``(src * factor).to(dtype)`` with ``factor`` a device scalar, one rounding (the LM
   head's saved gradients times the loss gradient);
-- :mod:`.embedding_backward`: the embedding table's gradient, each vocabulary row's tokens summed in
+- :mod:`.embedding`: the embedding table's gradient, each vocabulary row's tokens summed in
   token order;
 - :mod:`.finish`: a fused GEMM's tile partials finished into ``rstd``, ``mean_z_dz``, a norm weight's
   gradient or each row's cross-entropy, one launch each.
@@ -22,14 +22,14 @@ and the dispatcher ``foo`` (:mod:`._launch`): the kernel for CUDA tensors when t
 ``*_triton`` launchers on CPU under ``TRITON_INTERPRET=1``.) Kernels keep fp32 statistics and write one
 value per row or column: no atomics, so results are deterministic.
 """
-from .cross_entropy_logits_grad import (
+from .cross_entropy import (
     CROSS_ENTROPY_GROUP,
     CROSS_ENTROPY_LAUNCH,
     cross_entropy_logits_grad,
     cross_entropy_logits_grad_ref,
     cross_entropy_logits_grad_triton,
 )
-from .embedding_backward import embedding_backward, embedding_backward_ref, embedding_backward_triton
+from .embedding import embedding_backward, embedding_backward_ref, embedding_backward_triton
 from .finish import (
     finish_col_sum,
     finish_col_sum_ref,
@@ -44,17 +44,17 @@ from .finish import (
     finish_rstd_ref,
     finish_rstd_triton,
 )
-from .mean_row_dot import mean_row_dot, mean_row_dot_ref, mean_row_dot_triton
-from .rms_norm_stats import rms_norm_stats, rms_norm_stats_ref, rms_norm_stats_triton
-from .rope_backward import rope_backward, rope_backward_ref, rope_backward_triton
-from .rope_qk_norm_backward import (
+from .rms_norm import rms_norm_stats, rms_norm_stats_ref, rms_norm_stats_triton
+from .rope import rope_backward, rope_backward_ref, rope_backward_triton
+from .rope_qk_norm import (
     QK_NORM_LAUNCH,
     rope_qk_norm_backward,
     rope_qk_norm_backward_ref,
     rope_qk_norm_backward_triton,
 )
-from .scale_cast import scale_cast, scale_cast_ref, scale_cast_triton
-from .swiglu_backward import swiglu_backward, swiglu_backward_ref, swiglu_backward_triton
+from .row_dot import mean_row_dot, mean_row_dot_ref, mean_row_dot_triton
+from .scale import scale_cast, scale_cast_ref, scale_cast_triton
+from .swiglu import swiglu_backward, swiglu_backward_ref, swiglu_backward_triton
 
 __all__ = ["rms_norm_stats", "rms_norm_stats_ref", "rms_norm_stats_triton", "rope_backward", "rope_backward_ref",
            "rope_backward_triton", "rope_qk_norm_backward", "rope_qk_norm_backward_ref",

@@ -21,7 +21,7 @@ from .._checks import stats_dtype
 from ..layouts import kv_heads_of
 from ._launch import cos_sin, dispatcher, interpreting, launcher, tl, triton
 from .finish import finish_col_sum_triton
-from .rope_backward import _cat_columns, _load_pairs, _rope_backward_columns, _store_pairs, _three_blocks, rope_block
+from .rope import _cat_columns, _load_pairs, _rope_backward_columns, _store_pairs, _three_blocks, rope_block
 
 __all__ = ["rope_qk_norm_backward", "rope_qk_norm_backward_ref", "rope_qk_norm_backward_triton", "QK_NORM_LAUNCH"]
 
