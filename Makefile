@@ -1,4 +1,5 @@
-# Two commands on a fresh machine:  `make demo` (the main job)  and  `make test` (the test suite).
+# Two commands on a fresh machine:  `make demo` (the main job)  and  `make test` (the test suite);
+# `make lint` runs ruff (pyproject.toml's [tool.ruff]).
 # Each creates or updates the virtualenv in $(VENV) and is safe to re-run.
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
@@ -7,12 +8,12 @@ TORCH ?= torch==2.13.0
 TRITON ?= triton==3.6.0
 STAMP := $(VENV)/.codagen-installed
 
-.PHONY: demo test clean
+.PHONY: demo test lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)" "$(TRITON)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench,lint]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -20,6 +21,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) demo_out

@@ -18,23 +18,18 @@ The kernel rewrites its input, and the logits must not turn into gradients of gr
 runs (near-constant data), so every run first restores the chunk (``copy_same_bytes``, from a second
 buffer) and a case's time is its run's median minus the restore's. Prints ms and TB/s (a read and a
 write of the chunk over the time); ``--out`` gets the JSON.
-
-``--step``: also the block benchmark's 2-layer LLaMA-3 1B training step (vocabulary 32768, two chunks),
-as shipped and with ``lane_online`` in the launcher's place, in rotated rounds on one GPU.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from codagen.bench.common import environment, median_ms, timed_rounds
+from codagen.bench.common import environment, median_ms
 from codagen.ops import kernels
 from codagen.ops.cross_entropy import chunk_rows
 
@@ -85,16 +80,10 @@ def cases(vocab: int, width: int = 2048) -> tuple[int, torch.Tensor, torch.Tenso
     target = torch.randint(0, vocab, (rows,), device=dev)
     target[::7] = -100
     row_weight = (target >= 0).float() / rows
-    row_loss = torch.empty(rows, device=dev)
-    mean_z_dz = torch.empty(rows, device=dev)
 
     def kernel(block, warps):
-        def run():
-            kernels._cross_entropy_logits_grad_kernel[(rows,)](
-                logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width, BLOCK=block,
-                GROUP=kernels._CROSS_ENTROPY_GROUP, num_warps=warps)
-            return row_loss, mean_z_dz
-        return run
+        return lambda: kernels.cross_entropy_logits_grad_triton(logits, target, row_weight, width,
+                                                                launch=(block, warps))
 
     found = {"kernel": lambda: kernels.cross_entropy_logits_grad(logits, target, row_weight, width),
              "lane_online": lambda: lane_online_launcher(logits, target, row_weight, width)}
@@ -121,41 +110,9 @@ def lane_online_launcher(logits, target, row_weight, width):
     return row_loss, mean_z_dz
 
 
-@contextlib.contextmanager
-def launcher(replacement):
-    shipped = kernels.cross_entropy_logits_grad_triton
-    kernels.cross_entropy_logits_grad_triton = replacement or shipped
-    try:
-        yield
-    finally:
-        kernels.cross_entropy_logits_grad_triton = shipped
-
-
-def step_records(rounds: int) -> list[dict]:
-    """The 2-layer 1B step with each row kernel (the same model, weights and tokens), rotated rounds."""
-    from codagen.bench.block import SHAPES, model_providers
-    step = model_providers(SHAPES["llama3-1b"], 2, 32768, 2, 8192, torch.device("cuda"), torch.bfloat16)["codagen"]()
-    kinds = {"kernel": None, "lane_online": lane_online_launcher}
-
-    def timed(kind):
-        with launcher(kinds[kind]):
-            step()  # warm-up: the first launch of this kernel compiles
-            return median_ms(step)
-    times = timed_rounds({kind: kind for kind in kinds}, rounds, timed)
-    records = []
-    for kind, round_ms in times.items():
-        records.append({"suite": "cross_entropy_rows", "name": f"step_{kind}", "shape": "llama3-1b-x2",
-                        "median_ms": statistics.median(round_ms), "round_ms": round_ms})
-        print(f"llama3-1b 2-layer step, {kind:<12} {records[-1]['median_ms']:7.3f} ms  rounds "
-              + " ".join(f"{ms:.3f}" for ms in round_ms), flush=True)
-    return records
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocabs", nargs="+", type=int, default=[32768, 128256])
-    parser.add_argument("--step", action="store_true", help="also the 2-layer 1B step with each kernel")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the step timing (default 3)")
     parser.add_argument("--out", default=None, help="directory for the JSON (default: none written)")
     args = parser.parse_args()
     records = []
@@ -173,8 +130,6 @@ def main():
                             "tb_per_s": 2 * chunk_bytes / ms / 1e9})
             print(f"vocab {vocab:<7} rows {rows:<5} {name:<18} {ms:7.3f} ms {records[-1]['tb_per_s']:5.2f} TB/s",
                   flush=True)
-    if args.step:
-        records += step_records(args.rounds)
     if args.out:
         path = Path(args.out) / "cross-entropy-rows.json"
         path.parent.mkdir(parents=True, exist_ok=True)

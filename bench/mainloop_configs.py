@@ -5,7 +5,7 @@
 For the three GEMM layouts of a block (forward ``linear``, input gradient ``input_grad``, weight
 gradient ``weight_grad``) at each model's shapes, times every configuration in ``CONFIGS`` (the shipped
 Hopper pool plus experimental ones) and ``torch.mm``. A configuration that beats the shipped pool's
-best on most shapes is a candidate for ``configs._SM90``. Prints a table of ratios (cuBLAS ms / ours),
+best on most shapes is a candidate for ``configs.SM90``. Prints a table of ratios (cuBLAS ms / ours),
 writes the JSON records (suite ``mainloop``) under ``--out``.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import torch
 
 from codagen.backends.triton import TritonBackend
-from codagen.backends.triton.configs import _SM90, KernelConfig
+from codagen.backends.triton.configs import SM90, KernelConfig
 from codagen.bench.common import median_ms, write_results
 from codagen.bench.kernels import MODELS, gemm, random_inputs
 from codagen.epilogue import library
@@ -31,7 +31,7 @@ EXPERIMENTAL = (
     KernelConfig(128, 256, 128, 2, 8, epilogue_split=2),
     KernelConfig(128, 128, 128, 3, 8, epilogue_split=1),
 )
-CONFIGS = tuple(c for c in _SM90 if not c.tma_epilogue) + EXPERIMENTAL
+CONFIGS = tuple(c for c in SM90 if not c.tma_epilogue) + EXPERIMENTAL
 
 
 def shapes(model) -> list[tuple[str, object, int, int, int]]:

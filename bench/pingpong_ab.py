@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from codagen.backends.triton import pingpong, pingpong_codegen
-from codagen.backends.triton.backend import _set_allocator
+from codagen.backends.triton.backend import set_scratch_allocator
 from codagen.bench.common import load_module, median_ms, timed_rounds, write_results
 from codagen.bench.kernels import MODELS, gemm, kernel_cases, random_inputs
 from codagen.epilogue.bind import bind, set_poison_outputs
@@ -51,7 +51,7 @@ def main():
     parser.add_argument("--rep-ms", type=float, default=60)
     parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
     args = parser.parse_args()
-    _set_allocator()
+    set_scratch_allocator()
     set_poison_outputs(True)
     device = torch.device("cuda")
     gpu = torch.cuda.get_device_properties(device)

@@ -78,7 +78,8 @@ def main():
             step = kernels[-len(kernels) // 3:]
             t0 = step[0].time_range.start
             for e in step:
-                print(f"  {(e.time_range.start - t0) / 1e3:9.3f} {e.time_range.elapsed_us() / 1e3:8.3f}  {e.name[:100]}")
+                start_ms, ms = (e.time_range.start - t0) / 1e3, e.time_range.elapsed_us() / 1e3
+                print(f"  {start_ms:9.3f} {ms:8.3f}  {e.name[:100]}")
         del step
 
 

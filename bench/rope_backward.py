@@ -17,8 +17,9 @@ and the kernel at other (BLOCK, num_warps) than the launcher's. Prints a table o
 [M, N] bf16 passes over the time); writes the JSON to ``--out``.
 
 ``--qk-norm`` times B1 with QK-norm (Qwen3: ``rope_qk_norm_backward``, head_dim 128) instead, against the same
-``add_same_bytes``; ``--baseline FILE`` also times the launcher of a saved ``codagen/ops/kernels.py``
-(``git show REV:codagen/ops/kernels.py > FILE``), checked against today's output.
+``add_same_bytes``; ``--baseline FILE`` also times the launcher of a saved
+``codagen/ops/kernels/rope_qk_norm.py`` (``git show REV:codagen/ops/kernels/rope_qk_norm.py >
+FILE``), checked against today's output.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ SHAPES = {  # tokens, q columns, k (= v) columns
     "d8192": (16384, 8192, 8192),
 }
 VARIANTS = ((512, 4), (1024, 4), (2048, 4), (2048, 8))
-#: kernels._QK_NORM_LAUNCH values: rows per program, columns per step, warps
+#: launches of the QK-norm B1 besides kernels.QK_NORM_LAUNCH: rows per program, columns per step, warps
 QK_NORM_VARIANTS = ((16, 2048, 4), (32, 1024, 4), (8, 1024, 4), (16, 1024, 8), (16, 512, 4))
 
 
@@ -53,14 +54,7 @@ def cases(m: int, q_cols: int, kv_cols: int) -> dict:
     out = torch.empty(m, n, device=dev, dtype=dt)
 
     def kernel(block, warps):
-        grad_z = torch.empty(m, n, device=dev, dtype=dt)
-        mean_z_dz = torch.empty(m, device=dev)
-
-        def run():
-            kernels._rope_backward_kernel[(m,)](
-                *grads, *(g.stride(0) for g in grads), *(g.shape[1] for g in grads), qkv, positions, frequencies,
-                grad_z, mean_z_dz, 1.0 / 2048, BLOCK=block, INTERPRETER=False, num_warps=warps)
-        return run
+        return lambda: kernels.rope_backward_triton(grads, qkv, positions, frequencies, 2048, launch=(block, warps))
 
     found = {
         "three_blocks": lambda: kernels.rope_backward(grads, qkv, positions, frequencies, 2048),
@@ -99,13 +93,7 @@ def qk_norm_cases(m: int, q_cols: int, kv_cols: int, baseline=None, head_dim: in
         scale = max(1.0, b.abs().max().item())
         torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2 * scale, msg=name)
     def variant(launch):
-        def run():
-            saved, kernels._QK_NORM_LAUNCH = kernels._QK_NORM_LAUNCH, launch
-            try:
-                kernels.rope_qk_norm_backward(grads, *args)
-            finally:
-                kernels._QK_NORM_LAUNCH = saved
-        return run
+        return lambda: kernels.rope_qk_norm_backward_triton(grads, *args, launch=launch)
     found.update({"rows{}_step{}_warps{}".format(*launch): variant(launch) for launch in QK_NORM_VARIANTS})
     if baseline is not None:
         found["qk_norm_baseline"] = lambda: baseline.rope_qk_norm_backward(grads, *args)
@@ -120,9 +108,10 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--out", default=None, help="directory for the JSON (default: none written)")
     parser.add_argument("--qk-norm", action="store_true", help="B1 with QK-norm (head_dim 128 shapes only)")
-    parser.add_argument("--baseline", default=None, help="a saved codagen/ops/kernels.py to time beside (--qk-norm)")
+    parser.add_argument("--baseline", default=None,
+                        help="a saved codagen/ops/kernels/rope_qk_norm.py to time beside (--qk-norm)")
     args = parser.parse_args()
-    baseline = load_module("codagen.ops.kernels_baseline", args.baseline) if args.baseline else None
+    baseline = load_module("codagen.ops.kernels.baseline", args.baseline) if args.baseline else None
     records = []
     for shape in args.shapes:
         m, q_cols, kv_cols = SHAPES[shape]

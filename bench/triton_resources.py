@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from codagen.backends.triton.backend import load_kernel  # noqa: E402
-from codagen.backends.triton.configs import _SM90, candidates, smem_estimate  # noqa: E402
+from codagen.backends.triton.configs import SM90, candidates, smem_estimate  # noqa: E402
 from codagen.epilogue import library  # noqa: E402
 from codagen.epilogue.ir import RowVector, Store, TileInput  # noqa: E402
 
@@ -72,7 +72,8 @@ def compile_one(program, cfg, dtype: str, arch: int):
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr + 3)}  # aligned pointers, M, N, K % 16 == 0
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=True,
-                      TMA_EPILOGUE=cfg.tma_epilogue, UPCAST_OPERANDS=False, DOT_PRECISION="tf32", FLATTEN=True, INTERPRETER=False)
+                      TMA_EPILOGUE=cfg.tma_epilogue, UPCAST_OPERANDS=False, DOT_PRECISION="tf32", FLATTEN=True,
+                      INTERPRETER=False)
     src = ASTSource(kernel, sig, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     print(f"{'program':36s} {'config':34s} {'est KiB':>7s} {'smem KiB':>8s} {'regs':>4s} {'stack':>5s} wgmma")
     for name in names:
         program = library.PROGRAMS[name]()
-        pool = list(_SM90) if args.all else candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True,
+        pool = list(SM90) if args.all else candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True,
                                                                         tma_epilogue=True)
         for cfg in pool:
             est = smem_estimate(program, cfg, 2) / 1024

@@ -55,25 +55,24 @@ def main():
     if args.blocks:
         from codagen.bench import block
         calls += block_calls(block.SHAPES, "llama3-1b", 2, 32768, 2, 8192, device, torch.bfloat16)
-    buckets = collections.defaultdict(list)  # tuning key -> [(shape name, bound, launch)]
+    buckets = collections.defaultdict(list)  # tuning key -> [(shape name, bound, pool, trial)]
     for name, bound in calls:
         if args.programs is not None and bound.program.name not in args.programs:
             continue
-        launch = backend._prepare(bound, False, 9)
-        members = buckets[backend._tuning_key(bound, launch)]
-        if all((b.m, b.n, b.k) != (bound.m, bound.n, bound.k) for _, b, _ in members):  # one shape once
-            members.append((name, bound, launch))
+        key, pool, trial = backend.tuning_trials(bound)
+        members = buckets[key]
+        if all((b.m, b.n, b.k) != (bound.m, bound.n, bound.k) for _, b, _, _ in members):  # one shape once
+            members.append((name, bound, pool, trial))
     for key, members in buckets.items():
-        pool = backend._candidates(members[0][1], members[0][2])
+        pool = members[0][2]
         # (config, shape) -> a function that makes the trial (scratch outputs exist while it is timed)
-        trials = {(cfg.short(), name): functools.partial(backend._trial, bound, launch, cfg)
-                  for cfg in pool for name, bound, launch in members}
+        trials = {(cfg.short(), name): functools.partial(trial, cfg) for cfg in pool for name, _, _, trial in members}
         times = dict.fromkeys(trials, float("inf"))  # out of resources: not a candidate here
         # one measurement can be 10% off (the GPU runs at its power cap): medians of rotated rounds
         samples = timed_rounds(trials, args.rounds, lambda trial: median_ms(trial(), 25, args.rep_ms),
                                on_error=lambda key, error: None)
         times.update({key: statistics.median(ms) for key, ms in samples.items()})
-        names = [name for name, _, _ in members]
+        names = [name for name, _, _, _ in members]
         total = {cfg.short(): sum(times[cfg.short(), n] for n in names) for cfg in pool}
         chosen = min(pool, key=lambda c: total[c.short()])
         print(f"\n{key.split('|')[2]} {key.split('|')[-1]}: " + ", ".join(names))

@@ -48,7 +48,8 @@ def device_arg(text: str) -> torch.device:
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"expected a torch device such as 'cpu', 'cuda' or 'cuda:1', got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a torch device such as 'cpu', 'cuda' or 'cuda:1', got {text!r}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text!r}: no CUDA GPU is available on this machine; use --device cpu")

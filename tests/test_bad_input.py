@@ -47,7 +47,8 @@ def test_index_scalar_tile_and_accumulated_output_checks():
     call(prog, a, b, **good)
     with pytest.raises(ProgramError, match=r"target: expected an integer index vector \(int32 or int64\)"):
         call(prog, a, b, **{**good, "target": good["target"].float()})
-    with pytest.raises(ProgramError, match=r"grad_scale: expected a one-element floating-point tensor, got shape \(2,\)"):
+    with pytest.raises(ProgramError,
+                       match=r"grad_scale: expected a one-element floating-point tensor, got shape \(2,\)"):
         call(prog, a, b, **{**good, "grad_scale": torch.ones(2)})
     with pytest.raises(ProgramError, match=r"residual: expected shape \[M, N\] = \(6, 8\), got \(6, 9\)"):
         call(library.residual_rms_stats(), a, torch.randn(8, d), residual=torch.randn(m, 9), norm_weight=torch.ones(8))

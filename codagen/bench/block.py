@@ -34,8 +34,8 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +68,7 @@ class BlockShape:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each Q and K head (weights q_norm, k_norm [head_dim])
 
     @classmethod
-    def mha(cls, d: int) -> "BlockShape":
+    def mha(cls, d: int) -> BlockShape:
         return cls(d, round_up(8 * d // 3, 256), d // 128, d // 128, 128)
 
     @property
@@ -258,12 +258,11 @@ def block_providers(s: BlockShape, batch: int, seq: int, device, dtype, case: st
     def with_ops(get_ops, compiled=False):
         def make():
             o = get_ops()
-            fn = (lambda: eager_block(x, p, cos, sin, s, batch, seq, o, mask))
+            block = eager_block
             if compiled:
                 torch._dynamo.reset()
                 block = torch.compile(eager_block)
-                fn = (lambda: block(x, p, cos, sin, s, batch, seq, o, mask))
-            return _train_step(fn, eager_params, grad_out)
+            return _train_step(lambda: block(x, p, cos, sin, s, batch, seq, o, mask), eager_params, grad_out)
         return make
 
     def codagen_forward():
@@ -275,7 +274,8 @@ def block_providers(s: BlockShape, batch: int, seq: int, device, dtype, case: st
         # the block's own tensors (dataclasses.astuple would deep-copy them: their gradients would then
         # never be reset and every step would accumulate into the previous step's)
         # (next_norm only scales the next block's input: the block gives it no gradient)
-        params = [xc] + [t for t in (getattr(blk, f.name) for f in dataclasses.fields(blk)) if isinstance(t, torch.Tensor)]
+        fields = (getattr(blk, f.name) for f in dataclasses.fields(blk))
+        params = [xc] + [t for t in fields if isinstance(t, torch.Tensor)]
         return (lambda: decoder_stack(xc, [blk], next_norm, EPS, spec, positions, freqs)[0]), params
 
     def codagen():

@@ -12,9 +12,10 @@ Variants (the same weights and batch; ``model.gradient_checkpointing_enable`` wi
 Shape: LLaMA-3-8B layers (d 4096, ffn 14336, 32/8 heads, head_dim 128), 8 layers, vocabulary 32768
 (``--vocab``), 4 x 8192 tokens, bf16 parameters, labels on every token. M = 32768 tokens has few shipped
 Triton tunings at this shape: by default each kernel takes the untimed choice of the nearest shipped bucket
-(``CODAGEN_TRITON_AUTOTUNE=1`` times them instead, minutes). A step is forward + backward with fresh gradients; ``median_ms`` is the
-median over ``--steps`` timed steps after two warm-up steps, ``peak_mem_gib`` the peak allocation of one step
-above what was allocated before it (the weights). Records go to ``bench/results/<date>-checkpoint.json``.
+(``CODAGEN_TRITON_AUTOTUNE=1`` times them instead, minutes). A step is forward + backward with fresh
+gradients; ``median_ms`` is the median over ``--steps`` timed steps after two warm-up steps, ``peak_mem_gib``
+the peak allocation of one step above what was allocated before it (the weights). Records go to
+``bench/results/<date>-checkpoint.json``.
 ``--smoke`` runs a tiny model on CPU to check the harness.
 """
 from __future__ import annotations

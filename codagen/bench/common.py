@@ -16,10 +16,12 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
+
+import codagen
 
 __all__ = ["environment", "median_ms", "wall_ms", "timed_rounds", "ratio_records", "load_module",
            "write_results", "RESULTS_DIR"]
@@ -29,7 +31,6 @@ RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 def environment() -> dict:
     """GPU name and library versions, recorded with every result file."""
-    import codagen
     try:
         import triton
         triton_version = triton.__version__

@@ -34,13 +34,14 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 import codagen
 from codagen.models.decode import GreedyDecoder
+from codagen.models.hf_cache import cache_field
 
 from .common import median_ms, pyplot, wall_ms, write_results
 
@@ -85,7 +86,6 @@ SMOKE_MODEL = ModelShape(64, 128, 4, 2, 16, layers=2, vocab=256)
 
 
 def _cache_kwargs(cache) -> dict:
-    from codagen.models.hf_cache import cache_field
     return {cache_field(): cache}
 
 

@@ -14,9 +14,9 @@ Providers, per kernel and shape (the GEMM has the kernel's exact M, N, K and ope
 Unfused peers compute the natural unfused form of each reduction (a whole-row sum / logsumexp, a
 whole-column sum) rather than per-tile partials. Times are medians of CUDA-event timings with the L2
 flushed between runs (``codagen.bench.common.median_ms``), taken in interleaved rounds whose order
-rotates (``--rounds``, default 3): ``median_ms`` is the median of the round medians, ``round_ms`` keeps them. Shapes: M = 16384 tokens, hidden d in
-{2048, 4096, 8192} with f = round_up(8d/3, 256) and MHA (head_dim 128), vocab 32768 (the CODA paper's),
-and LLaMA-3-8B (d 4096, f 14336, GQA 32/8 heads, head_dim 128).
+rotates (``--rounds``, default 3): ``median_ms`` is the median of the round medians, ``round_ms`` keeps them.
+Shapes: M = 16384 tokens, hidden d in {2048, 4096, 8192} with f = round_up(8d/3, 256) and MHA (head_dim 128),
+vocab 32768 (the CODA paper's), and LLaMA-3-8B (d 4096, f 14336, GQA 32/8 heads, head_dim 128).
 """
 from __future__ import annotations
 
@@ -31,10 +31,20 @@ import torch
 
 from codagen._cli import command_parser, dtype_arg
 from codagen.backends.reference import evaluate_epilogue
+from codagen.bench.common import environment, median_ms, timed_rounds, wall_ms, write_results
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
-from codagen.epilogue.ir import (Accumulator, ColPartial, ColVector, Program, RowPartial, RowVector, ScalarInput, Store,
-                                 TileInput)
+from codagen.epilogue.ir import (
+    Accumulator,
+    ColPartial,
+    ColVector,
+    Program,
+    RowPartial,
+    RowVector,
+    ScalarInput,
+    Store,
+    TileInput,
+)
 
 __all__ = ["main", "eager_epilogue", "random_inputs", "MODELS", "kernel_cases"]
 
@@ -169,7 +179,7 @@ def eager_epilogue(program: Program, acc: torch.Tensor, tensors: dict[str, torch
     return outs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_epilogue(program: Program):
     import torch._dynamo
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -192,7 +202,6 @@ def run_case(case: Case, model: Model, dtype: torch.dtype, providers: list[str],
     ``median_ms`` is the median of the round medians; ``round_ms`` keeps them. A
     provider that fails is recorded with ``error``; the others still run. On a CPU ``device`` (a harness
     check, not speed) the timer is wall-clock."""
-    from codagen.bench.common import median_ms, timed_rounds, wall_ms
     program = case.program
     dev = torch.device(device)
     a, b, tensors = random_inputs(program, case.m, case.n, case.k, dtype, dev)
@@ -258,14 +267,15 @@ def markdown(records: list[dict]) -> str:
 
     for key, prov in rows.items():
         model, pass_, name, m, n, k = key
-        cub, cod, eag, com, plain = (ms(prov.get(p)) for p in ("cublas_gemm", "codagen", "eager", "compile", "codagen_gemm"))
+        providers = ("cublas_gemm", "codagen", "eager", "compile", "codagen_gemm")
+        cub, cod, eag, com, plain = (ms(prov.get(p)) for p in providers)
         fmt = lambda x: f"{x:.3f}" if x else "-"  # noqa: E731
         ratio = f"{cub / cod:.2f}x" if cub and cod else "-"
         vs_compile = f"{com / cod:.2f}x" if com and cod else "-"
         epi = f"{(cod - plain) / plain * 100:+.0f}%" if cod and plain else "-"
         cfg = prov.get("codagen", {}).get("config", "")
-        lines.append(f"| {model} | {pass_} | {name} | {m} x {n} x {k} | {fmt(cub)} | {fmt(cod)} | {ratio} | {fmt(eag)} | "
-                     f"{fmt(com)} | {vs_compile} | {epi} | {cfg} |")
+        lines.append(f"| {model} | {pass_} | {name} | {m} x {n} x {k} | {fmt(cub)} | {fmt(cod)} | {ratio} | "
+                     f"{fmt(eag)} | {fmt(com)} | {vs_compile} | {epi} | {cfg} |")
     return "\n".join(lines)
 
 
@@ -285,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("codagen bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2
-    from codagen.backends.triton import TritonBackend
-    from codagen.bench.common import environment, write_results
+    from codagen.backends.triton import TritonBackend  # needs Triton: only where a GPU benchmark runs
 
     models = [MODELS[m] for m in args.models.split(",")] if args.models else (
         [MODELS["llama3_8b"]] if args.quick else list(MODELS.values()))

@@ -25,7 +25,8 @@ Recomputation reproduces the forward bitwise: the fused ops are deterministic an
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts

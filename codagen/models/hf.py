@@ -39,10 +39,11 @@ approximation):
   ``intermediate_size`` or ``head_dim``, heads not a multiple of KV heads, projection shapes that do not
   match the config). Refused at patch time and at each forward: hooks on any submodule but the input
   embedding (the fused decoder never calls their ``forward``); hooks on the model itself run.
-- Refused: MLP biases, partial rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter before the norm),
-  QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types (``dynamic``, ``yarn``, ...),
-  4-D ``attention_mask``, flash-attention varlen kwargs (``cu_seq_lens_q``, ...), ``output_attentions`` /
-  ``output_hidden_states``, extra attention kwargs. ``unpatch`` the model (or use an unpatched copy) for those.
+- Refused: MLP biases, partial rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter
+  before the norm), QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types
+  (``dynamic``, ``yarn``, ...), 4-D ``attention_mask``, flash-attention varlen kwargs (``cu_seq_lens_q``,
+  ...), ``output_attentions`` / ``output_hidden_states``, extra attention kwargs. ``unpatch`` the model (or
+  use an unpatched copy) for those.
 """
 from __future__ import annotations
 
@@ -329,7 +330,8 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
 
     rotary = self.model.rotary_emb
     attn0 = self.model.layers[0].self_attn if len(self.model.layers) else None
-    head_dim = attn0.head_dim if attn0 is not None else getattr(config, "head_dim", hidden // config.num_attention_heads)
+    head_dim = (attn0.head_dim if attn0 is not None
+                else getattr(config, "head_dim", hidden // config.num_attention_heads))
     frequencies = ops.rope_frequencies(config.num_attention_heads, config.num_key_value_heads, head_dim,
                                        inv_freq=rotary.inv_freq.to(x.device))
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
@@ -370,7 +372,8 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
             shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         targets = shift_labels.reshape(-1).to(x.device).contiguous()
         if targets.shape[0] != batch * seq:
-            raise ValueError(f"codagen.patch: labels must be [batch, seq] = {(batch, seq)}, got {tuple(shift_labels.shape)} shifted")
+            raise ValueError(f"codagen.patch: labels must be [batch, seq] = {(batch, seq)}, got "
+                             f"{tuple(shift_labels.shape)} shifted")
         reduction = "mean" if num_items_in_batch is None else "sum"
         loss = lm_head(h, normed, rstd, norm_weight, head_weight, targets, reduction=reduction)
         if num_items_in_batch is not None:

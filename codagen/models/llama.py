@@ -5,10 +5,10 @@ Each RMSNorm is split around GEMMs (docs/method.md section 2): the GEMM that pro
 epilogue. So a block is three fused GEMMs plus attention::
 
     q, k, v, x     = rms_qkv_rope(x, normed, rstd, attn_norm, W_qkv, positions, frequencies,
-                                  split_sizes=(h hd, kv hd, kv hd), pass_residual=True)     # norm + QKV + RoPE
+                                  split_sizes=(h hd, kv hd, kv hd), pass_residual=True)  # norm + QKV + RoPE
     attn           = SDPA(q, k, v, causal, GQA)
-    x, normed, r   = out_proj_residual_rms(attn, W_o, x, mlp_norm, eps)                          # O-proj + residual + stats
-    x, normed, r   = swiglu_mlp_residual_rms(x, normed, r, mlp_norm, W_gu, W_down, next_norm, eps)  # MLP + residual + stats
+    x, normed, r   = out_proj_residual_rms(attn, W_o, x, mlp_norm, eps)                   # O-proj + residual + stats
+    x, normed, r   = swiglu_mlp_residual_rms(x, normed, r, mlp_norm, W_gu, W_down, next_norm, eps)  # MLP, ditto
 
 where ``next_norm`` is the next block's input norm weight, or the final norm's for the last block.
 The first block's statistics come from ``rms_norm_stats``; the last block's ``normed``/``rstd``
@@ -23,7 +23,7 @@ permuted); ``W_gu`` interleaves gate and up rows ``(g0, u0, g1, u1, ...)``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -258,7 +258,7 @@ class Llama(nn.Module):
     def reset_parameters(self, std: float = 0.02) -> None:
         """Hugging Face's init: every matrix ~ N(0, std^2), norm weights 1. Row permutations of an
         i.i.d. matrix are i.i.d., so initializing the fused layout directly gives the same law."""
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=std)
             else:
@@ -314,7 +314,7 @@ class Llama(nn.Module):
 
     @classmethod
     def from_hf_state_dict(cls, config: LlamaConfig, state_dict: Mapping[str, torch.Tensor], *, device=None,
-                           dtype=None) -> "Llama":
+                           dtype=None) -> Llama:
         """Build from a Hugging Face ``LlamaForCausalLM`` state dict (converting layouts).
 
         Raises ``KeyError`` naming missing or unexpected keys (e.g. biases, which this model lacks).

@@ -5,13 +5,20 @@ Producers of the residual stream return ``(x, normed, rstd)``; ``normed = x * no
 ``rstd = rsqrt(mean(x^2) + eps)`` are non-differentiable, and the norm's single consumer op takes
 ``(x, normed, rstd, norm_weight, ...)`` and owns the whole RMSNorm backward (docs/design.md).
 """
-from .block import (out_proj_residual_rms, rms_gate_up_swiglu, rms_linear, rms_norm_stats, rms_qkv_rope,
-                    swiglu_mlp_residual_rms)
 from .cross_entropy import rms_lm_head_cross_entropy
 from .embedding import embedding
+from .layouts import (
+    interleave_gate_up,
+    rope_frequencies,
+    rope_half_split_from_pairs,
+    rope_pairs_from_half_split,
+    split_gate_up,
+)
+from .linear import rms_linear
 from .low_rank import LowRank
-from .layouts import (interleave_gate_up, rope_frequencies, rope_half_split_from_pairs, rope_pairs_from_half_split,
-                      split_gate_up)
+from .mlp import rms_gate_up_swiglu, swiglu_mlp_residual_rms
+from .qkv import rms_qkv_rope
+from .residual import out_proj_residual_rms, rms_norm_stats
 
 __all__ = ["rms_norm_stats", "out_proj_residual_rms", "rms_qkv_rope", "rms_gate_up_swiglu", "swiglu_mlp_residual_rms",
            "rms_linear", "rms_lm_head_cross_entropy", "embedding", "LowRank", "interleave_gate_up", "split_gate_up",

@@ -32,8 +32,8 @@ from codagen.epilogue import library
 
 from . import _checks as check
 from . import kernels
-from ._inductor import register_fake
 from ._checks import stats_dtype
+from ._custom_op import custom_op, named_gradients
 
 __all__ = ["rms_lm_head_cross_entropy", "CHUNK_BYTES", "chunk_rows"]
 
@@ -68,7 +68,7 @@ def _reduce(row_loss: Tensor, valid: Tensor, row_weight: Tensor, mean: bool) -> 
     return torch.where(valid.any(), loss, float("nan")) if mean else loss
 
 
-@torch.library.custom_op("codagen::rms_lm_head_cross_entropy", mutates_args=())
+@custom_op("rms_lm_head_cross_entropy", fake=lambda normed, **_: normed.new_empty((), dtype=stats_dtype(normed.dtype)))
 def _ce_op(normed: Tensor, rstd: Tensor, lm_head_weight: Tensor, target: Tensor, ignore_index: int, mean: bool,
            rows_per_chunk: int) -> Tensor:
     """The loss alone: fused epilogue partials, no logits stored."""
@@ -84,17 +84,21 @@ def _ce_op(normed: Tensor, rstd: Tensor, lm_head_weight: Tensor, target: Tensor,
     return _reduce(row_loss, valid, row_weight, mean)
 
 
-@register_fake(_ce_op)
-def _(normed, rstd, lm_head_weight, target, ignore_index, mean, rows_per_chunk):
-    return normed.new_empty((), dtype=stats_dtype(normed.dtype))
-
-
 def _accumulates_wide(m: int, rows_per_chunk: int, lm_head_weight: Tensor) -> bool:
     """Several chunks accumulate grad_W: keep it in fp32 then (one rounding, in backward)."""
     return rows_per_chunk < m and lm_head_weight.dtype in (torch.float16, torch.bfloat16)
 
 
-@torch.library.custom_op("codagen::rms_lm_head_cross_entropy_with_grad", mutates_args=())
+def _fake_ce_with_grad(x, norm_weight, lm_head_weight, rows_per_chunk, weight_grad, **_):
+    cd = stats_dtype(x.dtype)
+    wide = _accumulates_wide(x.shape[0], rows_per_chunk, lm_head_weight)
+    grad_weight = (torch.empty_like(lm_head_weight, dtype=torch.float32 if wide else None) if weight_grad
+                   else lm_head_weight.new_empty(0))
+    return (x.new_empty((), dtype=cd), torch.empty_like(x), norm_weight.new_empty(norm_weight.shape, dtype=cd),
+            grad_weight)
+
+
+@custom_op("rms_lm_head_cross_entropy_with_grad", fake=_fake_ce_with_grad)
 def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, lm_head_weight: Tensor,
                      target: Tensor, ignore_index: int, mean: bool, rows_per_chunk: int,
                      weight_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -132,23 +136,9 @@ def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tenso
     return _reduce(row_loss, valid, row_weight, mean), grad_x, grad_norm_weight, grad_weight
 
 
-@register_fake(_ce_with_grad_op)
-def _(x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk, weight_grad):
-    cd = stats_dtype(x.dtype)
-    wide = _accumulates_wide(x.shape[0], rows_per_chunk, lm_head_weight)
-    grad_weight = (torch.empty_like(lm_head_weight, dtype=torch.float32 if wide else None) if weight_grad
-                   else lm_head_weight.new_empty(0))
-    return x.new_empty((), dtype=cd), torch.empty_like(x), norm_weight.new_empty(norm_weight.shape, dtype=cd), grad_weight
-
-
-@torch.library.custom_op("codagen::scale_cast", mutates_args=())
+@custom_op("scale_cast", fake=lambda src, dtype, **_: src.new_empty(src.shape, dtype=dtype))
 def _scale_cast_op(src: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
     return kernels.scale_cast(src, factor, dtype)
-
-
-@register_fake(_scale_cast_op)
-def _(src, factor, dtype):
-    return src.new_empty(src.shape, dtype=dtype)
 
 
 class _RmsLmHeadCrossEntropy(torch.autograd.Function):
@@ -165,11 +155,12 @@ class _RmsLmHeadCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    @named_gradients(forward)
+    def backward(ctx, _needs, grad_loss):
         # every gradient is linear in the loss gradient: scaled in fp32, rounded once (one kernel each)
         grad_x, grad_norm_weight, grad_weight = (None if g is None else _scale_cast_op(g, grad_loss, dtype)
                                                  for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
-        return grad_x, None, None, grad_norm_weight, grad_weight, None, None, None, None, None
+        return dict(x=grad_x, norm_weight=grad_norm_weight, lm_head_weight=grad_weight)
 
 
 def rms_lm_head_cross_entropy(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, lm_head_weight: Tensor,

@@ -17,22 +17,17 @@ from torch import Tensor
 
 from . import _checks as check
 from . import kernels
-from ._inductor import register_fake
+from ._custom_op import custom_op, named_gradients
 
 __all__ = ["embedding"]
 
 
-@torch.library.custom_op("codagen::embedding_backward", mutates_args=())
+@custom_op("embedding_backward", fake=lambda grad_out, vocab, **_: grad_out.new_empty(vocab, grad_out.shape[1]))
 def _embedding_backward_op(grad_out: Tensor, ids: Tensor, vocab: int, padding_idx: int) -> Tensor:
     grad_weight = kernels.embedding_backward(grad_out, ids, vocab)
     if padding_idx >= 0:
         grad_weight[padding_idx].zero_()
     return grad_weight
-
-
-@register_fake(_embedding_backward_op)
-def _(grad_out, ids, vocab, padding_idx):
-    return grad_out.new_empty(vocab, grad_out.shape[1])
 
 
 class _Embedding(torch.autograd.Function):
@@ -43,12 +38,13 @@ class _Embedding(torch.autograd.Function):
         return F.embedding(ids, weight)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    @named_gradients(forward)
+    def backward(ctx, _needs, grad_out):
         (ids,) = ctx.saved_tensors
         features = grad_out.shape[-1]
         grad_weight = _embedding_backward_op(grad_out.reshape(-1, features).contiguous(), ids.reshape(-1),
                                              ctx.vocab, ctx.padding_idx)
-        return None, grad_weight, None
+        return dict(weight=grad_weight)
 
 
 def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:

@@ -217,6 +217,9 @@ def _set_allocator() -> None:
     triton.set_allocator(_scratch_alloc)
 
 
+set_scratch_allocator = _set_allocator  # for scripts that launch generated kernels themselves (bench/pingpong_ab.py)
+
+
 # --------------------------------------------------------------------------------------------------
 # The backend
 # --------------------------------------------------------------------------------------------------
@@ -450,6 +453,13 @@ class TritonBackend:
             from . import pingpong
             pool = [cfg for cfg in pool if cfg.schedule != "pingpong" or not pingpong.refuses(bound, cfg.sub_n, smem_limit)]
         return pool
+
+    def tuning_trials(self, bound: BoundProgram):
+        """``(key, pool, trial)`` of ``bound`` on its GPU: its tuning key, the configurations that can run
+        it, and ``trial(cfg)``, a zero-argument run of one (tuning over several shapes: bench/tune_buckets.py)."""
+        launch = self._prepare(bound, *self._check(bound))
+        return (self._tuning_key(bound, launch), self._candidates(bound, launch),
+                functools.partial(self._trial, bound, launch))
 
     def _trial(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig):
         """A zero-argument function that runs ``cfg`` into scratch outputs (accumulated outputs are

@@ -128,6 +128,7 @@ _SM90 = (
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=False),
     KernelConfig(128, 128, 64, 4, 8, epilogue_split=2, tma_epilogue=True),
 )
+SM90 = _SM90  # the Hopper pool by its public name (bench/mainloop_configs.py, bench/triton_resources.py)
 # the warp-specialized kernel (.pingpong): 128x128 tiles, a 4-slot ring, two consumer warpgroups of 4 warps
 # (num_warps counts one), the epilogue in four or eight TMA-staged column pieces (eight: half the buffers)
 PINGPONG = tuple(KernelConfig(128, 128, 64, 4, 4, epilogue_split=split, tma_epilogue=True, schedule="pingpong")

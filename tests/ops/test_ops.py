@@ -9,7 +9,7 @@ from torch.autograd import gradcheck
 from codagen import ops
 from codagen.ops import kernels
 
-from .test_ops_block import reference_tiles, rms_norm, rope_half_split
+from .conftest import reference_tiles, rms_norm, rope_half_split
 
 EPS = 1e-5
 M, D, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 5, 6, 2, 1, 4, 4, 7
@@ -253,7 +253,7 @@ def test_gradcheck_swiglu_mlp_residual_rms():
 def test_mlp_gate_up_node_refuses_a_backward_without_the_down_projection():
     """The gate/up node's backward takes mean_z_dz and the residual gradient from the down-projection
     node; a gradient reaching it any other way gets a clear error, not a wrong norm gradient."""
-    from codagen.ops.block import _MlpGateUp
+    from codagen.ops.mlp import _MlpGateUp
     x, normed, rstd, gamma = stats(rand(M, D), norm_weight())
     act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed, rstd, gamma, rand(2 * FFN, D), None, None, 1.0)
     with pytest.raises(RuntimeError, match="down-projection's backward"):

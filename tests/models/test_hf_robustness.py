@@ -12,9 +12,9 @@ import torch
 
 from codagen.models import is_patched, patch, unpatch
 
-transformers = pytest.importorskip("transformers")
+from .conftest import build, lm_inputs
 
-from tests.test_hf import build, lm_inputs  # noqa: E402  (after the importorskip)
+transformers = pytest.importorskip("transformers")
 
 
 def _round_trips():

@@ -11,10 +11,11 @@ import torch
 
 from codagen.models import patch
 
+from .conftest import build
+
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from tests.test_hf import build  # noqa: E402
 
 WORDS = "the a cat dog sat on mat ran fast slow red blue big small and then".split()
 
@@ -82,7 +83,7 @@ def test_trainer_bf16_autocast(tmp_path):
 
 def test_trainer_packed_matches_unpatched(tmp_path):
     """DataCollatorWithFlattening: each batch one row of documents, position_ids restarting per document. The
-    unpatched model separates them only without a cache (use_cache=False, see tests/test_hf_padding.py)."""
+    unpatched model separates them only without a cache (use_cache=False, see tests/models/test_hf_padding.py)."""
     model = build("llama", vocab_size=len(WORDS) + 2, pad_token_id=0, use_cache=False)
     reference = copy.deepcopy(model)
     collator = transformers.DataCollatorWithFlattening()

@@ -6,7 +6,7 @@ import torch
 
 from codagen import ops
 
-from .test_ops_block import Config, forward_backward, fused_model, make_inputs, make_params, reference_tiles
+from .conftest import Config, forward_backward, fused_model, make_inputs, make_params, reference_tiles
 
 
 @pytest.mark.slow  # ~40 s of Inductor compilation on 2 CPU cores; kept in the default run

@@ -12,19 +12,10 @@ import torch
 import codagen
 from codagen.models import is_patched, patch, unpatch
 
+from .conftest import SUBSETS, build, lm_inputs, lora_config
+
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
-
-from tests.test_hf import build, lm_inputs  # noqa: E402  (after the importorskip)
-
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SUBSETS = {"all": ALL, "q_v": ["q_proj", "v_proj"], "gate_down": ["gate_proj", "down_proj"]}
-
-
-def lora_config(targets=ALL, **overrides) -> "peft.LoraConfig":
-    # init_lora_weights=False: B is random, not zero, so an adapter that is dropped changes the loss
-    return peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": targets, "init_lora_weights": False,
-                              **overrides})
 
 
 def wrap(model, config=None, adapter_name="default", boost=4.0):

@@ -9,27 +9,13 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from codagen.models import patch
 from codagen.models.masks import causal_mask, document_ids
 
+from .conftest import BACKENDS, assert_same_training, build, padded_inputs, two_x_rule
+
 transformers = pytest.importorskip("transformers")
 
-from tests.test_hf import assert_same_training, build, lm_inputs, two_x_rule  # noqa: E402
-from tests.test_models import BACKENDS  # noqa: E402
 
 # Mistral's window (5) is shorter than the sequences, so the window, padding and documents combine
 FAMILIES = {"llama": {}, "qwen3": {}, "mistral": dict(sliding_window=5, num_key_value_heads=1)}
-
-
-def padded_inputs(side: str, batch=3, seq=14, vocab=67):
-    """Rows of ragged lengths (the longest unpadded) padded on ``side``; labels -100 on the pads."""
-    inputs = lm_inputs(batch=batch, seq=seq, vocab=vocab, ignore=False)
-    lengths = [seq, 2 * seq // 3, seq // 3][:batch]
-    mask = torch.zeros(batch, seq, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        real = slice(0, length) if side == "right" else slice(seq - length, seq)
-        mask[row, real] = 1
-    inputs["input_ids"] = inputs["input_ids"].masked_fill(mask == 0, 0)
-    inputs["labels"] = inputs["input_ids"].masked_fill(mask == 0, -100)
-    inputs["attention_mask"] = mask
-    return inputs
 
 
 def packed_inputs(lengths=(5, 3, 6), vocab=67):

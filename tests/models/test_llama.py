@@ -10,19 +10,7 @@ import codagen
 from codagen import ops
 from codagen.models import Llama, LlamaConfig, ReferenceLlama
 
-
-
-def _triton_backend_missing() -> str | None:
-    """Why the Triton backend cannot run here, or None."""
-    try:
-        from codagen.backends.triton import TritonBackend  # noqa: F401
-    except ImportError as error:
-        return f"codagen.backends.triton does not import yet: {error}"
-    return None
-
-
-BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
-    _triton_backend_missing() is not None, reason=str(_triton_backend_missing())))]
+from .conftest import BACKENDS
 
 
 def tiny_config(**overrides) -> LlamaConfig:

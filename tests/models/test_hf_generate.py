@@ -10,18 +10,16 @@ import pytest
 import torch
 
 import codagen
-from codagen.ops import _checks
-from codagen.models import patch, unpatch
-from codagen.models import hf_cache
+from codagen.models import hf_cache, patch, unpatch
 from codagen.models.decode import GreedyDecoder
 from codagen.models.hf_cache import cache_field
+from codagen.ops import _checks
+
+from .conftest import assert_same_training, build, lm_inputs, triton_backend_missing
 
 transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache, StaticCache  # noqa: E402  (after the importorskip)
-
-from tests.test_hf import assert_same_training, build, lm_inputs  # noqa: E402
-from tests.test_models import _triton_backend_missing  # noqa: E402
 
 FAMILIES = {  # (family, config overrides): QKV bias (Qwen2), QK-norm (Qwen3), sliding window shorter than the text
     "llama": ("llama", {}),
@@ -67,7 +65,7 @@ def test_greedy_matches_unpatched(variant, cache):
     assert_same_generation(got, want)
 
 
-@pytest.mark.skipif(_triton_backend_missing() is not None, reason=str(_triton_backend_missing()))
+@pytest.mark.skipif(triton_backend_missing() is not None, reason=str(triton_backend_missing()))
 def test_greedy_triton_interpreter():
     """One tiny case through the Triton kernels (interpreter on CPU, fp32)."""
     model = build("qwen2", num_hidden_layers=1).eval()
@@ -373,7 +371,7 @@ def test_gpu_generate_static_cache_compiled(monkeypatch):
 
 def test_readme_generate_example_runs():
     """The README's "Generate with a patched model" snippet runs as written."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text.split("## Generate with a patched model", 1)[1]
     snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
     scope = {}

@@ -105,7 +105,8 @@ def test_rms_gate_up_swiglu():
     act = ops.rms_gate_up_swiglu(x, normed, rstd, gamma, w, low_rank=LowRank(a, b, s))
     want = swiglu(rms(x, gamma) @ effective(w, pair).t())
     probe = torch.randn_like(want)
-    check_grads((act * probe).sum(), (want * probe).sum(), (x, gamma, w, a, b), ("x", "norm_weight", "weight", "a", "b"))
+    check_grads((act * probe).sum(), (want * probe).sum(), (x, gamma, w, a, b),
+                ("x", "norm_weight", "weight", "a", "b"))
 
 
 @pytest.mark.parametrize("adapted", ["both", "gate_up", "down"])
@@ -127,27 +128,32 @@ def test_swiglu_mlp_residual_rms(adapted):
                 ("x", "norm_weight", "gate_up", "down", "a_gu", "b_gu", "a_d", "b_d"))
 
 
-def spy(monkeypatch, module):
-    """Record the name of every program ``module`` executes."""
+def spy(monkeypatch, *modules):
+    """Record the name of every program ``modules`` execute."""
     names = []
-    execute = module.execute
-
-    def recording(program, *args, **kwargs):
-        names.append(program.name)
-        return execute(program, *args, **kwargs)
-    monkeypatch.setattr(module, "execute", recording)
+    for module in modules:
+        def recording(program, *args, execute=module.execute, **kwargs):
+            names.append(program.name)
+            return execute(program, *args, **kwargs)
+        monkeypatch.setattr(module, "execute", recording)
     return names
+
+
+def spy_block_ops(monkeypatch):
+    """:func:`spy` on every module of the block ops that executes programs."""
+    from codagen.ops import _fused, linear, mlp, residual
+    return spy(monkeypatch, _fused, residual, mlp, linear)
 
 
 def test_frozen_base_weights_get_no_weight_gradient_gemm(monkeypatch):
     """With the base weights frozen, the block ops and the LM-head cross-entropy run no ``weight_grad``
     program; the LoRA factors, the inputs and the norm weights still get theirs."""
-    from codagen.ops import block, cross_entropy
+    from codagen.ops import cross_entropy
     x, gamma = leaf(M, D), leaf(D)
     w_qkv, w_o, w_gu, w_d, head = (leaf(*shape, scale=0.2, grad=False)
                                    for shape in ((QKV, D), (D, HEADS * HD), (2 * FFN, D), (D, FFN), (50, D)))
     lrs = [LowRank(*lora_pair(*shape)) for shape in ((QKV, D), (D, HEADS * HD), (2 * FFN, D), (D, FFN))]
-    block_names = spy(monkeypatch, block)
+    block_names = spy_block_ops(monkeypatch)
     ce_names = spy(monkeypatch, cross_entropy)
     positions, freqs = torch.arange(M).double(), ops.rope_frequencies(HEADS, KV_HEADS, HD)
     normed, rstd = stats(x, gamma)
@@ -220,8 +226,7 @@ def test_frozen_inputs_skip_the_input_gradient_gemm(monkeypatch, op):
     """When neither the input nor the norm weight (nor the base weight) needs a gradient -- the first block
     of a LoRA model with frozen embeddings -- no GEMM over W runs in backward; the LoRA gradients still
     equal PyTorch's."""
-    from codagen.ops import block
-    names = spy(monkeypatch, block)
+    names = spy_block_ops(monkeypatch)
     x, gamma = leaf(M, D, grad=False), leaf(D, grad=False)
     normed, rstd = stats(x, gamma)
     if op == "qkv":

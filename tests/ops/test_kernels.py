@@ -5,13 +5,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from codagen.backends import triton_available
 
-from .test_ops_block import Config, forward_backward, fused_model, make_inputs, make_params, reference_tiles
+from .conftest import Config, forward_backward, fused_model, make_inputs, make_params, reference_tiles
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 
@@ -36,7 +37,8 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             q_cols = 2 * (n // 6)
             wide = torch.randn(m, n + 10).to(dtype)
             wide[:, 3:3 + n - 2 * q_cols] = x[:, 2 * q_cols:]
-            blocks = [x[:, :q_cols].t().contiguous().t(), x[:, q_cols:2 * q_cols].clone(), wide[:, 3:3 + n - 2 * q_cols]]
+            blocks = [x[:, :q_cols].t().contiguous().t(), x[:, q_cols:2 * q_cols].clone(),
+                      wide[:, 3:3 + n - 2 * q_cols]]
             for grad_blocks in ([x], blocks):
                 got = k.rope_backward_triton(grad_blocks, y, positions, frequencies, 5)
                 for a, b in zip(got, want):
@@ -64,21 +66,23 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             factor = torch.tensor(0.37)
             for out_dtype in (dtype, torch.float32):  # exact in fp32; the interpreter rounds to bf16 by truncation
                 exact = out_dtype == torch.float32
-                torch.testing.assert_close(k.scale_cast_triton(x, factor, out_dtype), k.scale_cast_ref(x, factor, out_dtype),
-                                           rtol=0 if exact else 1e-2, atol=0)
+                torch.testing.assert_close(k.scale_cast_triton(x, factor, out_dtype),
+                                           k.scale_cast_ref(x, factor, out_dtype), rtol=0 if exact else 1e-2, atol=0)
         # embedding backward: repeated ids, unused rows, 600 features (two column blocks, the last ragged)
         for tokens, vocab, features in ((1, 3, 5), (40, 11, 600)):
             grad_out = torch.randn(tokens, features).to(dtype)
             ids = torch.randint(0, vocab, (tokens,))
             ids[: tokens // 2] = vocab - 1
-            got, want = k.embedding_backward_triton(grad_out, ids, vocab), k.embedding_backward_ref(grad_out, ids, vocab)
+            got = k.embedding_backward_triton(grad_out, ids, vocab)
+            want = k.embedding_backward_ref(grad_out, ids, vocab)
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
         # finishing a GEMM's fp32 tile partials: more rows than one program takes, more tiles than one step
         # (64 tiles a step), a row stride wider than the tiles
         if dtype == torch.float32:
             for rows, tiles in ((1, 1), (300, 16), (70, 172)):
                 partial = 10 * torch.rand(rows, tiles + 3)[:, 1:1 + tiles]
-                torch.testing.assert_close(k.finish_rstd_triton(partial, 2048, 1e-5), k.finish_rstd_ref(partial, 2048, 1e-5))
+                torch.testing.assert_close(k.finish_rstd_triton(partial, 2048, 1e-5),
+                                           k.finish_rstd_ref(partial, 2048, 1e-5))
                 torch.testing.assert_close(k.finish_row_mean_triton(partial, 77), k.finish_row_mean_ref(partial, 77))
             # cross-entropy rows: logsumexp of the partials minus the target's; a row of -inf partials (-inf);
             # a row stride wider than the tiles, and target partials transposed (any strides)
@@ -96,9 +100,8 @@ _KERNEL_SCRIPT = textwrap.dedent("""
         # QK-norm backward: 17 rows (two row blocks, the last ragged); head_dim 6 (3 pairs in a 4-wide block) and
         # 16; narrower steps (max_block): one head a step, or 2 heads (6 Q heads in 3 steps, 3 K heads in 2, the
         # last ragged), V's columns in two steps (the last ragged)
-        launch = k._QK_NORM_LAUNCH
+        launch = k.QK_NORM_LAUNCH
         for heads, kv_heads, head_dim, max_block in ((2, 1, 6, 1024), (4, 2, 16, 1024), (4, 2, 6, 8), (6, 3, 6, 16)):
-            k._QK_NORM_LAUNCH = (launch[0], max_block, launch[2])
             m, n = 17, (heads + 2 * kv_heads) * head_dim
             grad, preact = torch.randn(m, n).to(dtype), torch.randn(m, n).to(dtype)
             positions = torch.randint(0, 4096, (m,)).float()
@@ -108,11 +111,10 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             want = k.rope_qk_norm_backward_ref([grad], *args)
             split = [t.clone() for t in grad.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), 1)]
             for grad_blocks in ([grad], split):
-                got = k.rope_qk_norm_backward_triton(grad_blocks, *args)
+                got = k.rope_qk_norm_backward_triton(grad_blocks, *args, launch=(launch[0], max_block, launch[2]))
                 for name, a, b in zip(("grad_z", "mean_z_dz", "grad_q_norm", "grad_k_norm"), got, want):
                     scale = max(1.0, b.float().abs().max().item())
                     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10 * scale, msg=name)
-        k._QK_NORM_LAUNCH = launch
     print("kernels ok")
 """)
 
@@ -121,7 +123,7 @@ def test_row_kernels_under_interpreter(fresh_seed):
     env = dict(os.environ, TRITON_INTERPRET="1")
     script = _KERNEL_SCRIPT.replace("SEED", str(fresh_seed))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0 and "kernels ok" in result.stdout, result.stdout + result.stderr
 
 

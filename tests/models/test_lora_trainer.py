@@ -15,12 +15,11 @@ import torch
 
 import codagen
 
+from .conftest import build, lora_config
+
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-
-from tests.test_hf import build  # noqa: E402  (after the importorskip)
-from tests.test_lora import lora_config  # noqa: E402
 
 
 class TokenDataset(torch.utils.data.Dataset):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .test_ops_block import Config, assert_two_x_rule, bf16_problem, eager_model, forward_backward, fuse_params, fused_model
+from .conftest import Config, assert_two_x_rule, bf16_problem, eager_model, forward_backward, fuse_params, fused_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

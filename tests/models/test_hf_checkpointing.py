@@ -13,10 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import codagen
 from codagen.models import keep_attention, patch
 
+from .conftest import assert_same_training, build, grads, lm_inputs, padded_inputs, two_x_rule
+
 transformers = pytest.importorskip("transformers")
 
-from tests.test_hf import assert_same_training, build, grads, lm_inputs  # noqa: E402
-from tests.test_hf_padding import padded_inputs  # noqa: E402
 
 KWARGS = {"default": None, "reentrant": {"use_reentrant": True}, "non_reentrant": {"use_reentrant": False},
           "keep_attention": {"use_reentrant": False, "context_fn": keep_attention}}
@@ -143,7 +143,6 @@ def test_recompute_is_bitwise(kwargs, dropout):
 @pytest.mark.parametrize("kwargs", ["non_reentrant", "keep_attention"])
 def test_bf16_gpu_two_x_rule_checkpointed(kwargs, monkeypatch):
     """bf16 on the GPU (Triton kernels), padded, checkpointed: the 2x rule against transformers (checkpointed too)."""
-    from tests.test_hf import two_x_rule
     monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
     model = build("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=1000, num_hidden_layers=2).cuda()

@@ -1,0 +1,68 @@
+"""Small row-wise kernels the ops need outside any GEMM, one module each, each with a PyTorch ``*_ref`` twin.
+
+- :mod:`.rms_norm`: the first block's RMSNorm statistics (no producer GEMM precedes it);
+- :mod:`.rope` (B1): rotate the QKV gradient back and compute ``mean_z_dz`` for the RMSNorm backward;
+- :mod:`.rope_qk_norm` (B1 with QK-norm): the same, plus the per-head RMSNorm backward of the Q/K
+  heads and the q_norm / k_norm weight gradients (per-row-block partials, summed after the launch);
+- :mod:`.swiglu`: SwiGLU backward + ``mean_z_dz`` for the standalone gate/up op (the fused MLP op
+  does this in the down-projection's input-gradient epilogue instead);
+- :mod:`.row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is;
+- :mod:`.cross_entropy`: a chunk of logits -> each row's loss, its gradient (in place) and
+  ``mean_z_dz``;
+- :mod:`.scale`: ``(src * factor).to(dtype)`` with ``factor`` a device scalar, one rounding (the LM
+  head's saved gradients times the loss gradient);
+- :mod:`.embedding`: the embedding table's gradient, each vocabulary row's tokens summed in
+  token order;
+- :mod:`.finish`: a fused GEMM's tile partials finished into ``rstd``, ``mean_z_dz``, a norm weight's
+  gradient or each row's cross-entropy, one launch each.
+
+Each comes as ``foo_ref`` (PyTorch), ``foo_triton`` (one launch of a module-level ``@triton.jit`` kernel)
+and the dispatcher ``foo`` (:mod:`._launch`): the kernel for CUDA tensors when the selected backend is
+``triton`` and the dtype is not float64 (the oracle dtype); otherwise the twin. (The tests run the
+``*_triton`` launchers on CPU under ``TRITON_INTERPRET=1``.) Kernels keep fp32 statistics and write one
+value per row or column: no atomics, so results are deterministic.
+"""
+from .cross_entropy import (
+    CROSS_ENTROPY_GROUP,
+    CROSS_ENTROPY_LAUNCH,
+    cross_entropy_logits_grad,
+    cross_entropy_logits_grad_ref,
+    cross_entropy_logits_grad_triton,
+)
+from .embedding import embedding_backward, embedding_backward_ref, embedding_backward_triton
+from .finish import (
+    finish_col_sum,
+    finish_col_sum_ref,
+    finish_col_sum_triton,
+    finish_cross_entropy,
+    finish_cross_entropy_ref,
+    finish_cross_entropy_triton,
+    finish_row_mean,
+    finish_row_mean_ref,
+    finish_row_mean_triton,
+    finish_rstd,
+    finish_rstd_ref,
+    finish_rstd_triton,
+)
+from .rms_norm import rms_norm_stats, rms_norm_stats_ref, rms_norm_stats_triton
+from .rope import rope_backward, rope_backward_ref, rope_backward_triton
+from .rope_qk_norm import (
+    QK_NORM_LAUNCH,
+    rope_qk_norm_backward,
+    rope_qk_norm_backward_ref,
+    rope_qk_norm_backward_triton,
+)
+from .row_dot import mean_row_dot, mean_row_dot_ref, mean_row_dot_triton
+from .scale import scale_cast, scale_cast_ref, scale_cast_triton
+from .swiglu import swiglu_backward, swiglu_backward_ref, swiglu_backward_triton
+
+__all__ = ["rms_norm_stats", "rms_norm_stats_ref", "rms_norm_stats_triton", "rope_backward", "rope_backward_ref",
+           "rope_backward_triton", "rope_qk_norm_backward", "rope_qk_norm_backward_ref",
+           "rope_qk_norm_backward_triton", "swiglu_backward", "swiglu_backward_ref", "swiglu_backward_triton",
+           "mean_row_dot", "mean_row_dot_ref", "mean_row_dot_triton", "cross_entropy_logits_grad",
+           "cross_entropy_logits_grad_ref", "cross_entropy_logits_grad_triton", "scale_cast", "scale_cast_ref",
+           "scale_cast_triton", "embedding_backward", "embedding_backward_ref", "embedding_backward_triton",
+           "finish_rstd", "finish_rstd_ref", "finish_rstd_triton", "finish_row_mean", "finish_row_mean_ref",
+           "finish_row_mean_triton", "finish_col_sum", "finish_col_sum_ref", "finish_col_sum_triton",
+           "finish_cross_entropy", "finish_cross_entropy_ref", "finish_cross_entropy_triton", "CROSS_ENTROPY_LAUNCH",
+           "CROSS_ENTROPY_GROUP", "QK_NORM_LAUNCH"]

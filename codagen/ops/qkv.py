@@ -1,0 +1,287 @@
+"""F4 (+ B1, B2, B3): the RMSNorm-scaled QKV projection + RoPE, optionally with QK-norm, one GEMM.
+
+Backward: B1 a row kernel (:mod:`codagen.ops.kernels.rope`, with QK-norm
+:mod:`codagen.ops.kernels.rope_qk_norm`), then the norm consumer's backward B2 + B3
+(:func:`codagen.ops._fused.consumer_rms_norm_backward`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from codagen.epilogue import library
+
+from . import _checks as check
+from . import kernels
+from ._checks import stats_dtype
+from ._custom_op import custom_op, named_gradients
+from ._fused import (
+    consumer_backward_outputs,
+    consumer_gradients,
+    consumer_input_grad,
+    consumer_rms_norm_backward,
+    fake_consumer_grads,
+    lora_args,
+    low_rank_operand,
+    run,
+)
+from .layouts import kv_heads_of
+from .low_rank import LowRank
+
+__all__ = ["rms_qkv_rope"]
+
+
+
+# ==================================================================================================
+# plain: RoPE only
+# ==================================================================================================
+@custom_op("rms_qkv_rope", fake=lambda normed, qkv_weight, **_: normed.new_empty(normed.shape[0], qkv_weight.shape[0]))
+def _rms_qkv_rope_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor,
+                     frequencies: Tensor, lora_u: Tensor | None, lora_b: Tensor | None) -> Tensor:
+    return run(library.rms_qkv_rope(), normed, qkv_weight, lora_u, lora_b, rstd=rstd, positions=positions,
+               frequencies=frequencies)["qkv"]
+
+
+@custom_op("rms_qkv_rope_backward", fake=lambda x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b,
+           **_: fake_consumer_grads(x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b))
+def _rms_qkv_rope_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor | None, qkv: Tensor, x: Tensor,
+                              rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor, positions: Tensor,
+                              frequencies: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
+                              lora_b: Tensor | None, lora_u: Tensor | None,
+                              lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grad_z, mean_z_dz = kernels.rope_backward(grad_blocks, qkv, positions, frequencies, x.shape[1])  # B1
+    return consumer_backward_outputs(x, consumer_rms_norm_backward(  # B2, B3
+        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual, weight_grad=weight_grad,
+        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
+
+
+def _contiguous(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def _split_outputs(qkv: Tensor, split_sizes: tuple[int, ...] | None) -> tuple[Tensor, ...]:
+    """``(qkv,)``, or its column blocks as views: each then gets its own gradient in the backward."""
+    return (qkv,) if split_sizes is None else qkv.split(split_sizes, dim=1)
+
+
+def _grad_blocks(grads: tuple[Tensor | None, ...], split_sizes: tuple[int, ...] | None,
+                 like: Tensor) -> list[Tensor] | None:
+    """The gradients of the qkv outputs (qkv, or q, k, v) as B1 takes them, in place (its launcher fixes
+    any layout its kernel cannot read); an unused output's as zeros; ``None`` when no output has one."""
+    if all(g is None for g in grads):
+        return None
+    widths = split_sizes or (like.shape[1],)
+    return [like.new_zeros(like.shape[0], width) if g is None else g for g, width in zip(grads, widths)]
+
+
+
+
+class _RmsQkvRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, split_sizes, lora_a, lora_b,
+                lora_scale):
+        lora_u = low_rank_operand(normed, lora_a, lora_scale)
+        qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies, lora_u, lora_b)
+        ctx.save_for_backward(qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, lora_a, lora_b, lora_u)
+        ctx.split_sizes, ctx.lora_scale = split_sizes, lora_scale
+        ctx.set_materialize_grads(False)
+        return *_split_outputs(qkv, split_sizes), x.view_as(x)
+
+    @staticmethod
+    @named_gradients(forward)
+    def backward(ctx, needs, *grads):
+        *grad_outputs, grad_residual = grads
+        qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, lora_a, lora_b, lora_u = ctx.saved_tensors
+        grad_blocks = _grad_blocks(tuple(grad_outputs), ctx.split_sizes, qkv)
+        if grad_blocks is None:  # only the residual path carries a gradient
+            return dict(x=grad_residual)
+        named, _ = consumer_gradients(needs, _rms_qkv_rope_backward_op(
+            grad_blocks, _contiguous(grad_residual), qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies,
+            needs["qkv_weight"], consumer_input_grad(needs), lora_a, lora_b, lora_u,
+            ctx.lora_scale), "qkv_weight", lora_a)
+        return named
+
+
+# ==================================================================================================
+# with QK-norm: each Q and K head normalized before RoPE
+# ==================================================================================================
+def _qk_norm_columns(q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
+                    num_kv_heads: int) -> tuple[Tensor, Tensor]:
+    """The per-column vectors of the QK-norm program (columns ``[Q heads | K heads | V heads]``):
+    ``qk_norm_weight`` [N] = q_norm's weight on each Q head, k_norm's on each K head, 0 on V;
+    ``qk_passthrough`` [N] = 0 on Q/K, 1 on V."""
+    head_dim = q_norm_weight.shape[0]
+    v_zeros = q_norm_weight.new_zeros(num_kv_heads * head_dim)
+    weight = torch.cat((q_norm_weight.repeat(num_heads), k_norm_weight.repeat(num_kv_heads),
+                        v_zeros))
+    passthrough = torch.cat((q_norm_weight.new_zeros((num_heads + num_kv_heads) * head_dim), v_zeros + 1))
+    return weight, passthrough
+
+
+
+def _fake_qk_norm_forward(normed, qkv_weight, **_):
+    shape = (normed.shape[0], qkv_weight.shape[0])
+    return normed.new_empty(shape), normed.new_empty(shape)
+
+
+@custom_op("rms_qkv_rope_qk_norm", fake=_fake_qk_norm_forward)
+def _rms_qkv_rope_qk_norm_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
+                             q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
+                             eps: float, lora_u: Tensor | None, lora_b: Tensor | None) -> tuple[Tensor, Tensor]:
+    head_dim = q_norm_weight.shape[0]
+    qk_norm_weight, qk_passthrough = _qk_norm_columns(
+        q_norm_weight, k_norm_weight, num_heads, kv_heads_of(qkv_weight.shape[0], head_dim, num_heads))
+    out = run(library.rms_qkv_rope(head_dim, eps), normed, qkv_weight, lora_u, lora_b, rstd=rstd, positions=positions,
+              frequencies=frequencies, qk_norm_weight=qk_norm_weight, qk_passthrough=qk_passthrough)
+    return out["qkv"], out["preact"]
+
+
+def _fake_qk_norm_backward(x, norm_weight, qkv_weight, q_norm_weight, k_norm_weight, weight_grad, input_grad, lora_a,
+                           lora_b, **_):
+    return (*fake_consumer_grads(x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b),
+            torch.empty_like(q_norm_weight), torch.empty_like(k_norm_weight))
+
+
+@custom_op("rms_qkv_rope_qk_norm_backward", fake=_fake_qk_norm_backward)
+def _rms_qkv_rope_qk_norm_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor | None, preact: Tensor,
+                                      x: Tensor, rstd: Tensor, norm_weight: Tensor,
+                                      qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
+                                      q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
+                                      eps: float, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
+                                      lora_b: Tensor | None, lora_u: Tensor | None,
+                                      lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                  Tensor]:
+    # B1: RoPE backward + the Q/K heads' RMSNorm backward (+ q_norm/k_norm weight gradients)
+    grad_z, mean_z_dz, grad_q_norm_weight, grad_k_norm_weight = kernels.rope_qk_norm_backward(
+        grad_blocks, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, x.shape[1])
+    return consumer_backward_outputs(x, consumer_rms_norm_backward(  # B2, B3
+        grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual, weight_grad=weight_grad,
+        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale),
+        grad_q_norm_weight.to(q_norm_weight.dtype), grad_k_norm_weight.to(k_norm_weight.dtype))
+
+
+class _RmsQkvRopeQkNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
+                num_heads, eps, split_sizes, lora_a, lora_b, lora_scale):
+        lora_u = low_rank_operand(normed, lora_a, lora_scale)
+        qkv, preact = _rms_qkv_rope_qk_norm_op(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight,
+                                               k_norm_weight, num_heads, eps, lora_u, lora_b)
+        ctx.save_for_backward(preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
+                              k_norm_weight, lora_a, lora_b, lora_u)
+        ctx.num_heads, ctx.eps, ctx.split_sizes, ctx.lora_scale = num_heads, eps, split_sizes, lora_scale
+        ctx.set_materialize_grads(False)
+        return *_split_outputs(qkv, split_sizes), x.view_as(x)
+
+    @staticmethod
+    @named_gradients(forward)
+    def backward(ctx, needs, *grads):
+        *grad_outputs, grad_residual = grads
+        *saved, lora_a, lora_b, lora_u = ctx.saved_tensors  # preact first
+        grad_blocks = _grad_blocks(tuple(grad_outputs), ctx.split_sizes, saved[0])
+        if grad_blocks is None:  # only the residual path carries a gradient
+            return dict(x=grad_residual)
+        grads = _rms_qkv_rope_qk_norm_backward_op(
+            grad_blocks, _contiguous(grad_residual), *saved, ctx.num_heads, ctx.eps, needs["qkv_weight"],
+            consumer_input_grad(needs), lora_a, lora_b, lora_u, ctx.lora_scale)
+        named, (grad_q_norm_weight, grad_k_norm_weight) = consumer_gradients(needs, grads, "qkv_weight", lora_a)
+        return dict(**named, q_norm_weight=grad_q_norm_weight, k_norm_weight=grad_k_norm_weight)
+
+
+# ==================================================================================================
+# the public op
+# ==================================================================================================
+def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor,
+                 positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor | None = None,
+                 k_norm_weight: Tensor | None = None, num_heads: int | None = None,
+                 qk_norm_eps: float = 1e-6, *, split_sizes: tuple[int, int, int] | None = None,
+                 pass_residual: bool = False, low_rank: LowRank | None = None) -> Tensor | tuple[Tensor, ...]:
+    """F4: ``qkv = rope(RMSNorm(x) @ qkv_weight^T)`` on adjacent pairs, one GEMM; optionally QK-norm before RoPE.
+
+    ``z = rstd[m] * (normed @ W^T)``; pair ``j`` of row ``m`` rotates by ``positions[m] * frequencies[j]``
+    (``frequencies`` [N/2] from :func:`rope_frequencies`; V pairs are 0). Q/K rows of ``qkv_weight``
+    must be in the adjacent-pair layout (:func:`rope_pairs_from_half_split`).
+
+    QK-norm (Qwen3, OLMo-2): with ``q_norm_weight`` and ``k_norm_weight`` (both ``[head_dim]``, in the
+    same pair order as the Q/K rows: ``rope_pairs_from_half_split(w, head_dim)`` converts Hugging Face's)
+    and ``num_heads`` (Q heads; K and V have ``(N / head_dim - num_heads) / 2`` each), every Q and K
+    head ``h`` is normalized before RoPE: ``y_h = z_h * rsqrt(mean(z_h^2) + qk_norm_eps) * gamma``
+    (``gamma`` = q_norm's or k_norm's weight); V is not. Still one GEMM: the per-head statistic is a
+    segmented sum in the epilogue (tiles hold whole heads).
+
+    Backward: B1 rotates ``grad_qkv`` back by ``-theta`` and computes ``mean_z_dz = sum qkv * grad_qkv / d``
+    (rotations preserve dot products); with QK-norm B1 also applies each Q/K head's RMSNorm backward
+    ``dz_h = rho_h (gamma g_h - zhat_h mean(zhat_h gamma g_h))`` (``rho_h`` its rstd, ``zhat_h = z_h rho_h``,
+    ``g`` the un-rotated gradient), takes ``mean_z_dz = sum z dz / d`` with the pre-QK-norm ``z`` and
+    writes per-row-block partials of the q_norm/k_norm gradients ``sum g zhat``. B2 is the
+    RMSNorm-backward GEMM ``grad_z @ W``; B3 ``grad_W = grad_z^T @ n``.
+
+    ``split_sizes=(q_cols, k_cols, v_cols)`` returns ``q, k, v = qkv.split(split_sizes, dim=1)`` instead of
+    ``qkv``: views of the one [M, N] output, each with its own gradient. B1 then reads attention's three
+    input gradients where they lie; a split of ``qkv`` made outside the op would have autograd concatenate
+    them into one [M, N] gradient first (an extra read and write of it). Each size must be even
+    (a RoPE pair never straddles two blocks); with QK-norm they are the heads' column counts.
+
+    ``pass_residual=True`` also returns ``residual`` (last), ``x`` passed through: use it
+    as the block's residual (the out-projection's ``residual``). Its gradient then comes back into this
+    op's backward and B2 writes ``grad_x = grad_residual + norm_grad`` in its one store, where autograd
+    would otherwise add the two paths' ``[M, d]`` gradients in a separate kernel.
+    ``low_rank=LowRank(a, b, scale)``: ``qkv_weight + scale * b @ a`` (LoRA; ``b``'s rows in the fused row
+    order of ``qkv_weight``) in the same GEMM through its low-rank pair ``(scale * normed @ a^T, b)``, so
+    RoPE and QK-norm see the sum; the backward GEMM carries ``(scale * grad_z @ b, a)``.
+    ``grad_qkv_weight`` is computed only when ``qkv_weight`` requires a gradient.
+
+    Saved: ``qkv`` (attention keeps it alive anyway), ``x``, ``rstd``; with QK-norm ``preact = z``
+    [M, N] instead of ``qkv`` (one extra activation of qkv's size: the norm's backward needs the
+    pre-norm heads; ``rho`` is recomputed from it). ``n = RMSNorm(x)`` is recomputed.
+    """
+    x = check.activation("x", x)
+    m, d = x.shape
+    normed = check.normed("normed", normed, x)
+    rstd = check.rstd("rstd", rstd, x)
+    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
+    qkv_weight = check.weight("qkv_weight", qkv_weight, (None, d), "[(heads + 2 kv_heads) * head_dim, features]", x,
+                              even_rows=True)
+    positions = check.index_vector("positions", positions, m, x, allow_float=True)
+    frequencies = check.vector("frequencies", frequencies, qkv_weight.shape[0] // 2, "[qkv features / 2]", x,
+                               dtypes=(torch.float32, torch.float64))
+    positions = positions.to(stats_dtype(x.dtype))  # angles are computed in fp32 registers
+    lora = lora_args(check.low_rank("low_rank", low_rank, d, qkv_weight.shape[0], x))
+    if q_norm_weight is None and k_norm_weight is None:
+        if num_heads is not None:
+            raise ValueError("num_heads: only used with QK-norm (give q_norm_weight and k_norm_weight too)")
+        split_sizes = check.split_sizes("split_sizes", split_sizes, qkv_weight.shape[0])
+        out = _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
+                                frequencies.detach(), split_sizes, *lora)
+        return _outputs(out, pass_residual)
+    if q_norm_weight is None or k_norm_weight is None:
+        missing = "q_norm_weight" if q_norm_weight is None else "k_norm_weight"
+        raise ValueError(f"{missing}: QK-norm needs both q_norm_weight and k_norm_weight, got only one")
+    q_norm_weight = check.head_vector("q_norm_weight", q_norm_weight, x)
+    head_dim = q_norm_weight.shape[0]
+    k_norm_weight = check.vector("k_norm_weight", k_norm_weight, head_dim, "[head_dim] (that of q_norm_weight)", x)
+    if num_heads is None:
+        raise ValueError("num_heads: QK-norm needs the number of Q heads (to tell Q columns from K columns)")
+    num_heads = check.positive_int("num_heads", num_heads)
+    rows = qkv_weight.shape[0]
+    if rows % head_dim:
+        raise ValueError(f"qkv_weight: expected (heads + 2 kv_heads) * head_dim rows with head_dim = {head_dim} "
+                         f"(q_norm_weight's length), got shape {tuple(qkv_weight.shape)}")
+    kv_rows = rows // head_dim - num_heads
+    if kv_rows <= 0 or kv_rows % 2:
+        raise ValueError(f"num_heads: qkv_weight holds {rows // head_dim} heads of head_dim {head_dim} = num_heads + "
+                         f"2 kv_heads, which num_heads = {num_heads} does not split")
+    eps = check.eps(qk_norm_eps, "qk_norm_eps")
+    kv_cols = kv_rows // 2 * head_dim
+    split_sizes = check.split_sizes("split_sizes", split_sizes, rows, (num_heads * head_dim, kv_cols, kv_cols))
+    out = _RmsQkvRopeQkNorm.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
+                                  frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps, split_sizes,
+                                  *lora)
+    return _outputs(out, pass_residual)
+
+
+def _outputs(out: tuple[Tensor, ...], pass_residual: bool):
+    """``(qkv | q, k, v[, residual])`` as the caller asked; a lone qkv unwrapped."""
+    out = out if pass_residual else out[:-1]
+    return out[0] if len(out) == 1 else out
+
