@@ -1,0 +1,273 @@
+"""FSDP2 on patched models (codagen.models.sharding): CPU processes on gloo against one unsharded, unpatched process.
+
+Every test forks ``world`` processes (a few seconds each: fork, not spawn, so nothing is imported again); each
+rank trains on its own rows of the batch, as data parallelism does, and the reference is the unpatched model on
+the whole batch in this process. Loss, every gradient (``full_tensor()``), one AdamW step and the second
+step's loss agree within 1e-4 relative in fp32.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+transformers = pytest.importorskip("transformers")
+
+from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
+from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard  # noqa: E402
+from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
+
+import codagen  # noqa: E402
+from codagen.models import fused_layers, sharding  # noqa: E402
+from tests.test_hf import build  # noqa: E402
+from tests.test_hf_checkpointing import enable_checkpointing  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+BATCH, SEQ, VOCAB = 4, 12, 67
+
+
+def _run(rank: int, world: int, init: str, out: str, fn, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        if rank == 0:
+            torch.save(result, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(world: int, fn, *args):
+    """``fn(rank, world, *args)`` on ``world`` forked processes joined by gloo; rank 0's result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.pt")
+        mp.start_processes(_run, args=(world, "file://" + os.path.join(tmp, "store"), out, fn, args), nprocs=world,
+                           start_method="fork")
+        return torch.load(out, weights_only=False)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+
+
+def hf_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, gathered, under Hugging Face names and layouts (the state-dict hooks' own
+    conversion)."""
+    grads = {}
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), f"{name}: expected a sharded parameter and grad"
+        assert p.grad.placements == (Shard(0),), f"{name}: gradient placements {p.grad.placements}"
+        grads[name] = p.grad.full_tensor()
+    for i, layer in enumerate(model.model.layers):
+        fused_layers._to_hf_layout(layer, grads, f"model.layers.{i}.", None)
+    return grads
+
+
+def _sharded_training(rank, world, model, batch, mp_policy=None):
+    """Two steps of AdamW on the sharded ``model``, this rank's rows of ``batch``: losses (averaged over the
+    ranks), the first step's gradients (HF names), the parameters' and gradients' dtypes."""
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    sharding.fully_shard(model, **kwargs)
+    compute_dtypes = set()  # what each block's forward sees: its input and its (unsharded) weights
+    for layer in model.model.layers:
+        layer.fused.register_forward_pre_hook(
+            lambda block, args: compute_dtypes.update({args[0].dtype, block.qkv_proj.weight.dtype}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    losses = []
+    for step in range(2):
+        loss = model(input_ids=batch["input_ids"][rows], labels=batch["labels"][rows]).loss
+        loss.backward()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean / world)
+        if step == 0:
+            grads = hf_grads(model)
+            dtypes = {p.grad.dtype for p in model.parameters()} | {p.dtype for p in model.parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "grads": grads, "dtypes": dtypes, "compute_dtypes": compute_dtypes}
+
+
+def _train_hf(rank, world, model, batch, mp_policy=None):
+    return _sharded_training(rank, world, model, batch, mp_policy)
+
+
+def reference_training(model, batch):
+    """The unpatched model on the whole batch: both losses and the first step's gradients."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(2):
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "grads": grads}
+
+
+def lm_batch():
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def assert_same(got, want, rtol=1e-4):
+    for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+        assert rel_err(a, b) <= rtol, f"step {step + 1} loss {a.item()} vs {b.item()}"
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, g in want["grads"].items():
+        assert rel_err(got["grads"][name], g) <= rtol, f"{name}: relative error {rel_err(got['grads'][name], g)}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fully_shard_matches_one_unsharded_process(family, world):
+    model, batch = build(family), lm_batch()
+    want = reference_training(model, batch)
+    got = run_distributed(world, _train_hf, model, batch)
+    assert_same(got, want)
+    assert got["dtypes"] == got["compute_dtypes"] == {torch.float32}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_mixed_precision_bf16_params_fp32_reduce(family):
+    """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the blocks run in bf16 (reference backend
+    on CPU), the gradients arrive sharded in float32, and the loss follows the fp32 model's."""
+    model, batch = build(family), lm_batch()
+    want = reference_training(model, batch)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    got = run_distributed(2, _train_hf, model, batch, policy)
+    assert got["dtypes"] == {torch.float32}  # parameters and sharded gradients stay fp32
+    assert got["compute_dtypes"] == {torch.bfloat16}
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        assert rel_err(a, b) <= 2e-2
+    for name, g in want["grads"].items():
+        cosine = torch.nn.functional.cosine_similarity(got["grads"][name].flatten(), g.flatten(), dim=0)
+        assert cosine > 0.99, f"{name}: cosine similarity {cosine.item()} to the fp32 gradient"
+
+
+def _collectives(rank, world, model, batch):
+    """Per-step collective counts, forward and backward, and which parameters are unsharded after forward."""
+    sharding.fully_shard(model)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    counts = []
+    for _ in range(2):
+        with CommDebugMode() as forward:
+            loss = model(input_ids=batch["input_ids"][rows], labels=batch["labels"][rows]).loss
+        unsharded_after_forward = sorted(name for name, p in model.named_parameters() if not isinstance(p, DTensor))
+        with CommDebugMode() as backward:
+            loss.backward()
+        counts.append({name: {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+                       for name, mode in (("forward", forward), ("backward", backward))})
+        model.zero_grad()
+    return {"counts": counts, "unsharded_after_forward": unsharded_after_forward}
+
+
+def test_fsdp_hooks_run_around_every_block():
+    """Each block is all-gathered for its forward and again for its backward, and reduce-scattered once; the root
+    (embeddings, head, norms) is gathered once and kept until its reduce-scatter. After the forward only the
+    root's parameters are unsharded."""
+    model, batch = build("llama", num_hidden_layers=3), lm_batch()
+    got = run_distributed(2, _collectives, model, batch)
+    for step in got["counts"]:
+        assert step["forward"] == {"_allgather_base_": 3 + 1}, step
+        assert step["backward"] == {"_allgather_base_": 3, "_reduce_scatter_base_": 3 + 1}, step
+    assert all(not name.startswith("model.layers.") or "layernorm" in name for name in got["unsharded_after_forward"])
+    assert "model.layers.0.input_layernorm.weight" in got["unsharded_after_forward"]
+
+
+def _checkpoint_round_trip(rank, world, model, fresh, batch, directory):
+    """Train one step, save with torch.distributed.checkpoint, load into a fresh sharded model."""
+    sharding.fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(**batch).loss.backward()
+    optimizer.step()
+    state = model.state_dict()
+    dcp.save(state, checkpoint_id=directory)
+    sharding.fully_shard(fresh)
+    loaded = fresh.state_dict()
+    dcp.load(loaded, checkpoint_id=directory)
+    fresh.load_state_dict(loaded)
+    with torch.no_grad():
+        return {"loss": model(**batch).loss, "fresh_loss": fresh(**batch).loss,
+                "logits": model(batch["input_ids"]).logits, "fresh_logits": fresh(batch["input_ids"]).logits,
+                "saved": {key: value.full_tensor() for key, value in state.items()},
+                "placements": {value.placements for value in state.values()}}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_distributed_checkpoint_round_trip_in_hf_layout(family, tmp_path):
+    """The saved state dict has Hugging Face's names and layouts (sharded), loads into a fresh sharded model
+    with identical outputs, and loads into an unpatched model as a plain state dict."""
+    model, fresh, batch = build(family), build(family), lm_batch()
+    got = run_distributed(2, _checkpoint_round_trip, model, fresh, batch, str(tmp_path / "checkpoint"))
+    assert torch.equal(got["loss"], got["fresh_loss"]) and torch.equal(got["logits"], got["fresh_logits"])
+    assert got["placements"] == {(Shard(0),)}
+    assert got["saved"].keys() == model.state_dict().keys()
+    model.load_state_dict(got["saved"])  # the unpatched model, trained one step by the sharded one
+    with torch.no_grad():
+        assert rel_err(model(batch["input_ids"]).logits, got["logits"]) <= 1e-4
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_fully_shard_with_gradient_checkpointing(use_reentrant):
+    """``gradient_checkpointing_enable()`` checkpoints each fused block's module call; FSDP's hooks see the
+    recomputation (the block is unsharded for it) and the gradients still match."""
+    model, batch = build("llama"), lm_batch()
+    want = reference_training(model, batch)
+    enable_checkpointing(model, {"use_reentrant": use_reentrant})
+    got = run_distributed(2, _train_hf, model, batch)
+    assert_same(got, want)
+
+
+def _refusals(rank, world):
+    errors = {}
+
+    def refused(name, fn):
+        try:
+            fn()
+        except (NotImplementedError, ValueError) as error:
+            errors[name] = f"{type(error).__name__}: {error}"
+
+    per_layer = codagen.patch(build("llama"))
+    for layer in per_layer.model.layers:
+        torch_fully_shard(layer)
+    torch_fully_shard(per_layer)
+    refused("fully_shard per decoder layer", lambda: per_layer(**lm_batch()))
+    root_only = build("llama")
+    torch_fully_shard(root_only)
+    refused("fused after sharding", lambda: sharding.fuse_parameters(root_only))
+    fused = sharding.fuse_parameters(build("llama"))
+    refused("unpatch", lambda: codagen.unpatch(fused))
+    refused("KV cache", lambda: fused(lm_batch()["input_ids"], use_cache=True))
+    return errors
+
+
+def test_refused_combinations():
+    errors = run_distributed(1, _refusals)
+    assert "codagen.models.sharding.fully_shard(model)" in errors.pop("fully_shard per decoder layer")
+    assert "fuse its parameters before fully_shard" in errors.pop("fused after sharding")
+    assert "the model's projections are fused" in errors.pop("unpatch")
+    assert "a KV cache (generate()) on a model with fused parameters" in errors.pop("KV cache")
+    assert not errors
+
+
+def test_peft_model_refused():
+    peft = pytest.importorskip("peft")
+    with warnings.catch_warnings():  # transformers 5.2x: peft reads a deprecated alias
+        warnings.simplefilter("ignore", FutureWarning)
+        model = peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(NotImplementedError, match="PEFT models are not supported"):
+        sharding.fuse_parameters(model)
