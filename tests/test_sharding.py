@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 
 import codagen  # noqa: E402
-from codagen.models import fused_layers, sharding  # noqa: E402
+from codagen.models import Llama, LlamaConfig, fused_layers, sharding  # noqa: E402
 from tests.test_hf import build  # noqa: E402
 from tests.test_hf_checkpointing import enable_checkpointing  # noqa: E402
 
@@ -59,56 +59,70 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
 
 
-def hf_grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, gathered, under Hugging Face names and layouts (the state-dict hooks' own
-    conversion)."""
+def is_native(model) -> bool:
+    return isinstance(model, Llama)
+
+
+def loss_of(model, batch, rows=slice(None)):
+    """The mean next-token loss on ``rows`` of ``batch``: ``Llama``'s targets are the shifted labels."""
+    if is_native(model):
+        ids = batch["input_ids"][rows]
+        return model(ids, torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100))
+    return model(input_ids=batch["input_ids"][rows], labels=batch["labels"][rows]).loss
+
+
+def logits_of(model, batch) -> torch.Tensor:
+    return model(batch["input_ids"]) if is_native(model) else model(batch["input_ids"]).logits
+
+
+def gathered_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, gathered; a patched model's under Hugging Face names and layouts (the
+    state-dict hooks' own conversion)."""
     grads = {}
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), f"{name}: expected a sharded parameter and grad"
         assert p.grad.placements == (Shard(0),), f"{name}: gradient placements {p.grad.placements}"
         grads[name] = p.grad.full_tensor()
-    for i, layer in enumerate(model.model.layers):
-        fused_layers._to_hf_layout(layer, grads, f"model.layers.{i}.", None)
+    if not is_native(model):
+        for i, layer in enumerate(model.model.layers):
+            fused_layers._to_hf_layout(layer, grads, f"model.layers.{i}.", None)
     return grads
 
 
 def _sharded_training(rank, world, model, batch, mp_policy=None):
     """Two steps of AdamW on the sharded ``model``, this rank's rows of ``batch``: losses (averaged over the
-    ranks), the first step's gradients (HF names), the parameters' and gradients' dtypes."""
+    ranks), the first step's gradients, the parameters' and gradients' dtypes, the dtypes the blocks compute in."""
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     sharding.fully_shard(model, **kwargs)
-    compute_dtypes = set()  # what each block's forward sees: its input and its (unsharded) weights
-    for layer in model.model.layers:
-        layer.fused.register_forward_pre_hook(
-            lambda block, args: compute_dtypes.update({args[0].dtype, block.qkv_proj.weight.dtype}))
+    compute_dtypes = set()  # what each block's forward sees: its input and its (unsharded) QKV weight
+    for block in sharding.blocks_of(model):
+        block.register_forward_pre_hook(lambda block, args: compute_dtypes.update(
+            {args[0].dtype, (block.qkv if is_native(model) else block.qkv_proj.weight).dtype}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     losses = []
     for step in range(2):
-        loss = model(input_ids=batch["input_ids"][rows], labels=batch["labels"][rows]).loss
+        loss = loss_of(model, batch, rows)
         loss.backward()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean / world)
         if step == 0:
-            grads = hf_grads(model)
+            grads = gathered_grads(model)
             dtypes = {p.grad.dtype for p in model.parameters()} | {p.dtype for p in model.parameters()}
         optimizer.step()
         optimizer.zero_grad()
     return {"losses": losses, "grads": grads, "dtypes": dtypes, "compute_dtypes": compute_dtypes}
 
 
-def _train_hf(rank, world, model, batch, mp_policy=None):
-    return _sharded_training(rank, world, model, batch, mp_policy)
-
-
 def reference_training(model, batch):
-    """The unpatched model on the whole batch: both losses and the first step's gradients."""
+    """The unsharded model in this process (HF: unpatched) on the whole batch: both losses and the first
+    step's gradients."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(2):
-        loss = model(**batch).loss
+        loss = loss_of(model, batch)
         loss.backward()
         losses.append(loss.detach())
         if step == 0:
@@ -116,6 +130,21 @@ def reference_training(model, batch):
         optimizer.step()
         optimizer.zero_grad()
     return {"losses": losses, "grads": grads}
+
+
+def build_model(family: str, **overrides):
+    """A tiny fp32 model: ``transformers``' ``family`` (``llama``, ``qwen3``) or ``native`` / ``native_qk_norm``
+    (:class:`codagen.models.Llama`, norm weights perturbed away from 1)."""
+    if not family.startswith("native"):
+        return build(family, **overrides)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4,
+                         num_kv_heads=2, qk_norm=family == "native_qk_norm", **overrides)
+    model = Llama(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
 
 
 def lm_batch():
@@ -132,23 +161,23 @@ def assert_same(got, want, rtol=1e-4):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "native", "native_qk_norm"])
 def test_fully_shard_matches_one_unsharded_process(family, world):
-    model, batch = build(family), lm_batch()
+    model, batch = build_model(family), lm_batch()
     want = reference_training(model, batch)
-    got = run_distributed(world, _train_hf, model, batch)
+    got = run_distributed(world, _sharded_training, model, batch)
     assert_same(got, want)
     assert got["dtypes"] == got["compute_dtypes"] == {torch.float32}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "native"])
 def test_mixed_precision_bf16_params_fp32_reduce(family):
     """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the blocks run in bf16 (reference backend
     on CPU), the gradients arrive sharded in float32, and the loss follows the fp32 model's."""
-    model, batch = build(family), lm_batch()
+    model, batch = build_model(family), lm_batch()
     want = reference_training(model, batch)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    got = run_distributed(2, _train_hf, model, batch, policy)
+    got = run_distributed(2, _sharded_training, model, batch, policy)
     assert got["dtypes"] == {torch.float32}  # parameters and sharded gradients stay fp32
     assert got["compute_dtypes"] == {torch.bfloat16}
     for a, b in zip(got["losses"], want["losses"], strict=True):
@@ -192,7 +221,7 @@ def _checkpoint_round_trip(rank, world, model, fresh, batch, directory):
     """Train one step, save with torch.distributed.checkpoint, load into a fresh sharded model."""
     sharding.fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(**batch).loss.backward()
+    loss_of(model, batch).backward()
     optimizer.step()
     state = model.state_dict()
     dcp.save(state, checkpoint_id=directory)
@@ -201,24 +230,25 @@ def _checkpoint_round_trip(rank, world, model, fresh, batch, directory):
     dcp.load(loaded, checkpoint_id=directory)
     fresh.load_state_dict(loaded)
     with torch.no_grad():
-        return {"loss": model(**batch).loss, "fresh_loss": fresh(**batch).loss,
-                "logits": model(batch["input_ids"]).logits, "fresh_logits": fresh(batch["input_ids"]).logits,
+        return {"loss": loss_of(model, batch), "fresh_loss": loss_of(fresh, batch),
+                "logits": logits_of(model, batch), "fresh_logits": logits_of(fresh, batch),
                 "saved": {key: value.full_tensor() for key, value in state.items()},
                 "placements": {value.placements for value in state.values()}}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_distributed_checkpoint_round_trip_in_hf_layout(family, tmp_path):
-    """The saved state dict has Hugging Face's names and layouts (sharded), loads into a fresh sharded model
-    with identical outputs, and loads into an unpatched model as a plain state dict."""
-    model, fresh, batch = build(family), build(family), lm_batch()
+@pytest.mark.parametrize("family", ["llama", "qwen3", "native"])
+def test_distributed_checkpoint_round_trip(family, tmp_path):
+    """The saved state dict has the model's own names (Hugging Face's names and layouts for a patched model),
+    sharded; it loads into a fresh sharded model with identical outputs, and into an unpatched model as a plain
+    state dict."""
+    model, fresh, batch = build_model(family), build_model(family), lm_batch()
     got = run_distributed(2, _checkpoint_round_trip, model, fresh, batch, str(tmp_path / "checkpoint"))
     assert torch.equal(got["loss"], got["fresh_loss"]) and torch.equal(got["logits"], got["fresh_logits"])
     assert got["placements"] == {(Shard(0),)}
     assert got["saved"].keys() == model.state_dict().keys()
-    model.load_state_dict(got["saved"])  # the unpatched model, trained one step by the sharded one
+    model.load_state_dict(got["saved"])  # the unsharded (HF: unpatched) model, trained one step by the sharded one
     with torch.no_grad():
-        assert rel_err(model(batch["input_ids"]).logits, got["logits"]) <= 1e-4
+        assert rel_err(logits_of(model, batch), got["logits"]) <= 1e-4
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
@@ -228,7 +258,7 @@ def test_fully_shard_with_gradient_checkpointing(use_reentrant):
     model, batch = build("llama"), lm_batch()
     want = reference_training(model, batch)
     enable_checkpointing(model, {"use_reentrant": use_reentrant})
-    got = run_distributed(2, _train_hf, model, batch)
+    got = run_distributed(2, _sharded_training, model, batch)
     assert_same(got, want)
 
 

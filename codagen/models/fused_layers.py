@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from codagen import ops
 
 from .checkpoint import CheckpointFn
-from .llama import AttentionSpec, BlockWeights, decoder_layer, fuse_qkv, split_qkv
+from .llama import AttentionSpec, BlockWeights, decoder_layer, fuse_qkv, module_stack, split_qkv
 
 __all__ = ["FusedBlock", "fuse_layers", "is_fused", "decoder_stack"]
 
@@ -149,14 +149,7 @@ def _from_hf_layout(layer: nn.Module, state_dict: dict, prefix: str, local_metad
 def decoder_stack(x: torch.Tensor, layers, final_norm: torch.Tensor, eps: float, spec: AttentionSpec,
                   positions: torch.Tensor, frequencies: torch.Tensor,
                   checkpoints: list[CheckpointFn | None] | None = None):
-    """:func:`codagen.models.llama.decoder_stack` over fused layers: one ``layer.fused(...)`` call per block."""
-    norms = [layer.input_layernorm.weight for layer in layers] + [final_norm]
-    normed, rstd = ops.rms_norm_stats(x, norms[0].to(x.dtype), eps)
-    for i, (layer, checkpoint) in enumerate(zip(layers, checkpoints or [None] * len(layers), strict=True)):
-        args = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, norms[i + 1], eps, spec,
-                positions, frequencies)
-        if checkpoint is None:
-            x, normed, rstd = layer.fused(x, normed, rstd, *args)
-        else:
-            x, normed, rstd = checkpoint(layer.fused, x, normed, rstd, *args)
-    return x, normed, rstd
+    """:func:`codagen.models.llama.module_stack` over fused HF layers: one ``layer.fused(...)`` call per block."""
+    return module_stack(x, [layer.fused for layer in layers], [layer.input_layernorm.weight for layer in layers],
+                        [layer.post_attention_layernorm.weight for layer in layers], final_norm, eps, spec, positions,
+                        frequencies, checkpoints)

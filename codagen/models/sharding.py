@@ -27,8 +27,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from . import fused_layers, hf, lora
+from .llama import Llama
 
-__all__ = ["fuse_parameters", "fully_shard"]
+__all__ = ["fuse_parameters", "fully_shard", "blocks_of"]
 
 
 def fuse_parameters(model: nn.Module) -> nn.Module:
@@ -49,6 +50,15 @@ def fuse_parameters(model: nn.Module) -> nn.Module:
     return model
 
 
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The modules :func:`fully_shard` makes units of: one per regrouped block, in order."""
+    if isinstance(model, Llama):
+        return list(model.layers)
+    if not fused_layers.is_fused(model):
+        raise ValueError("codagen.models.sharding.blocks_of: model has no fused blocks (fuse_parameters(model))")
+    return [layer.fused for layer in model.model.layers]
+
+
 def fully_shard(model: nn.Module, *, mesh=None, reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy()) -> nn.Module:
@@ -56,13 +66,15 @@ def fully_shard(model: nn.Module, *, mesh=None, reshard_after_forward: bool | in
     in place; returns ``model``. Arguments as torch's; ``reshard_after_forward`` applies to the blocks and the
     root as torch's does (``None``: the blocks reshard, the root does not).
 
-    ``model`` is a ``transformers`` causal LM (:func:`fuse_parameters` runs first). The blocks' units take
+    ``model`` is a ``transformers`` causal LM (:func:`fuse_parameters` runs first) or a
+    :class:`codagen.models.Llama` (its blocks hold their GEMM weights, its norms are the model's). The blocks' units take
     ``mp_policy`` with ``cast_forward_inputs=False``: a block's inputs come from the previous block already in
     the compute dtype, and its float32 ones (the RMSNorm ``rstd``, the RoPE frequencies) must stay float32.
     Each block's forward prefetches the next block's all-gather.
     """
-    fuse_parameters(model)
-    blocks = [layer.fused for layer in model.model.layers]
+    if not isinstance(model, Llama):
+        fuse_parameters(model)
+    blocks = blocks_of(model)
     block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     for block in blocks:
         torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=block_policy,
