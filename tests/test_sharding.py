@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +35,7 @@ from tests.test_hf_checkpointing import enable_checkpointing  # noqa: E402
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 BATCH, SEQ, VOCAB = 4, 12, 67
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(rank: int, world: int, init: str, out: str, fn, args):
@@ -301,3 +304,14 @@ def test_peft_model_refused():
         model = peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     with pytest.raises(NotImplementedError, match="PEFT models are not supported"):
         sharding.fuse_parameters(model)
+
+
+def _run_snippet(rank, world, code):
+    exec(compile(code, "docs/sharding.md python block", "exec"), {"__name__": "__docs__"})
+    return sorted(os.listdir("checkpoint"))
+
+
+def test_docs_snippet_runs(tmp_path, monkeypatch):
+    (code,) = re.findall(r"^```python\n(.*?)^```$", (ROOT / "docs" / "sharding.md").read_text(), flags=re.S | re.M)
+    monkeypatch.chdir(tmp_path)
+    assert ".metadata" in run_distributed(2, _run_snippet, code)

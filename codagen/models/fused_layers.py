@@ -57,9 +57,9 @@ class FusedBlock(nn.Module):
         # QK-norm weights ([head_dim] each) stay in HF's channel order and are permuted per forward
         q_norm, k_norm = (None if norm is None else ops.rope_pairs_from_half_split(cast(norm.weight), self.head_dim)
                           for norm in (self.q_norm, self.k_norm))
-        return BlockWeights(attn_norm=cast(attn_norm), qkv=cast(self.qkv_proj.weight), qkv_bias=cast(self.qkv_proj.bias),
-                            o=cast(self.o_proj.weight), o_bias=cast(self.o_proj.bias), mlp_norm=cast(mlp_norm),
-                            gate_up=cast(self.gate_up_proj.weight), down=cast(self.down_proj.weight),
+        return BlockWeights(attn_norm=cast(attn_norm), qkv=cast(self.qkv_proj.weight),
+                            qkv_bias=cast(self.qkv_proj.bias), o=cast(self.o_proj.weight),
+                            o_bias=cast(self.o_proj.bias), mlp_norm=cast(mlp_norm), gate_up=cast(self.gate_up_proj.weight), down=cast(self.down_proj.weight),
                             q_norm=q_norm, k_norm=k_norm, sliding_window=self.sliding_window)
 
     def forward(self, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, attn_norm: torch.Tensor,

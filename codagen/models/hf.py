@@ -351,7 +351,8 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
 
     rotary = self.model.rotary_emb
     fused = fused_layers.is_fused(self)
-    attn0 = (self.model.layers[0].fused if fused else self.model.layers[0].self_attn) if len(self.model.layers) else None
+    layer0 = self.model.layers[0] if len(self.model.layers) else None
+    attn0 = None if layer0 is None else layer0.fused if fused else layer0.self_attn
     head_dim = attn0.head_dim if attn0 is not None else getattr(config, "head_dim", hidden // config.num_attention_heads)
     frequencies = ops.rope_frequencies(config.num_attention_heads, config.num_key_value_heads, head_dim,
                                        inv_freq=rotary.inv_freq.to(x.device))

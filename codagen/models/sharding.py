@@ -67,10 +67,10 @@ def fully_shard(model: nn.Module, *, mesh=None, reshard_after_forward: bool | in
     root as torch's does (``None``: the blocks reshard, the root does not).
 
     ``model`` is a ``transformers`` causal LM (:func:`fuse_parameters` runs first) or a
-    :class:`codagen.models.Llama` (its blocks hold their GEMM weights, its norms are the model's). The blocks' units take
-    ``mp_policy`` with ``cast_forward_inputs=False``: a block's inputs come from the previous block already in
-    the compute dtype, and its float32 ones (the RMSNorm ``rstd``, the RoPE frequencies) must stay float32.
-    Each block's forward prefetches the next block's all-gather.
+    :class:`codagen.models.Llama` (its blocks hold their GEMM weights, its norms are the model's). The blocks'
+    units take ``mp_policy`` with ``cast_forward_inputs=False``: a block's inputs come from the previous block
+    already in the compute dtype, and its float32 ones (the RMSNorm ``rstd``, the RoPE frequencies) must stay
+    float32. Each block's forward pre-hook issues the next block's all-gather (prefetch).
     """
     if not isinstance(model, Llama):
         fuse_parameters(model)
