@@ -19,14 +19,19 @@ with the same placements.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from codagen import ops
 
+from . import tensor_parallel
 from .checkpoint import CheckpointFn
 from .llama import AttentionSpec, BlockWeights, decoder_layer, fuse_qkv, module_stack, split_qkv
+from .tensor_parallel import qkv_from_rank_major, qkv_rank_major
 
 __all__ = ["FusedBlock", "fuse_layers", "is_fused", "decoder_stack"]
 
@@ -50,16 +55,21 @@ class FusedBlock(nn.Module):
         self.gate_up_proj = _linear(ops.interleave_gate_up(mlp.gate_proj.weight, mlp.up_proj.weight), None,
                                     mlp.gate_proj.weight.requires_grad)
         self.down_proj = mlp.down_proj
+        # tensor parallelism (sharding.FusedBlockParallel): the mesh and whether the residual stream is split by
+        # rows between blocks (sequence parallelism); qkv_proj's rows then form one [Q; K; V] group per rank
+        self.parallel: tuple[DeviceMesh, bool] | None = None
+        self.qkv_groups = 1
 
     def weights(self, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, dtype: torch.dtype) -> BlockWeights:
-        def cast(t):
-            return None if t is None else t.to(dtype)
+        def cast(t):  # a tensor-parallel shard is the rank's local tensor
+            return None if t is None else (t.to_local() if isinstance(t, DTensor) else t).to(dtype)
         # QK-norm weights ([head_dim] each) stay in HF's channel order and are permuted per forward
         q_norm, k_norm = (None if norm is None else ops.rope_pairs_from_half_split(cast(norm.weight), self.head_dim)
                           for norm in (self.q_norm, self.k_norm))
         return BlockWeights(attn_norm=cast(attn_norm), qkv=cast(self.qkv_proj.weight),
                             qkv_bias=cast(self.qkv_proj.bias), o=cast(self.o_proj.weight),
-                            o_bias=cast(self.o_proj.bias), mlp_norm=cast(mlp_norm), gate_up=cast(self.gate_up_proj.weight), down=cast(self.down_proj.weight),
+                            o_bias=cast(self.o_proj.bias), mlp_norm=cast(mlp_norm),
+                            gate_up=cast(self.gate_up_proj.weight), down=cast(self.down_proj.weight),
                             q_norm=q_norm, k_norm=k_norm, sliding_window=self.sliding_window)
 
     def forward(self, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, attn_norm: torch.Tensor,
@@ -67,7 +77,15 @@ class FusedBlock(nn.Module):
                 positions: torch.Tensor, frequencies: torch.Tensor):
         """``(x, normed, rstd)`` of ``next_norm`` after this block (:func:`codagen.models.llama.decoder_layer`)."""
         blk = self.weights(attn_norm, mlp_norm, x.dtype)
-        return decoder_layer(x, normed, rstd, blk, next_norm.to(x.dtype), eps, spec, positions, frequencies)
+        if self.parallel is None:
+            return decoder_layer(x, normed, rstd, blk, next_norm.to(x.dtype), eps, spec, positions, frequencies)
+        mesh, sequence_parallel = self.parallel
+        ranks = mesh.size()
+        spec = dataclasses.replace(spec, num_heads=spec.num_heads // ranks, num_kv_heads=spec.num_kv_heads // ranks)
+        frequencies = ops.rope_frequencies(spec.num_heads, spec.num_kv_heads, self.head_dim,
+                                           inv_freq=frequencies[: self.head_dim // 2])
+        return tensor_parallel.parallel_block(blk, x, normed, rstd, next_norm.to(x.dtype), eps, spec, positions,
+                                              frequencies, mesh, sequence_parallel)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: bool) -> nn.Linear:
@@ -120,7 +138,8 @@ def _to_hf_layout(layer: nn.Module, state_dict: dict, prefix: str, local_metadat
     heads = (block.num_heads, block.num_kv_heads, block.head_dim)
     for kind in ("weight", "bias"):
         if f + f"qkv_proj.{kind}" in state_dict:
-            parts = _relayout(lambda t: list(split_qkv(t, *heads)), state_dict.pop(f + f"qkv_proj.{kind}"))
+            parts = _relayout(lambda t: list(split_qkv(qkv_from_rank_major(t, *heads, block.qkv_groups), *heads)),
+                              state_dict.pop(f + f"qkv_proj.{kind}"))
             state_dict.update({a + f"{n}.{kind}": t for n, t in zip(_ATTENTION, parts)})
     gate, up = _relayout(lambda t: list(ops.split_gate_up(t)), state_dict.pop(f + "gate_up_proj.weight"))
     state_dict.update({m + "gate_proj.weight": gate, m + "up_proj.weight": up})
@@ -136,7 +155,9 @@ def _from_hf_layout(layer: nn.Module, state_dict: dict, prefix: str, local_metad
     for kind in ("weight", "bias"):
         keys = [a + f"{n}.{kind}" for n in _ATTENTION]
         if all(key in state_dict for key in keys):
-            (qkv,) = _relayout(lambda *t: [fuse_qkv(*t, block.head_dim)], *(state_dict.pop(key) for key in keys))
+            heads = (block.num_heads, block.num_kv_heads, block.head_dim)
+            (qkv,) = _relayout(lambda *t: [qkv_rank_major(fuse_qkv(*t, block.head_dim), *heads, block.qkv_groups)],
+                               *(state_dict.pop(key) for key in keys))
             state_dict[f + f"qkv_proj.{kind}"] = qkv
     if m + "gate_proj.weight" in state_dict and m + "up_proj.weight" in state_dict:
         (gate_up,) = _relayout(lambda g, u: [ops.interleave_gate_up(g, u)], state_dict.pop(m + "gate_proj.weight"),
@@ -149,7 +170,19 @@ def _from_hf_layout(layer: nn.Module, state_dict: dict, prefix: str, local_metad
 def decoder_stack(x: torch.Tensor, layers, final_norm: torch.Tensor, eps: float, spec: AttentionSpec,
                   positions: torch.Tensor, frequencies: torch.Tensor,
                   checkpoints: list[CheckpointFn | None] | None = None):
-    """:func:`codagen.models.llama.module_stack` over fused HF layers: one ``layer.fused(...)`` call per block."""
-    return module_stack(x, [layer.fused for layer in layers], [layer.input_layernorm.weight for layer in layers],
-                        [layer.post_attention_layernorm.weight for layer in layers], final_norm, eps, spec, positions,
-                        frequencies, checkpoints)
+    """:func:`codagen.models.llama.module_stack` over fused HF layers: one ``layer.fused(...)`` call per block.
+    Under sequence parallelism the blocks take and return this rank's rows; the head gets every row back."""
+    parallel = layers[0].fused.parallel if len(layers) else None
+    sequence_parallel = parallel is not None and parallel[1]
+    if sequence_parallel:
+        if x.shape[0] % parallel[0].size():
+            raise ValueError(f"codagen: sequence parallelism needs batch * seq ({x.shape[0]} tokens) to be a multiple "
+                             f"of the tensor-parallel degree ({parallel[0].size()})")
+        x = tensor_parallel.rows_of(x, parallel[0])
+    x, normed, rstd = module_stack(x, [layer.fused for layer in layers],
+                                   [layer.input_layernorm.weight for layer in layers],
+                                   [layer.post_attention_layernorm.weight for layer in layers], final_norm, eps, spec,
+                                   positions, frequencies, checkpoints)
+    if sequence_parallel:
+        x, normed, rstd = (tensor_parallel.all_rows(t, parallel[0]) for t in (x, normed, rstd))
+    return x, normed, rstd

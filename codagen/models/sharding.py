@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from . import fused_layers, hf, lora
 from .llama import Llama
+from .tensor_parallel import qkv_rank_major
 
-__all__ = ["fuse_parameters", "fully_shard", "blocks_of"]
+__all__ = ["fuse_parameters", "fully_shard", "blocks_of", "FusedBlockParallel", "parallelize"]
 
 
 def fuse_parameters(model: nn.Module) -> nn.Module:
@@ -75,6 +80,9 @@ def fully_shard(model: nn.Module, *, mesh=None, reshard_after_forward: bool | in
     if not isinstance(model, Llama):
         fuse_parameters(model)
     blocks = blocks_of(model)
+    if any(getattr(block, "parallel", None) is not None for block in blocks):
+        raise NotImplementedError("codagen.models.sharding.fully_shard: a tensor-parallel model (FSDP on a 2-D mesh "
+                                  "with tensor parallelism is not supported yet)")
     block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     for block in blocks:
         torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=block_policy,
@@ -83,4 +91,56 @@ def fully_shard(model: nn.Module, *, mesh=None, reshard_after_forward: bool | in
                       offload_policy=offload_policy)
     for block, following in zip(blocks, blocks[1:]):
         block.set_modules_to_forward_prefetch([following])
+    return model
+
+
+class FusedBlockParallel(ParallelStyle):
+    """A ``parallelize_module`` style for a :class:`~codagen.models.fused_layers.FusedBlock` on a 1-D mesh:
+    column-parallel QKV (whole heads per rank) and gate/up (a contiguous range of interleaved pairs per
+    rank), row-parallel O and down (:mod:`codagen.models.tensor_parallel`). With ``sequence_parallel`` the
+    residual stream between blocks is split by rows. Norm weights, embeddings and the LM head stay
+    replicated (plain tensors, the same on every rank)."""
+
+    def __init__(self, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, fused_layers.FusedBlock):
+            raise TypeError(f"FusedBlockParallel: expected a codagen FusedBlock (fuse_parameters(model)), "
+                            f"got {type(module).__name__}")
+        if device_mesh.ndim != 1:
+            raise ValueError(f"FusedBlockParallel: expected a 1-D device mesh, got {device_mesh.ndim} dimensions")
+        if module.parallel is not None:
+            raise ValueError("FusedBlockParallel: the block is tensor-parallel already")
+        ranks = device_mesh.size()
+        sizes = {"num_attention_heads": module.num_heads, "num_key_value_heads": module.num_kv_heads,
+                 "intermediate_size": module.gate_up_proj.weight.shape[0] // 2}
+        for name, size in sizes.items():
+            if size % ranks:
+                raise ValueError(f"FusedBlockParallel: {name} ({size}) must be a multiple of the tensor-parallel "
+                                 f"degree ({ranks})")
+        heads = (module.num_heads, module.num_kv_heads, module.head_dim)
+
+        def shard(linear: nn.Module, name: str, dim: int, layout=lambda t: t):
+            value = getattr(linear, name)
+            if value is not None:
+                setattr(linear, name, nn.Parameter(distribute_tensor(layout(value.detach()), device_mesh, [Shard(dim)],
+                                                                     src_data_rank=self.src_data_rank),
+                                                   requires_grad=value.requires_grad))
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                shard(module.qkv_proj, name, 0, lambda t: qkv_rank_major(t, *heads, ranks))
+            shard(module.gate_up_proj, "weight", 0)
+            shard(module.o_proj, "weight", 1)
+            shard(module.down_proj, "weight", 1)
+        module.parallel, module.qkv_groups = (device_mesh, self.sequence_parallel), ranks
+        return module
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> nn.Module:
+    """Tensor parallelism of a ``transformers`` causal LM over the 1-D ``mesh``, in place: :func:`fuse_parameters`,
+    then ``parallelize_module`` with :class:`FusedBlockParallel` on every ``model.layers.*.fused``."""
+    fuse_parameters(model)
+    parallelize_module(model, mesh, {"model.layers.*.fused": FusedBlockParallel(sequence_parallel=sequence_parallel)})
     return model
