@@ -1,4 +1,5 @@
-"""FSDP2 on codagen models: the fused parameters and the wrapping policy for ``torch.distributed.fsdp.fully_shard``.
+"""FSDP2 and tensor parallelism on codagen models: the fused parameters, the wrapping policy for
+``torch.distributed.fsdp.fully_shard``, and the ``parallelize_module`` style of the fused blocks.
 
 CODA's regrouped block crosses a decoder layer's boundary: block ``i`` runs layer ``i``'s QKV, O, gate/up and
 down GEMMs, and its down-projection epilogue applies layer ``i + 1``'s input-norm weight (the final norm's
@@ -17,6 +18,10 @@ them from the separate projections on every forward); state dicts keep Hugging F
 :func:`fully_shard` applies it and the units. Refused: PEFT models (LoRA keeps the separate q/k/v modules),
 a model sharded before its parameters are fused, ``fully_shard`` on a decoder layer (its norms would be
 sharded inside the unit that the previous block also reads), KV caches on fused models.
+
+:func:`parallelize` shards each fused block's GEMM weights over a tensor-parallel mesh
+(:class:`FusedBlockParallel`; the computation is :mod:`codagen.models.tensor_parallel`). docs/sharding.md has
+both, with the collectives each runs.
 """
 from __future__ import annotations
 
