@@ -4,9 +4,12 @@ gloo CPU processes, with and without sequence parallelism, against one unpatched
 block and their bytes."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -145,3 +148,53 @@ def test_tensor_parallel_refusals():
     assert "num_key_value_heads (1) must be a multiple of the tensor-parallel degree (2)" in errors["heads"]
     assert "batch * seq (7 tokens) to be a multiple of the tensor-parallel degree (2)" in errors["tokens"]
     assert "FSDP on a 2-D mesh with tensor parallelism is not supported yet" in errors["fsdp"]
+
+
+# --- GPU (two GPUs, NCCL, bf16 parameters, Triton kernels; CODAGEN_TRITON_AUTOTUNE=0) ------------------------
+def _gpu_tp(rank, world, init, out, model, batch, sequence_parallel):
+    """Spawned (CUDA does not survive a fork): one GPU per rank, the whole batch on each."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    try:
+        sharding.parallelize(model.cuda().bfloat16(), init_device_mesh("cuda", (world,)),
+                             sequence_parallel=sequence_parallel)
+        loss = model(**{k: v.cuda() for k, v in batch.items()}).loss
+        loss.backward()
+        grads = {name: g.cpu() for name, g in tp_grads(model).items()}
+        if rank == 0:
+            torch.save({"loss": loss.detach().cpu(), "grads": grads}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_tensor_parallel_bf16_two_x_rule(family, sequence_parallel, monkeypatch, tmp_path):
+    """TP = 2 on two GPUs in bf16: every gradient's relative error to a float64 run is at most twice that of
+    transformers with bf16 parameters (+1e-6), the loss within bf16 rounding of float64's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    fields = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=1000, num_hidden_layers=2, **({"head_dim": 64} if family == "qwen3" else {}))
+    model = build(family, **fields)
+    ids = torch.randint(0, 1000, (2, 128))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    out = str(tmp_path / "result.pt")
+    mp.start_processes(_gpu_tp, args=(2, "file://" + str(tmp_path / "store"), out, model, batch, sequence_parallel),
+                       nprocs=2, start_method="spawn")
+    got = torch.load(out)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    results = {}
+    for name, dtype in (("float64", torch.float64), ("bf16", torch.bfloat16)):
+        m = copy.deepcopy(model).to("cuda", dtype)
+        loss = m(**{k: v.cuda() for k, v in batch.items()}).loss
+        loss.backward()
+        results[name] = {"loss": loss.detach().cpu(), **{n: p.grad.cpu() for n, p in m.named_parameters()}}
+    exact, theirs = results["float64"], results["bf16"]
+    assert rel(got["loss"], exact["loss"]) <= 2 ** -8
+    for name, g in got["grads"].items():
+        assert rel(g, exact[name]) <= 2 * rel(theirs[name], exact[name]) + 1e-6, name
