@@ -127,8 +127,8 @@ def main():
                       "tokens": args.tokens, "world": dist.get_world_size(), **measure(args, model, mode, device)}
             records.append(record)
             if dist.get_rank() == 0:
-                print(f"{mode:6} {provider:12} {record['median_step_ms']:9.1f} ms  {record['tokens_per_s']:12,.0f} tok/s"
-                      f"  peak {record['peak_gib']} GiB", flush=True)
+                print(f"{mode:6} {provider:12} {record['median_step_ms']:9.1f} ms "
+                      f"{record['tokens_per_s']:12,.0f} tok/s  peak {record['peak_gib']} GiB", flush=True)
             del model
     if dist.get_rank() == 0:
         print(write_results("sharded-step", records, args.out))
