@@ -51,10 +51,11 @@ import inspect
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from codagen import ops
 
-from . import hf_cache, lora
+from . import fused_layers, hf_cache, lora
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
@@ -149,6 +150,8 @@ def patch(model: nn.Module) -> nn.Module:
     is patched and the PeftModel returned (:mod:`codagen.models.lora`).
     """
     inner = lora.unwrap_peft(model)
+    if fused_layers.is_fused(inner):  # checked and patched by codagen.models.sharding.fuse_parameters
+        return model
     hf_cache.load_transformers()
     _check_model(inner)
     _check_shapes(inner)
@@ -163,6 +166,10 @@ def unpatch(model: nn.Module) -> nn.Module:
     inner = lora.unwrap_peft(model)
     if not is_patched(inner):
         raise ValueError("codagen.unpatch: model is not patched by codagen.patch")
+    if fused_layers.is_fused(inner):
+        raise ValueError("codagen.unpatch: the model's projections are fused (codagen.models.sharding."
+                         "fuse_parameters) and transformers' forward needs them separate; load its state_dict() "
+                         "(Hugging Face names and layouts) into an unpatched model instead")
     del inner.forward
     return model
 
@@ -203,14 +210,18 @@ def _check_hooks(model: nn.Module) -> None:
     time and on every forward (a dictionary test per module)."""
     embedding = model.model.embed_tokens
     for module in model.modules():
-        if module is not model and module is not embedding and _has_hooks(module):
+        # a fused block is called as a module (its FSDP unit's hooks run around it)
+        if (module is not model and module is not embedding and not isinstance(module, fused_layers.FusedBlock)
+                and _has_hooks(module)):
             name = next(n for n, m in model.named_modules() if m is module)
             kinds = [kind for kind, hooks in (("forward pre-hooks", module._forward_pre_hooks),
                                               ("forward hooks", module._forward_hooks),
                                               ("backward pre-hooks", module._backward_pre_hooks),
                                               ("backward hooks", module._backward_hooks)) if hooks]
+            fsdp = (" (FSDP2: codagen.models.sharding.fully_shard(model) places the units on the fused blocks)"
+                    if isinstance(module, FSDPModule) else "")
             raise _refuse(f"{' and '.join(kinds)} on submodule {name!r} ({type(module).__name__}: the fused decoder "
-                          f"never calls its forward; hooks on the model itself run)")
+                          f"never calls its forward; hooks on the model itself run){fsdp}")
 
 
 def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, dtype: torch.dtype) -> BlockWeights:
@@ -250,7 +261,8 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
              labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
              return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
-    adapters = lora.prepare_adapters(self)  # PEFT wrappers and adapter states can change after patching
+    # PEFT wrappers and adapter states can change after patching (fused parameters take none: sharding.py)
+    adapters = not fused_layers.is_fused(self) and lora.prepare_adapters(self)
     _check_hooks(self)
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
@@ -329,7 +341,9 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     positions = position_ids.expand(batch, seq).reshape(-1).contiguous()
 
     rotary = self.model.rotary_emb
-    attn0 = self.model.layers[0].self_attn if len(self.model.layers) else None
+    fused = fused_layers.is_fused(self)
+    layer0 = self.model.layers[0] if len(self.model.layers) else None
+    attn0 = None if layer0 is None else layer0.fused if fused else layer0.self_attn
     head_dim = (attn0.head_dim if attn0 is not None
                 else getattr(config, "head_dim", hidden // config.num_attention_heads))
     frequencies = ops.rope_frequencies(config.num_attention_heads, config.num_key_value_heads, head_dim,
@@ -341,7 +355,11 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     def fuse():
         return [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
     # adapters switch (set_adapter, disable_adapter) without touching a parameter: fused on every forward
-    if torch.is_grad_enabled() or adapters:
+    if fused:
+        if cache is not None:
+            raise _refuse("a KV cache (generate()) on a model with fused parameters (codagen.models.sharding)")
+        blocks = None  # each fused block reads its own parameters inside its module call
+    elif torch.is_grad_enabled() or adapters:
         # differentiable gathers, rebuilt every forward (traceable: no graph break); a copy kept by an
         # earlier forward without autograd is dropped (under torch.compile no forward keeps one)
         if not torch.compiler.is_compiling():
@@ -356,8 +374,12 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
         # with the kwargs it was given); the patched model checkpoints the regrouped block in that layer's place.
         checkpoints = [layer._gradient_checkpointing_func if getattr(layer, "gradient_checkpointing", False)
                        and self.training and torch.is_grad_enabled() else None for layer in layers]
-        h, normed, rstd = decoder_stack(x.reshape(batch * seq, hidden).contiguous(), blocks, norm_weight, eps, spec,
-                                        positions, frequencies, checkpoints)
+        x = x.reshape(batch * seq, hidden).contiguous()
+        if fused:
+            h, normed, rstd = fused_layers.decoder_stack(x, layers, norm_weight, eps, spec, positions, frequencies,
+                                                         checkpoints)
+        else:
+            h, normed, rstd = decoder_stack(x, blocks, norm_weight, eps, spec, positions, frequencies, checkpoints)
     else:
         masks = hf_cache.attention_masks(config, x, attention_mask, cache, position_ids.expand(batch, seq))
         h, normed, rstd = hf_cache.decoder_stack_with_cache(x.reshape(batch * seq, hidden).contiguous(), blocks,

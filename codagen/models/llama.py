@@ -35,8 +35,8 @@ from .checkpoint import CheckpointFn, checkpoint_block
 from .config import LlamaConfig
 from .masks import with_sliding_window
 
-__all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "block_qkv", "block_out_mlp", "lm_head",
-           "rotate_pairs", "fuse_qkv", "split_qkv"]
+__all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "module_stack", "block_qkv", "block_out_mlp",
+           "lm_head", "rotate_pairs", "fuse_qkv", "split_qkv"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +171,28 @@ def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: t
     return x, normed, rstd
 
 
+def module_stack(x: torch.Tensor, blocks: Sequence[nn.Module], attn_norms: Sequence[torch.Tensor],
+                 mlp_norms: Sequence[torch.Tensor], final_norm: torch.Tensor, eps: float, spec: AttentionSpec,
+                 positions: torch.Tensor, frequencies: torch.Tensor,
+                 checkpoints: Sequence[CheckpointFn | None] | None = None):
+    """:func:`decoder_stack` over block modules holding their own GEMM weights: one module call per block,
+    ``blocks[i](x, normed, rstd, attn_norms[i], mlp_norms[i], next_norm, eps, spec, positions, frequencies)``.
+
+    The norm weights are arguments, not the blocks' parameters: block ``i``'s down-projection epilogue applies
+    block ``i + 1``'s input norm, which that block's QKV GEMM also reads. A module call per block is what lets
+    hooks on the block run around it, e.g. those of an FSDP2 unit (:mod:`codagen.models.sharding`).
+    ``checkpoints[i]``, when given, runs block ``i`` as ``checkpoints[i](blocks[i], x, normed, rstd, ...)``."""
+    norms = [*attn_norms, final_norm]
+    normed, rstd = ops.rms_norm_stats(x, norms[0].to(x.dtype), eps)
+    for i, (block, checkpoint) in enumerate(zip(blocks, checkpoints or [None] * len(blocks), strict=True)):
+        args = (attn_norms[i], mlp_norms[i], norms[i + 1], eps, spec, positions, frequencies)
+        if checkpoint is None:
+            x, normed, rstd = block(x, normed, rstd, *args)
+        else:
+            x, normed, rstd = checkpoint(block, x, normed, rstd, *args)
+    return x, normed, rstd
+
+
 @_compile_region
 def decoder_layer(x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, blk: BlockWeights, next_norm: torch.Tensor,
                   eps: float, spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor):
@@ -214,13 +236,13 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
 
 
 class _Block(nn.Module):
+    """A block's GEMM weights (and QK-norm's); its norms are the model's (:func:`module_stack`)."""
+
     def __init__(self, c: LlamaConfig, factory: dict):
         super().__init__()
         d = c.hidden_size
-        self.attn_norm = nn.Parameter(torch.ones(d, **factory))
         self.qkv = nn.Parameter(torch.empty(c.qkv_size, d, **factory))
         self.o = nn.Parameter(torch.empty(d, c.num_heads * c.head_dim, **factory))
-        self.mlp_norm = nn.Parameter(torch.ones(d, **factory))
         self.gate_up = nn.Parameter(torch.empty(2 * c.intermediate_size, d, **factory))
         self.down = nn.Parameter(torch.empty(d, c.intermediate_size, **factory))
         if c.qk_norm:  # pair order, as each Q/K head's rows of qkv
@@ -229,9 +251,12 @@ class _Block(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def weights(self) -> BlockWeights:
-        return BlockWeights(self.attn_norm, self.qkv, self.o, self.mlp_norm, self.gate_up, self.down,
-                            q_norm=self.q_norm, k_norm=self.k_norm)
+    def forward(self, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, attn_norm: torch.Tensor,
+                mlp_norm: torch.Tensor, next_norm: torch.Tensor, eps: float, spec: AttentionSpec,
+                positions: torch.Tensor, frequencies: torch.Tensor):
+        blk = BlockWeights(attn_norm, self.qkv, self.o, mlp_norm, self.gate_up, self.down, q_norm=self.q_norm,
+                           k_norm=self.k_norm)
+        return decoder_layer(x, normed, rstd, blk, next_norm, eps, spec, positions, frequencies)
 
 
 class Llama(nn.Module):
@@ -247,6 +272,8 @@ class Llama(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, **factory)
         self.layers = nn.ModuleList(_Block(c, factory) for _ in range(c.num_layers))
+        self.attn_norms = nn.ParameterList(torch.ones(c.hidden_size, **factory) for _ in range(c.num_layers))
+        self.mlp_norms = nn.ParameterList(torch.ones(c.hidden_size, **factory) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size, **factory))
         self.lm_head = (self.embed.weight if c.tie_word_embeddings
                         else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **factory)))
@@ -274,8 +301,8 @@ class Llama(nn.Module):
             positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
         x = ops.embedding(input_ids, self.embed.weight).reshape(batch * seq, c.hidden_size)
         spec = AttentionSpec(batch, seq, c.num_heads, c.num_kv_heads, c.head_dim)
-        x, normed, rstd = decoder_stack(x, [blk.weights() for blk in self.layers], self.norm, c.rms_norm_eps, spec,
-                                        positions.reshape(-1).float(), self.frequencies)
+        x, normed, rstd = module_stack(x, self.layers, self.attn_norms, self.mlp_norms, self.norm, c.rms_norm_eps, spec,
+                                       positions.reshape(-1).float(), self.frequencies)
         out = lm_head(x, normed, rstd, self.norm, self.lm_head, None if targets is None else targets.reshape(-1))
         return out if targets is not None else out.view(batch, seq, c.vocab_size)
 
@@ -302,7 +329,8 @@ class Llama(nn.Module):
             p = f"model.layers.{i}."
             q, k, v = split_qkv(blk.qkv, c.num_heads, c.num_kv_heads, c.head_dim)
             gate, up = ops.split_gate_up(blk.gate_up)
-            sd.update({p + "input_layernorm.weight": blk.attn_norm, p + "post_attention_layernorm.weight": blk.mlp_norm,
+            sd.update({p + "input_layernorm.weight": self.attn_norms[i],
+                       p + "post_attention_layernorm.weight": self.mlp_norms[i],
                        p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
                        p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": blk.o,
                        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
@@ -338,8 +366,8 @@ class Llama(nn.Module):
             p = f"model.layers.{i}."
             qkv = fuse_qkv(*(sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"), config.head_dim)
             gate_up = ops.interleave_gate_up(sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"])
-            ours.update({f"layers.{i}.attn_norm": sd[p + "input_layernorm.weight"],
-                         f"layers.{i}.mlp_norm": sd[p + "post_attention_layernorm.weight"],
+            ours.update({f"attn_norms.{i}": sd[p + "input_layernorm.weight"],
+                         f"mlp_norms.{i}": sd[p + "post_attention_layernorm.weight"],
                          f"layers.{i}.qkv": qkv, f"layers.{i}.o": sd[p + "self_attn.o_proj.weight"],
                          f"layers.{i}.gate_up": gate_up, f"layers.{i}.down": sd[p + "mlp.down_proj.weight"]})
             if config.qk_norm:

@@ -1,0 +1,151 @@
+"""FSDP2 and tensor parallelism on codagen models: the fused parameters, the wrapping policy for
+``torch.distributed.fsdp.fully_shard``, and the ``parallelize_module`` style of the fused blocks.
+
+CODA's regrouped block crosses a decoder layer's boundary: block ``i`` runs layer ``i``'s QKV, O, gate/up and
+down GEMMs, and its down-projection epilogue applies layer ``i + 1``'s input-norm weight (the final norm's
+for the last block), which block ``i + 1``'s QKV GEMM also reads. So the FSDP units are placed on the
+blocks, not on the decoder layers:
+
+- one unit per block: :class:`~codagen.models.fused_layers.FusedBlock`'s parameters (the QKV, O, gate/up
+  and down weights in the fused layout, and QK-norm's), all-gathered by its forward pre-hook, resharded by
+  its forward hook, all-gathered again for its backward and reduce-scattered after it by FSDP's own hooks,
+  since the patched forward calls each block as a module;
+- the root unit: embeddings, LM head and every RMSNorm weight (``2 d`` values per layer), unsharded for
+  the whole step (FSDP does not reshard the root after forward).
+
+:func:`fuse_parameters` stores the fused layouts once as the parameters (the plain patched model gathers
+them from the separate projections on every forward); state dicts keep Hugging Face's names and layouts.
+:func:`fully_shard` applies it and the units. Refused: PEFT models (LoRA keeps the separate q/k/v modules),
+a model sharded before its parameters are fused, ``fully_shard`` on a decoder layer (its norms would be
+sharded inside the unit that the previous block also reads), KV caches on fused models.
+
+:func:`parallelize` shards each fused block's GEMM weights over a tensor-parallel mesh
+(:class:`FusedBlockParallel`; the computation is :mod:`codagen.models.tensor_parallel`). docs/sharding.md has
+both, with the collectives each runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from . import fused_layers, hf, lora
+from .llama import Llama
+from .tensor_parallel import qkv_rank_major
+
+__all__ = ["fuse_parameters", "fully_shard", "blocks_of", "FusedBlockParallel", "parallelize"]
+
+
+def fuse_parameters(model: nn.Module) -> nn.Module:
+    """Patch ``model`` (a ``transformers`` causal LM that :func:`codagen.patch` takes) and store its fused
+    weights as its parameters, in place: each decoder layer's projections move into ``layer.fused``
+    (:mod:`codagen.models.fused_layers`). ``state_dict()`` / ``load_state_dict()`` keep Hugging Face's names
+    and layouts. The optimizer must be built after this call (the fused weights are new parameters)."""
+    if lora.unwrap_peft(model) is not model:
+        raise NotImplementedError("codagen.models.sharding.fuse_parameters: PEFT models are not supported (LoRA "
+                                  "adapters sit on the separate q/k/v and gate/up modules); patch the PeftModel "
+                                  "with codagen.patch, without fused parameters")
+    if fused_layers.is_fused(model):
+        return model
+    hf.patch(model)
+    if lora.prepare_adapters(model):
+        raise NotImplementedError("codagen.models.sharding.fuse_parameters: the model holds LoRA layers")
+    fused_layers.fuse_layers(model, [hf._sliding_window(model, layer) for layer in model.model.layers])
+    return model
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The modules :func:`fully_shard` makes units of: one per regrouped block, in order."""
+    if isinstance(model, Llama):
+        return list(model.layers)
+    if not fused_layers.is_fused(model):
+        raise ValueError("codagen.models.sharding.blocks_of: model has no fused blocks (fuse_parameters(model))")
+    return [layer.fused for layer in model.model.layers]
+
+
+def fully_shard(model: nn.Module, *, mesh=None, reshard_after_forward: bool | int | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy()) -> nn.Module:
+    """``torch.distributed.fsdp.fully_shard`` on each fused block of ``model`` and on ``model`` (the root),
+    in place; returns ``model``. Arguments as torch's; ``reshard_after_forward`` applies to the blocks and the
+    root as torch's does (``None``: the blocks reshard, the root does not).
+
+    ``model`` is a ``transformers`` causal LM (:func:`fuse_parameters` runs first) or a
+    :class:`codagen.models.Llama` (its blocks hold their GEMM weights, its norms are the model's). The blocks'
+    units take ``mp_policy`` with ``cast_forward_inputs=False``: a block's inputs come from the previous block
+    already in the compute dtype, and its float32 ones (the RMSNorm ``rstd``, the RoPE frequencies) must stay
+    float32. Each block's forward pre-hook issues the next block's all-gather (prefetch).
+    """
+    if not isinstance(model, Llama):
+        fuse_parameters(model)
+    blocks = blocks_of(model)
+    if any(getattr(block, "parallel", None) is not None for block in blocks):
+        raise NotImplementedError("codagen.models.sharding.fully_shard: a tensor-parallel model (FSDP on a 2-D mesh "
+                                  "with tensor parallelism is not supported yet)")
+    block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
+    for block in blocks:
+        torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=block_policy,
+                          offload_policy=offload_policy)
+    torch_fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                      offload_policy=offload_policy)
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
+    return model
+
+
+class FusedBlockParallel(ParallelStyle):
+    """A ``parallelize_module`` style for a :class:`~codagen.models.fused_layers.FusedBlock` on a 1-D mesh:
+    column-parallel QKV (whole heads per rank) and gate/up (a contiguous range of interleaved pairs per
+    rank), row-parallel O and down (:mod:`codagen.models.tensor_parallel`). With ``sequence_parallel`` the
+    residual stream between blocks is split by rows. Norm weights, embeddings and the LM head stay
+    replicated (plain tensors, the same on every rank)."""
+
+    def __init__(self, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, fused_layers.FusedBlock):
+            raise TypeError(f"FusedBlockParallel: expected a codagen FusedBlock (fuse_parameters(model)), "
+                            f"got {type(module).__name__}")
+        if device_mesh.ndim != 1:
+            raise ValueError(f"FusedBlockParallel: expected a 1-D device mesh, got {device_mesh.ndim} dimensions")
+        if module.parallel is not None:
+            raise ValueError("FusedBlockParallel: the block is tensor-parallel already")
+        ranks = device_mesh.size()
+        sizes = {"num_attention_heads": module.num_heads, "num_key_value_heads": module.num_kv_heads,
+                 "intermediate_size": module.gate_up_proj.weight.shape[0] // 2}
+        for name, size in sizes.items():
+            if size % ranks:
+                raise ValueError(f"FusedBlockParallel: {name} ({size}) must be a multiple of the tensor-parallel "
+                                 f"degree ({ranks})")
+        heads = (module.num_heads, module.num_kv_heads, module.head_dim)
+
+        def shard(linear: nn.Module, name: str, dim: int, layout=lambda t: t):
+            value = getattr(linear, name)
+            if value is not None:
+                setattr(linear, name, nn.Parameter(distribute_tensor(layout(value.detach()), device_mesh, [Shard(dim)],
+                                                                     src_data_rank=self.src_data_rank),
+                                                   requires_grad=value.requires_grad))
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                shard(module.qkv_proj, name, 0, lambda t: qkv_rank_major(t, *heads, ranks))
+            shard(module.gate_up_proj, "weight", 0)
+            shard(module.o_proj, "weight", 1)
+            shard(module.down_proj, "weight", 1)
+        module.parallel, module.qkv_groups = (device_mesh, self.sequence_parallel), ranks
+        return module
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> nn.Module:
+    """Tensor parallelism of a ``transformers`` causal LM over the 1-D ``mesh``, in place: :func:`fuse_parameters`,
+    then ``parallelize_module`` with :class:`FusedBlockParallel` on every ``model.layers.*.fused``."""
+    fuse_parameters(model)
+    parallelize_module(model, mesh, {"model.layers.*.fused": FusedBlockParallel(sequence_parallel=sequence_parallel)})
+    return model

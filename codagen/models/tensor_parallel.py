@@ -1,0 +1,118 @@
+"""Tensor parallelism of a regrouped block, with the RMSNorms still applied in the GEMM epilogues.
+
+The block's GEMM weights are DTensors on a 1-D mesh of ``tp`` ranks (``codagen.models.sharding.FusedBlockParallel``):
+
+- column-parallel QKV: each rank holds whole heads, rows ``[Q heads | K heads | V heads]`` of its share
+  (:func:`qkv_rank_major` orders the fused weight so that ``Shard(0)`` gives them);
+- column-parallel gate/up: ``Shard(0)`` of the interleaved rows, a contiguous range of (gate, up) pairs;
+- row-parallel O and down: ``Shard(1)``, the columns matching the rank's heads and pairs.
+
+A row-parallel GEMM's output is a partial sum until it is reduced, so the statistics its epilogue would
+compute on one GPU are wrong on a rank. Here the O and down GEMMs run without an epilogue, their outputs
+are all-reduced (or, with sequence parallelism, reduce-scattered to the rank's rows), and the residual add
+and the next norm's statistics (``normed``, ``rstd``) run on the reduced rows in one row kernel
+(:func:`codagen.ops.rms_norm_stats`). The consuming column-parallel GEMM (QKV, gate/up) then takes
+``x`` and ``rstd`` (with sequence parallelism all-gathered, ``normed = x * gamma`` recomputed from them) and
+applies ``rstd`` in its epilogue and owns the norm's backward, as on one GPU. Its input gradient and its
+norm weights' gradients are partial sums over the rank's heads or pairs, so they are all-reduced (with
+sequence parallelism reduce-scattered) on the way back: each is a DTensor ``Replicate`` input whose
+gradient is declared ``Partial``.
+
+Communication per block, ``M`` tokens, hidden size ``d``, in the activation dtype: without sequence
+parallelism two all-reduces of ``M d`` in forward and two in backward; with it, forward two reduce-scatters
+of ``M d`` and two all-gathers of ``M d`` (``x``) plus ``M`` float32 (``rstd``), backward two all-gathers
+and two reduce-scatters of ``M d``. Both add the all-reduces of the norm weights' gradients: ``2 d`` (and
+``2 hd`` with QK-norm) per block.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from codagen import ops
+
+from .llama import AttentionSpec, BlockWeights, attention, block_qkv
+
+__all__ = ["qkv_rank_major", "qkv_from_rank_major", "parallel_block", "rows_of", "all_rows"]
+
+
+def qkv_rank_major(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, ranks: int) -> torch.Tensor:
+    """Reorder a fused ``[Q; K; V]`` weight (or bias) to ``ranks`` groups ``[Q_r; K_r; V_r]``, each with
+    ``num_heads / ranks`` Q heads and ``num_kv_heads / ranks`` K and V heads."""
+    q, k, v = qkv.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim))
+    return torch.cat([part for group in zip(q.chunk(ranks), k.chunk(ranks), v.chunk(ranks)) for part in group])
+
+
+def qkv_from_rank_major(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                        ranks: int) -> torch.Tensor:
+    """Inverse of :func:`qkv_rank_major`."""
+    sizes = (num_heads // ranks * head_dim, num_kv_heads // ranks * head_dim, num_kv_heads // ranks * head_dim)
+    groups = [chunk.split(sizes) for chunk in qkv.chunk(ranks)]
+    return torch.cat([torch.cat(parts) for parts in zip(*groups)])
+
+
+def _gradient_reduced(t: torch.Tensor | None, mesh: DeviceMesh) -> torch.Tensor | None:
+    """``t`` itself; its gradient is all-reduced over ``mesh`` (a column-parallel GEMM's input or norm weight)."""
+    if t is None:
+        return None
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _reduced(partial: torch.Tensor, mesh: DeviceMesh, sequence_parallel: bool) -> torch.Tensor:
+    """A row-parallel GEMM's partial output summed over ``mesh``: all rows, or this rank's with sequence parallelism."""
+    placement = Shard(0) if sequence_parallel else Replicate()
+    return DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(mesh, [placement]).to_local()
+
+
+def _gathered(rows: torch.Tensor, mesh: DeviceMesh, partial_gradient: bool = True) -> torch.Tensor:
+    """Every rank's ``rows``, concatenated; the gradient is reduce-scattered back (``partial_gradient``: each
+    rank's gradient is a partial sum) or sliced (it is the same on every rank)."""
+    full = DTensor.from_local(rows, mesh, [Shard(0)], run_check=False).redistribute(mesh, [Replicate()])
+    return full.to_local(grad_placements=[Partial()] if partial_gradient else None)
+
+
+def rows_of(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's rows of ``t`` (the same on every rank); the gradient is all-gathered back."""
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(0)]).to_local()
+
+
+def all_rows(rows: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank's ``rows``, for a consumer that runs the same on every rank (the LM head)."""
+    return _gathered(rows, mesh, partial_gradient=False)
+
+
+def parallel_block(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor,
+                   next_norm: torch.Tensor, eps: float, spec: AttentionSpec, positions: torch.Tensor,
+                   frequencies: torch.Tensor, mesh: DeviceMesh, sequence_parallel: bool):
+    """One block on this rank: ``blk`` holds the rank's shards of the GEMM weights (and the whole norm weights),
+    ``spec`` and ``frequencies`` the rank's heads. ``x``, ``normed``, ``rstd`` are all tokens, or with
+    ``sequence_parallel`` this rank's rows (``positions`` are always all tokens'). Returns them after the block."""
+    column = dataclasses.replace(blk, attn_norm=_gradient_reduced(blk.attn_norm, mesh),
+                                 q_norm=_gradient_reduced(blk.q_norm, mesh), k_norm=_gradient_reduced(blk.k_norm, mesh))
+    x_in, normed_in, rstd_in = _column_inputs(x, rstd, blk.attn_norm, mesh, sequence_parallel, normed)
+    # x passes through the QKV op unused: the residual path keeps the rank's own x, whose gradient is complete
+    q, k, v, _ = block_qkv(column, x_in, normed_in, rstd_in, spec, positions, frequencies, eps)
+    attn = attention(q, k, v, spec, blk.sliding_window)
+    x = x + _reduced(attn @ blk.o.T, mesh, sequence_parallel)
+    if blk.o_bias is not None:  # with sequence parallelism its gradient sums this rank's rows only
+        x = x + (_gradient_reduced(blk.o_bias, mesh) if sequence_parallel else blk.o_bias)
+    normed, rstd = ops.rms_norm_stats(x, blk.mlp_norm, eps)
+    x_in, normed_in, rstd_in = _column_inputs(x, rstd, blk.mlp_norm, mesh, sequence_parallel, normed)
+    act = ops.rms_gate_up_swiglu(x_in, normed_in, rstd_in, _gradient_reduced(blk.mlp_norm, mesh), blk.gate_up)
+    x = x + _reduced(act @ blk.down.T, mesh, sequence_parallel)
+    normed, rstd = ops.rms_norm_stats(x, next_norm, eps)
+    return x, normed, rstd
+
+
+def _column_inputs(x, rstd, norm_weight, mesh, sequence_parallel, normed):
+    """``(x, normed, rstd)`` for a column-parallel GEMM: all tokens, ``x``'s gradient reduced over the ranks."""
+    if not sequence_parallel:
+        return _gradient_reduced(x, mesh), normed, rstd
+    x = _gathered(x, mesh)
+    rstd = _gathered(rstd.detach(), mesh, partial_gradient=False)
+    with torch.no_grad():  # normed = x * gamma is non-differentiable; the consumer owns the norm's backward
+        normed = x * norm_weight
+    return x, normed, rstd
