@@ -70,8 +70,8 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 
 def fully_shard(model: nn.Module, *, mesh=None, reshard_after_forward: bool | int | None = None,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                offload_policy: OffloadPolicy = OffloadPolicy()) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - torch's defaults (frozen)
+                offload_policy: OffloadPolicy = OffloadPolicy()) -> nn.Module:  # noqa: B008
     """``torch.distributed.fsdp.fully_shard`` on each fused block of ``model`` and on ``model`` (the root),
     in place; returns ``model``. Arguments as torch's; ``reshard_after_forward`` applies to the blocks and the
     root as torch's does (``None``: the blocks reshard, the root does not).

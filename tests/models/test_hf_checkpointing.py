@@ -13,20 +13,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import codagen
 from codagen.models import keep_attention, patch
 
-from .conftest import assert_same_training, build, grads, lm_inputs, padded_inputs, two_x_rule
+from .conftest import assert_same_training, build, enable_checkpointing, grads, lm_inputs, padded_inputs, two_x_rule
 
 transformers = pytest.importorskip("transformers")
 
 
 KWARGS = {"default": None, "reentrant": {"use_reentrant": True}, "non_reentrant": {"use_reentrant": False},
           "keep_attention": {"use_reentrant": False, "context_fn": keep_attention}}
-
-
-def enable_checkpointing(model, kwargs):
-    with warnings.catch_warnings():  # transformers 5.2x: gradient_checkpointing_enable is a deprecated alias
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    return model
 
 
 @pytest.mark.parametrize("kwargs", sorted(KWARGS))

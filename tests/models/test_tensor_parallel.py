@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from codagen.models import fused_layers, sharding
-from tests.test_hf import build
-from tests.test_sharding import VARIANTS, assert_same, lm_batch, reference_training, rel_err, run_distributed
+
+from .conftest import VARIANTS, assert_same, build, lm_batch, reference_training, rel_err, run_distributed
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

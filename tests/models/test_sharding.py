@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import os
 import re
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -28,139 +27,30 @@ from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 
 import codagen  # noqa: E402
-from codagen.models import Llama, LlamaConfig, fused_layers, sharding  # noqa: E402
-from tests.test_hf import build  # noqa: E402
-from tests.test_hf_checkpointing import enable_checkpointing  # noqa: E402
+from codagen.models import fused_layers, sharding  # noqa: E402
+
+from .conftest import (  # noqa: E402
+    BATCH,
+    SEQ,
+    VARIANTS,
+    VOCAB,
+    assert_same,
+    build,
+    build_model,
+    enable_checkpointing,
+    gathered_grads,
+    lm_batch,
+    logits_of,
+    loss_of,
+    reference_training,
+    rel_err,
+    run_distributed,
+    sharded_training,
+)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
-BATCH, SEQ, VOCAB = 4, 12, 67
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(rank: int, world: int, init: str, out: str, fn, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        if rank == 0:
-            torch.save(result, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_distributed(world: int, fn, *args):
-    """``fn(rank, world, *args)`` on ``world`` forked processes joined by gloo; rank 0's result."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pt")
-        mp.start_processes(_run, args=(world, "file://" + os.path.join(tmp, "store"), out, fn, args), nprocs=world,
-                           start_method="fork")
-        return torch.load(out, weights_only=False)
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
-
-
-def is_native(model) -> bool:
-    return isinstance(model, Llama)
-
-
-def loss_of(model, batch, rows=slice(None)):
-    """The mean next-token loss on ``rows`` of ``batch``: ``Llama``'s targets are the shifted labels."""
-    if is_native(model):
-        ids = batch["input_ids"][rows]
-        return model(ids, torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100))
-    return model(input_ids=batch["input_ids"][rows], labels=batch["labels"][rows]).loss
-
-
-def logits_of(model, batch) -> torch.Tensor:
-    return model(batch["input_ids"]) if is_native(model) else model(batch["input_ids"]).logits
-
-
-def gathered_grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, gathered; a patched model's under Hugging Face names and layouts (the
-    state-dict hooks' own conversion)."""
-    grads = {}
-    for name, p in model.named_parameters():
-        assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), f"{name}: expected a sharded parameter and grad"
-        assert p.grad.placements == (Shard(0),), f"{name}: gradient placements {p.grad.placements}"
-        grads[name] = p.grad.full_tensor()
-    if not is_native(model):
-        for i, layer in enumerate(model.model.layers):
-            fused_layers._to_hf_layout(layer, grads, f"model.layers.{i}.", None)
-    return grads
-
-
-def _sharded_training(rank, world, model, batch, mp_policy=None):
-    """Two steps of AdamW on the sharded ``model``, this rank's rows of ``batch``: losses (averaged over the
-    ranks), the first step's gradients, the parameters' and gradients' dtypes, the dtypes the blocks compute in."""
-    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
-    sharding.fully_shard(model, **kwargs)
-    compute_dtypes = set()  # what each block's forward sees: its input and its (unsharded) QKV weight
-    for block in sharding.blocks_of(model):
-        block.register_forward_pre_hook(lambda block, args: compute_dtypes.update(
-            {args[0].dtype, (block.qkv if is_native(model) else block.qkv_proj.weight).dtype}))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    losses = []
-    for step in range(2):
-        loss = loss_of(model, batch, rows)
-        loss.backward()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean / world)
-        if step == 0:
-            grads = gathered_grads(model)
-            dtypes = {p.grad.dtype for p in model.parameters()} | {p.dtype for p in model.parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "grads": grads, "dtypes": dtypes, "compute_dtypes": compute_dtypes}
-
-
-def reference_training(model, batch):
-    """The unsharded model in this process (HF: unpatched) on the whole batch: both losses and the first
-    step's gradients."""
-    model = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(2):
-        loss = loss_of(model, batch)
-        loss.backward()
-        losses.append(loss.detach())
-        if step == 0:
-            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "grads": grads}
-
-
-def build_model(family: str, **overrides):
-    """A tiny fp32 model: ``transformers``' ``family`` (``llama``, ``qwen3``) or ``native`` / ``native_qk_norm``
-    (:class:`codagen.models.Llama`, norm weights perturbed away from 1)."""
-    if not family.startswith("native"):
-        return build(family, **overrides)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4,
-                         num_kv_heads=2, qk_norm=family == "native_qk_norm", **overrides)
-    model = Llama(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
-    return model
-
-
-def lm_batch():
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
-def assert_same(got, want, rtol=1e-4):
-    for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
-        assert rel_err(a, b) <= rtol, f"step {step + 1} loss {a.item()} vs {b.item()}"
-    assert got["grads"].keys() == want["grads"].keys()
-    for name, g in want["grads"].items():
-        assert rel_err(got["grads"][name], g) <= rtol, f"{name}: relative error {rel_err(got['grads'][name], g)}"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(("family", "world"), [("llama", 2), ("llama", 4), ("qwen3", 2), ("qwen3", 4), ("native", 2),
@@ -168,7 +58,7 @@ def assert_same(got, want, rtol=1e-4):
 def test_fully_shard_matches_one_unsharded_process(family, world):
     model, batch = build_model(family), lm_batch()
     want = reference_training(model, batch)
-    got = run_distributed(world, _sharded_training, model, batch)
+    got = run_distributed(world, sharded_training, model, batch)
     assert_same(got, want)
     assert got["dtypes"] == got["compute_dtypes"] == {torch.float32}
 
@@ -180,7 +70,7 @@ def test_mixed_precision_bf16_params_fp32_reduce(family):
     model, batch = build_model(family), lm_batch()
     want = reference_training(model, batch)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    got = run_distributed(2, _sharded_training, model, batch, policy)
+    got = run_distributed(2, sharded_training, model, batch, policy)
     assert got["dtypes"] == {torch.float32}  # parameters and sharded gradients stay fp32
     assert got["compute_dtypes"] == {torch.bfloat16}
     for a, b in zip(got["losses"], want["losses"], strict=True):
@@ -261,7 +151,7 @@ def test_fully_shard_with_gradient_checkpointing(use_reentrant):
     model, batch = build("llama"), lm_batch()
     want = reference_training(model, batch)
     enable_checkpointing(model, {"use_reentrant": use_reentrant})
-    got = run_distributed(2, _sharded_training, model, batch)
+    got = run_distributed(2, sharded_training, model, batch)
     assert_same(got, want)
 
 
@@ -317,15 +207,6 @@ def test_docs_snippet_runs(tmp_path, monkeypatch):
     assert ".metadata" in run_distributed(2, _run_snippet, code)
 
 
-# variants whose fused blocks differ: QKV bias (Qwen2), an O-proj bias and tied embeddings (Llama), sliding windows
-# on some layers (Qwen3 layer_types) and on all (Mistral)
-VARIANTS = {"qwen2_bias": ("qwen2", {}),
-            "llama_o_bias_tied": ("llama", dict(attention_bias=True, tie_word_embeddings=True)),
-            "qwen3_sliding_layer": ("qwen3", dict(use_sliding_window=True, sliding_window=5,
-                                                  layer_types=["sliding_attention", "full_attention"])),
-            "mistral_sliding": ("mistral", dict(sliding_window=5, num_key_value_heads=1))}
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_fuse_parameters_matches_unpatched(variant):
     """One process, no sharding: the fused parameters give the unpatched model's loss and gradients, with a
@@ -358,7 +239,7 @@ def test_fully_shard_variants(variant):
     family, overrides = VARIANTS[variant]
     model, batch = build(family, **overrides), lm_batch()
     want = reference_training(model, batch)
-    got = run_distributed(2, _sharded_training, model, batch)
+    got = run_distributed(2, sharded_training, model, batch)
     assert_same(got, want)
 
 
