@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from codagen.backends.triton import TritonBackend, load_kernel, pingpong, pingpong_codegen, sass
+from codagen.backends.triton import TritonBackend, load_kernel, pingpong, pingpong_codegen, program_source, sass
 from codagen.backends.triton.configs import PINGPONG, KernelConfig, TuningCache, candidates, smem_estimate
 from codagen.bench.kernels import random_inputs
 from codagen.epilogue import library
@@ -131,7 +131,7 @@ def test_compiles_in_fp16_with_eight_pieces():
 
 
 def test_generated_source_is_readable():
-    source = library.rms_norm_backward().triton_source("pingpong")
+    source = program_source(library.rms_norm_backward(), schedule="pingpong")
     for text in ("def rms_norm_backward_piece(", "def rms_norm_backward_consumer(", "def rms_norm_backward_kernel(",
                  "def rms_norm_backward_load_inputs(", "gl.warp_specialize(", "partial_grad_norm_weight"):
         assert text in source, text

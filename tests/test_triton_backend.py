@@ -21,7 +21,7 @@ import torch
 
 from codagen.backends import execute
 from codagen.backends.reference import ReferenceBackend
-from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend
+from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend, program_source
 from codagen.backends.triton.configs import candidates
 from codagen.bench.kernels import eager_epilogue, gemm, random_inputs
 from codagen.epilogue import library
@@ -286,7 +286,7 @@ def test_deterministic(name):
 @pytest.mark.parametrize("name", sorted(library.PROGRAMS))
 def test_source_is_printable_python(name):
     program = library.PROGRAMS[name]()
-    src = program.triton_source()
+    src = program_source(program)
     ast.parse(src)
     assert f"def {name}_kernel(" in src and "tl.dot(" in src and "@triton.jit" in src
     assert str(program).splitlines()[0] in src  # the program's math is in the header
@@ -491,12 +491,12 @@ def test_gpu_float64_refused():
 def test_reserved_names_cover_the_generated_kernels():
     """Every identifier of the generated sources (both schedules) in a scope where the program's own
     names become variables (module level, and every function but the fixed helpers) is reserved in the
-    IR or derived from those names, so no input or output can shadow a kernel variable; such a name is
-    refused with a clear error."""
+    by the generators (``names.RESERVED_NAMES``, ``names.TEMPORARY``) or derived from those names, so
+    mangling exactly the names that collide with them keeps every input and output off a kernel variable."""
     import ast
 
     from codagen.backends.triton import codegen, pingpong_codegen
-    from codagen.epilogue.ir import _GENERATED_NAME, RESERVED_NAMES, RowVector
+    from codagen.backends.triton.names import RESERVED_NAMES, TEMPORARY
     fixed_helpers = {"tile_coords", "column_halves", "cast_for_store", "merge_logsumexp", "stamp"}  # own scopes
     programs = [f() for f in library.PROGRAMS.values()] + [
         library.rms_norm_backward("accumulate"), library.rms_norm_backward("none"),
@@ -516,9 +516,24 @@ def test_reserved_names_cover_the_generated_kernels():
                 if isinstance(f, ast.FunctionDef) and f.name not in fixed_helpers:
                     ids |= {n.id for n in ast.walk(f) if isinstance(n, ast.Name)}
                     ids |= {a.arg for a in ast.walk(f) if isinstance(a, ast.arg)}
-            stray = sorted(i for i in ids if i not in RESERVED_NAMES and not _GENERATED_NAME.fullmatch(i)
+            stray = sorted(i for i in ids if i not in RESERVED_NAMES and not TEMPORARY.fullmatch(i)
                            and not any(i == u or i.startswith(u + "_") for u in own))
-            assert not stray, f"{program.name}: add to ir.RESERVED_NAMES: {stray}"
-    for name in ("rows", "acc", "v_3", "N", "piece"):
-        with pytest.raises(ProgramError, match="used by the generated kernels' own variables"):
-            Program("p", Gemm.linear(), (Store("out", Accumulator() * RowVector(name)),))
+            assert not stray, f"{program.name}: add to names.RESERVED_NAMES: {stray}"
+
+
+@pytest.mark.parametrize("name", ["rows", "acc", "v_3", "N", "tl", "_rows"])
+def test_names_of_the_generated_kernels_are_mangled(name):
+    """An input or output named like a generated kernel's own variable is mangled (``_rows``) in the
+    kernel and keeps its name everywhere else; the kernel computes the program."""
+    from codagen.backends.triton.names import kernel_names
+    partner = "_rows" if name == "rows" else "rows"  # a user name that is also a mangled name
+    program = Program("p", Gemm.linear(), (Store(name, Accumulator() * RowVector(partner) + TileInput("x")),))
+    ids = kernel_names(program)
+    assert len(set(ids.values())) == 3 and ids["x"] == "x"
+    assert ids[name] != name or name == "_rows"
+    a, b = torch.randn(20, 16), torch.randn(24, 16)
+    tensors = {partner: torch.randn(20), "x": torch.randn(20, 24)}
+    out = TritonBackend().run(bind(program, a, b, tensors))
+    assert set(out) == {name}
+    torch.testing.assert_close(out[name], (a @ b.T) * tensors[partner][:, None] + tensors["x"])
+    assert f"{ids[name]}_ptr" in program_source(program)

@@ -35,10 +35,10 @@ O(#tiles)-per-row pass, so no GEMM needs cross-tile communication and results ar
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
-import re
 import types
 from dataclasses import dataclass, field
 from typing import Mapping, Union
@@ -211,25 +211,6 @@ def _node(cls):
 
     cls.__hash__ = __hash__
     return cls
-
-
-#: identifiers the generated kernels use for their own variables and helpers in the scopes where a
-#: program's input and output names become variables, so such a name would shadow one
-#: (``tests/test_triton_backend.py`` checks the list against the generated sources); plus
-#: ``<stem>_<number>``, their numbered temporaries
-RESERVED_NAMES = frozenset("""
-    a2 b2 acc bar cast_for_store col0 col_ok col_ok_b col_ok_double col_ok_half cols cols_b cols_double
-    cols_half column_halves column_pieces cos_sin empty fence_async_shared float gl gluon input_bars
-    input_bars_0 input_bars_1 iteration k_ok low_rank_steps off_r offs_r r_ok r_tile k_steps k_tile k_tiles local mainloop mbarrier
-    merge_logsumexp my_tiles next_vectors num_pid_m num_pid_n num_tiles off_k off_m off_n offs_k
-    partial_offsets pid_m pid_n piece pieces probe_even probe_odd producer range ready row_layout row_ok
-    row_ok_P row_ok_H row_ok_a rows rows_64 rows_a sigmoid slot slot_index stamp stamp_slot stamping
-    tile_coords tile_id tile_index tile_ok tile_ok_double tile_ok_half timeline_ptr tl tma triton turn vectors
-    BK BLOCK_K BLOCK_M BLOCK_N BLOCK_R BM BN B_NK DOT_PRECISION EPILOGUE_SPLIT FLATTEN GROUP_M H INTERPRETER
-    IN_SLOTS J K M N OUT_BUFFERS P PIECES R PIECE_N RING SUB_N TIMELINE_TILES TMA_EPILOGUE TMA_MAINLOOP
-    UPCAST_OPERANDS WHICH
-    """.split())
-_GENERATED_NAME = re.compile(r"(v|const|onehot|swiglu|swiglu_grad|rope|theta|segment_sum|joined|acc)_\d+(_\w+)?")
 
 
 def _check_name(name: str, what: str) -> None:
@@ -732,10 +713,6 @@ class Program:
             raise ProgramError(f"program {self.name!r}: names used for both an input and an output: {sorted(clash)}")
         if {"a", "b", "a2", "b2"} & (set(inputs) | set(names)):
             raise ProgramError(f"program {self.name!r}: 'a', 'b', 'a2' and 'b2' are reserved for the GEMM operands")
-        taken = sorted(n for n in set(inputs) | set(names) if n in RESERVED_NAMES or _GENERATED_NAME.fullmatch(n))
-        if taken:
-            raise ProgramError(f"program {self.name!r}: input/output names {taken} are used by the generated "
-                               f"kernels' own variables; rename them")
 
     # -- structure (computed once: a program is immutable, and kernels launch it many times) ---------
     def expressions(self) -> tuple[Expr, ...]:
@@ -828,11 +805,23 @@ class Program:
         """The same program with the GEMM's low-rank operand pair (``Gemm.low_rank``)."""
         return _with_low_rank(self)
 
-    def triton_source(self, schedule: str = "persistent") -> str:
-        """Source of the fused kernel this program compiles to (see ``codagen.backends.triton``): the
-        ``tl`` kernel, or with ``schedule="pingpong"`` the warp-specialized Gluon kernel (Hopper)."""
-        from codagen.backends.triton import program_source
-        return program_source(self, schedule=schedule)
+    def renamed(self, names: Mapping[str, str]) -> "Program":
+        """The same program with inputs and outputs renamed by ``names`` (old -> new; absent ones kept)."""
+        memo: dict[Expr, Expr] = {}
+        outputs = tuple(dataclasses.replace(o, name=names.get(o.name, o.name), value=_renamed(o.value, names, memo))
+                        for o in self.outputs)
+        return Program(self.name, self.gemm, outputs, doc=self.doc)
+
+
+def _renamed(e: Expr, names: Mapping[str, str], memo: dict[Expr, Expr]) -> Expr:
+    """``e`` with every named input renamed by ``names`` (shared subexpressions stay shared)."""
+    if e not in memo:
+        changes = {f.name: _renamed(getattr(e, f.name), names, memo) for f in dataclasses.fields(e)
+                   if isinstance(getattr(e, f.name), Expr)}
+        if isinstance(getattr(e, "name", None), str) and e.name in names:
+            changes["name"] = names[e.name]
+        memo[e] = dataclasses.replace(e, **changes) if changes else e
+    return memo[e]
 
 
 @functools.cache

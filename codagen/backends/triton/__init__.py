@@ -5,7 +5,7 @@
   template for other GPUs and for operands whose rows break TMA's 16-byte alignment. bf16/fp16
   operands use the tensor cores with fp32 accumulation; float32 operands multiply in IEEE fp32.
 * Epilogue: generated from the IR (:mod:`.codegen`), run on the fp32 accumulator in registers;
-  ``program.triton_source()`` prints it.
+  :func:`program_source` prints it.
 * Tuning: a few configurations pruned by shared memory and registers, timed on first use, cached on
   disk per GPU, versions, kernel code and shape bucket (:mod:`.configs`). On Hopper the candidates
   include a warp-specialized ping-pong kernel generated from the same program in Gluon

@@ -106,7 +106,7 @@ def tuning_key(gpu: str, bound: BoundProgram, tma_mainloop: bool, tma_epilogue_o
 
 
 def program_source(program: Program, dtypes: str = "any", arch: str = "any", schedule: str = "persistent") -> str:
-    """Readable source of ``program``'s fused kernel (``Program.triton_source()``): the generated ``tl``
+    """Readable source of ``program``'s fused kernel: the generated ``tl``
     kernel, or with ``schedule="pingpong"`` the Gluon ping-pong kernel (Hopper)."""
     header = f"# dtypes: {dtypes}; arch: {arch}; {_versions()}\n"
     if schedule == "pingpong":

@@ -32,6 +32,8 @@ from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Con
                                  Rope, RowPartial, RowVector, ScalarInput, SegmentSum, Store, SwiGLU,
                                  SwiGLUBackward, TileInput, Unary, Width)
 
+from .names import kernel_program
+
 __all__ = ["generate", "program_key", "GENERATOR_VERSION"]
 
 #: bump when the generated code changes meaning (it keys the on-disk source cache)
@@ -425,6 +427,7 @@ for r_tile in range(tl.cdiv(R, BLOCK_R)):  # the low-rank pair: acc += op(A2) @ 
 
 def generate(program: Program, header: str = "") -> str:
     """The Triton source of ``program``'s fused kernel (a complete Python module)."""
+    shown, program = program, kernel_program(program)
     name = program.name
     ep = _Epilogue(program)
     for e in program.expressions():
@@ -518,7 +521,7 @@ def generate(program: Program, header: str = "") -> str:
         return textwrap.indent(text, " " * n)
 
     setup, kbody = _mainloop(program)
-    program_text = textwrap.indent(str(program), "#   ")
+    program_text = textwrap.indent(str(shown), "#   ")
     doc = (program.doc or "").strip().splitlines()[0] if program.doc else ""
 
     low_rank = program.gemm.low_rank

@@ -36,6 +36,7 @@ from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Con
 
 from . import codegen, pingpong
 from .codegen import _comment, rope_lines, swiglu_backward_lines
+from .names import kernel_names, kernel_program
 
 __all__ = ["generate", "kernel_arguments", "Argument", "GENERATOR_VERSION"]
 
@@ -66,14 +67,16 @@ class Argument:
 @functools.lru_cache(maxsize=None)
 def kernel_arguments(program: Program) -> list[Argument]:
     """The generated kernel's parameters between ``b_desc`` and ``M``, in order (also the launch's)."""
-    args = [Argument(f"{name}_desc", name, False, True, e.width)
+    ids = kernel_names(program)
+    args = [Argument(f"{ids[name]}_desc", name, False, True, e.width)
             for name, e in program.inputs.items() if isinstance(e, TileInput)]
-    args += [Argument(f"{o.name}_desc", o.name, True, True, o.value.width) for o in program.outputs if isinstance(o, Store)]
+    args += [Argument(f"{ids[o.name]}_desc", o.name, True, True, o.value.width)
+             for o in program.outputs if isinstance(o, Store)]
     for name, e in program.inputs.items():
         if not isinstance(e, TileInput):
-            args.append(Argument(f"{name}_ptr", name, False, False,
+            args.append(Argument(f"{ids[name]}_ptr", name, False, False,
                                  pointer_type="*i64" if getattr(e, "index", False) else "*fp32"))
-    args += [Argument(f"{o.name}_ptr", o.name, True, False) for o in program.outputs if not isinstance(o, Store)]
+    args += [Argument(f"{ids[o.name]}_ptr", o.name, True, False) for o in program.outputs if not isinstance(o, Store)]
     return args
 
 
@@ -359,6 +362,7 @@ def generate(program: Program, header: str = "", timeline: bool = False) -> str:
     reason = refusal(program)
     if reason:
         raise ValueError(f"{program.name}: the ping-pong generator cannot take this program: {reason}")
+    shown, program = program, kernel_program(program)
     name = program.name
     emitter = _Piece(program)
     inputs = _tile_inputs(program)
@@ -556,7 +560,7 @@ def stamp(address, dep):
                                     is_pure=False, pack=1)
     gl.store(address, now)
 """ if timeline else ""
-    program_text = "\n".join("#   " + line for line in str(program).splitlines())
+    program_text = "\n".join("#   " + line for line in str(shown).splitlines())
     doc = (program.doc or "").strip().splitlines()[0] if program.doc else ""
 
     return f'''\
