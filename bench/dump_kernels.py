@@ -28,7 +28,7 @@ from codagen.epilogue import library
 try:  # the ping-pong schedule's own refusal (a low-rank GEMM, a segment sum); kernel_hash keys the table
     from codagen.backends.triton.pingpong import refusal
     from codagen.backends.triton.tuning import kernel_hash
-except ImportError:  # the layout before the backend was split by concern
+except ImportError:  # a tree from before the backend was split by concern
     from codagen.backends.triton.backend import kernel_hash
     from codagen.backends.triton.pingpong_codegen import refusal
 

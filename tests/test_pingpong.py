@@ -1,4 +1,4 @@
-"""The warp-specialized ping-pong kernels (``codagen.backends.triton.pingpong`` and ``pingpong_codegen``).
+"""The warp-specialized ping-pong kernels (``codagen.backends.triton.pingpong``).
 
 CPU: every program the schedule takes compiles for sm_90 (shared memory as estimated, wgmma present),
 the generator refuses what it cannot take, the tuner is offered the kernels exactly where they can run,
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from codagen.backends.triton import TritonBackend, load_kernel, pingpong, pingpong_codegen, program_source, sass
+from codagen.backends.triton import TritonBackend, load_kernel, pingpong, program_source, sass
 from codagen.backends.triton.configs import PINGPONG, KernelConfig, TuningCache, candidates, smem_estimate
 from codagen.bench.kernels import random_inputs
 from codagen.epilogue import library
@@ -51,7 +51,7 @@ def test_supported_programs():
     assert "A must be [M, K]" in pingpong.supports(library.weight_grad())
     assert "segment sums" in pingpong.supports(library.rms_qkv_rope(qk_norm_head_dim=64))
     with pytest.raises(ValueError, match="cannot take this program: A must be"):
-        pingpong_codegen.generate(library.weight_grad())
+        pingpong.generate(library.weight_grad())
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
@@ -84,8 +84,8 @@ def test_timeline_variant():
     timeline kernel takes ``timeline_ptr`` right after ``K`` (where the script inserts it) and each
     consumer stamps four times per tile, the turn being waited for just before its stamp."""
     program = library.rms_lm_head_cross_entropy()
-    assert "stamp" not in pingpong_codegen.generate(program)
-    source = pingpong_codegen.generate(program, timeline=True)
+    assert "stamp" not in pingpong.generate(program)
+    source = pingpong.generate(program, timeline=True)
     assert ("_kernel(a_desc, b_desc, rstd_ptr, target_ptr, partial_lse_ptr, partial_target_ptr, M, N, K, "
             "timeline_ptr, B_NK") in source
     assert [f"stamp(timeline_ptr + stamp_slot{k}, local)" in source for k in ("", " + 1", " + 2", " + 3")] == [True] * 4
@@ -103,7 +103,7 @@ def test_ab_builds_kernels_on_a_saved_copy(tmp_path):
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
     saved_path = tmp_path / "pingpong_saved_for_test.py"
-    saved_path.write_text(Path(pingpong.__file__).read_text())
+    saved_path.write_text(Path(pingpong.runtime.__file__).read_text())
     saved = ab.baseline_module(str(saved_path))
     program = library.residual_rms_stats()
     kernel = ab.kernel_on(saved, program)

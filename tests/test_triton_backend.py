@@ -331,7 +331,7 @@ def test_interpreter_config_is_small():
 
 
 def test_kernel_code_hash_ignores_docstrings_and_comment_lines(tmp_path):
-    from codagen.backends.triton.backend import _code_of
+    from codagen.backends.triton.tuning import _code_of
     module = tmp_path / "m.py"
     module.write_text('"""Module doc."""\nimport math\n\n\ndef f(x):\n    """Doc."""\n    # why\n    return math.exp(x)\n')
     code = _code_of(module)
@@ -348,7 +348,7 @@ def test_shipped_tuning_covers_the_kernel_benchmark():
     on the GPU (``bench/tune_buckets.py``, or ``CODAGEN_TRITON_RETUNE=1 codagen bench kernels``) and merge."""
     import json
 
-    from codagen.backends.triton.backend import tuning_key
+    from codagen.backends.triton.tuning import tuning_key
     from codagen.backends.triton.configs import TuningCache
     from codagen.bench.kernels import MODELS, kernel_cases
     shipped = json.loads(TuningCache.SHIPPED.read_text())
@@ -495,7 +495,7 @@ def test_reserved_names_cover_the_generated_kernels():
     mangling exactly the names that collide with them keeps every input and output off a kernel variable."""
     import ast
 
-    from codagen.backends.triton import codegen, pingpong_codegen
+    from codagen.backends.triton import persistent, pingpong
     from codagen.backends.triton.names import RESERVED_NAMES, TEMPORARY
     fixed_helpers = {"tile_coords", "column_halves", "cast_for_store", "merge_logsumexp", "stamp"}  # own scopes
     programs = [f() for f in library.PROGRAMS.values()] + [
@@ -504,9 +504,9 @@ def test_reserved_names_cover_the_generated_kernels():
         library.rms_gate_up_swiglu().with_low_rank(), library.weight_grad().with_low_rank()]
     for program in programs:
         own = set(program.inputs) | {o.name for o in program.outputs} | {program.name, "a", "b", "a2", "b2"}  # the operands
-        sources = [codegen.generate(program)]
-        if pingpong_codegen.refusal(program) is None:
-            sources += [pingpong_codegen.generate(program), pingpong_codegen.generate(program, timeline=True)]
+        sources = [persistent.generate(program)]
+        if pingpong.refusal(program) is None:
+            sources += [pingpong.generate(program), pingpong.generate(program, timeline=True)]
         for source in sources:
             tree = ast.parse(source)
             ids = {f.name for f in tree.body if isinstance(f, ast.FunctionDef)}

@@ -52,9 +52,10 @@ from pathlib import Path
 
 from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
 
+from . import pingpong
 from .gluon_support import pingpong_available
 
-__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG", "PINGPONG",
+__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "atomic_write", "TuningCache", "INTERPRETER_CONFIG", "PINGPONG",
            "heuristic", "gemm_layout", "interpreter_config", "SMALL_M", "SMALL_M_ROWS", "small_m_order"]
 
 
@@ -174,7 +175,6 @@ def _tile_io(program: Program):
 def smem_estimate(program: Program, cfg: KernelConfig, operand_bytes: int, io_bytes: int = 2) -> int:
     """Bytes of shared memory the configuration needs (see the module docstring)."""
     if cfg.schedule == "pingpong":
-        from . import pingpong
         return pingpong.shared_memory(program, cfg.sub_n, operand_bytes)
     ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * operand_bytes
     # layout conversions of a sub-tile go through shared memory (measured: BM * SUB_N * 2 bytes on sm_90)
@@ -209,8 +209,7 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         pool = fitting or pool
     pingpong_pool = ()
     if major == 9 and tma and tma_epilogue and operand_bytes == 2 and not small_m and pingpong_available():
-        from . import pingpong_codegen
-        if pingpong_codegen.refusal(program) is None:
+        if pingpong.refusal(program) is None:
             pingpong_pool = tuple(cfg for cfg in PINGPONG if smem_estimate(program, cfg, operand_bytes) <= smem_limit)
     # A SegmentSum group (a head, for QK-norm) must lie inside one epilogue sub-tile: a hard constraint,
     # so it filters the pool before the fallback below.
@@ -271,7 +270,7 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
@@ -280,7 +279,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 class _Key(NamedTuple):
-    """The fields of a tuning key (:func:`.backend.tuning_key`)."""
+    """The fields of a tuning key (:func:`.tuning.tuning_key`)."""
     gpu: str
     versions: str
     program: str  # name:kernel hash
@@ -409,7 +408,7 @@ class TuningCache:
                 on_disk = {}
             on_disk[key] = entries[key]
             try:
-                _atomic_write(self.path, json.dumps(on_disk, indent=1, sort_keys=True))
+                atomic_write(self.path, json.dumps(on_disk, indent=1, sort_keys=True))
             except OSError:
                 pass  # a read-only cache directory only costs re-tuning
 

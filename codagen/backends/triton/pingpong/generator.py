@@ -26,19 +26,17 @@ load in the layout (and pair form) their use needs. DOUBLE-width values exist on
 """
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
 
 from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Program,
                                  Rope, RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward,
                                  TileInput, Unary, Width)
 
-from . import codegen, pingpong
-from .codegen import _comment, rope_lines, swiglu_backward_lines
-from .names import kernel_names, kernel_program
+from ..emitter import BINARY, UNARY, comment, rope_lines, swiglu_backward_lines
+from ..names import kernel_program
+from .plan import kernel_arguments, refusal, tile_io
 
-__all__ = ["generate", "kernel_arguments", "Argument", "GENERATOR_VERSION"]
+__all__ = ["generate", "GENERATOR_VERSION"]
 
 #: bump when the generated code changes meaning (it keys the on-disk source cache)
 GENERATOR_VERSION = "1"
@@ -47,46 +45,15 @@ _PIECE_COLS = {Width.HALF: "(PIECE_N // 2)", Width.FULL: "PIECE_N", Width.DOUBLE
 _MATRIX_COLS = {Width.HALF: "(N // 2)", Width.FULL: "N", Width.DOUBLE: "(2 * N)"}
 _OFFSET = {Width.HALF: "col0 // 2", Width.FULL: "col0", Width.DOUBLE: "2 * col0"}
 
-# the tl generator's formulas, in Gluon's namespace (its functions have the same names and meaning)
-_UNARY = {op: formula.replace("tl.", "gl.") for op, formula in codegen._UNARY.items()}
-_BINARY = {op: formula.replace("tl.", "gl.") for op, formula in codegen._BINARY.items()}
-
-
-@dataclass(frozen=True)
-class Argument:
-    """A kernel parameter after ``a_desc, b_desc``: a TMA descriptor of a tile operand or tile output
-    (boxes of [BLOCK_M, PIECE_N * width]) or a pointer (vectors, scalars, partial outputs)."""
-    name: str
-    tensor: str
-    output: bool
-    descriptor: bool
-    width: Width | None = None
-    pointer_type: str = "*fp32"
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_arguments(program: Program) -> list[Argument]:
-    """The generated kernel's parameters between ``b_desc`` and ``M``, in order (also the launch's)."""
-    ids = kernel_names(program)
-    args = [Argument(f"{ids[name]}_desc", name, False, True, e.width)
-            for name, e in program.inputs.items() if isinstance(e, TileInput)]
-    args += [Argument(f"{ids[o.name]}_desc", o.name, True, True, o.value.width)
-             for o in program.outputs if isinstance(o, Store)]
-    for name, e in program.inputs.items():
-        if not isinstance(e, TileInput):
-            args.append(Argument(f"{ids[name]}_ptr", name, False, False,
-                                 pointer_type="*i64" if getattr(e, "index", False) else "*fp32"))
-    args += [Argument(f"{ids[o.name]}_ptr", o.name, True, False) for o in program.outputs if not isinstance(o, Store)]
-    return args
 
 
 def _tile_inputs(program: Program) -> list[tuple[str, str, Width]]:
     """(value name, descriptor, width) of what each piece reads through shared memory
-    (``pingpong._tile_io``): the tile operands, and the old value ``<output>_old`` of each
+    (:func:`.plan.tile_io`): the tile operands, and the old value ``<output>_old`` of each
     accumulated store (through the output's own descriptor)."""
     outputs = {o.name for o in program.outputs}
     return [(f"{name}_old" if name in outputs else name, f"{name}_desc", width)
-            for name, width, is_input in pingpong._tile_io(program) if is_input]
+            for name, width, is_input in tile_io(program) if is_input]
 
 
 def _float(value: float) -> str:
@@ -215,19 +182,19 @@ class _Piece:
 
             def formula(*xs: str) -> str:
                 if isinstance(e, Binary):
-                    return _BINARY[e.op].format(a=xs[0], b=xs[1])
+                    return BINARY[e.op].format(lang='gl', a=xs[0], b=xs[1])
                 if e.op == "sigmoid":
                     return self.sigmoid(xs[0])
                 if e.op == "silu":
                     return f"{xs[0]} * {self.sigmoid(xs[0])}"
-                return _UNARY[e.op].format(x=xs[0])
+                return UNARY[e.op].format(lang='gl', x=xs[0])
             if paired:
-                self.emit(f"# {_comment(e)}: on (even, odd) halves")
+                self.emit(f"# {comment(e)}: on (even, odd) halves")
                 for i, half in enumerate(("even", "odd")):
                     self.emit(f"{name}_{half} = {formula(*(v[i] for v in values))}")
                 self.pairs[e] = (f"{name}_even", f"{name}_odd")
             else:
-                self.emit(f"{name} = {formula(*values)}  # {_comment(e)}")
+                self.emit(f"{name} = {formula(*values)}  # {comment(e)}")
                 self.full[e] = name
         elif isinstance(e, OneHot):
             name = self.fresh("onehot")
@@ -237,14 +204,14 @@ class _Piece:
         elif isinstance(e, SwiGLU):
             name = self.fresh("swiglu")
             gate, up = self.operand(e.x, e.x.width, True)
-            self.emit(f"{name} = {gate} * {self.sigmoid(gate)} * {up}  # {_comment(e)}: silu(gate) * up")
+            self.emit(f"{name} = {gate} * {self.sigmoid(gate)} * {up}  # {comment(e)}: silu(gate) * up")
             self.full[e] = name
         elif isinstance(e, SwiGLUBackward):
             name = self.fresh("swiglu_grad")
             gate, up = self.operand(e.preact, e.preact.width, True)
             dy = self.operand(e.grad, e.grad.width, False)
             sig = self.sigmoid(gate)
-            self.emit(f"# {_comment(e)}")
+            self.emit(f"# {comment(e)}")
             self.emit("#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g)")
             for line in swiglu_backward_lines(name, dy, gate, up, sig):
                 self.emit(line)
@@ -261,11 +228,11 @@ class _Piece:
                 self.emit(f"{theta}_cos, {theta}_sin = cos_sin({theta})")
                 self.memo[key] = theta
             cos, sin = f"{self.memo[key]}_cos", f"{self.memo[key]}_sin"
-            self.emit(f"# {_comment(e)}")
+            self.emit(f"# {comment(e)}")
             for line in rope_lines(name, even, odd, cos, sin, e.inverse):
                 self.emit(line)
             self.pairs[e] = (f"{name}_even", f"{name}_odd")
-        else:  # pragma: no cover - pingpong.supports refuses the rest
+        else:  # pragma: no cover - plan.supports refuses the rest
             raise TypeError(f"the ping-pong generator cannot generate code for {type(e).__name__}")
 
     # -- outputs -----------------------------------------------------------------------------------
@@ -340,16 +307,6 @@ class _Piece:
         for out in stores:
             self.emit(f"tma.async_copy_shared_to_global({out.name}_desc, [pid_m * BM, {_OFFSET[out.value.width]}], "
                       f"{out.name}_out.index(piece % OUT_BUFFERS))")
-
-
-def refusal(program: Program) -> str | None:
-    """Why the ping-pong schedule cannot take ``program`` (None if it can): :func:`.pingpong.supports`, and
-    the GEMM's low-rank operand pair (LoRA), which the producer warp does not stream: its TMA ring and
-    barriers carry one A/B pair, and the short R loop would need a second ring of its own. The persistent
-    schedule runs low-rank programs."""
-    if program.gemm.low_rank:
-        return "a low-rank operand pair (the producer warp's TMA ring streams one A/B pair)"
-    return pingpong.supports(program)
 
 
 def generate(program: Program, header: str = "", timeline: bool = False) -> str:

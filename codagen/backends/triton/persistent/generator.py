@@ -25,16 +25,16 @@ and columns past N*w are masked on every load and store and excluded from every 
 """
 from __future__ import annotations
 
-import hashlib
 import textwrap
 
 from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Program,
                                  Rope, RowPartial, RowVector, ScalarInput, SegmentSum, Store, SwiGLU,
                                  SwiGLUBackward, TileInput, Unary, Width)
 
-from .names import kernel_program
+from ..emitter import BINARY, UNARY, comment, rope_lines, swiglu_backward_lines
+from ..names import kernel_program
 
-__all__ = ["generate", "program_key", "GENERATOR_VERSION"]
+__all__ = ["generate", "GENERATOR_VERSION"]
 
 #: bump when the generated code changes meaning (it keys the on-disk source cache)
 GENERATOR_VERSION = "3"
@@ -46,48 +46,6 @@ _TILE_COLS = {Width.HALF: "(SUB_N // 2)", Width.FULL: "SUB_N", Width.DOUBLE: "(2
 _TILE_OFFSET = {Width.HALF: "off_n // 2", Width.FULL: "off_n", Width.DOUBLE: "2 * off_n"}
 # the width whose columns index the pairs of a width's columns
 _HALF_OF = {Width.FULL: Width.HALF, Width.DOUBLE: Width.FULL}
-
-_UNARY = {
-    "neg": "-{x}",
-    "exp": "tl.exp({x})",
-    "log": "tl.log({x})",
-    "square": "{x} * {x}",
-    "rsqrt": "tl.rsqrt({x})",
-}
-_BINARY = {
-    "add": "{a} + {b}",
-    "sub": "{a} - {b}",
-    "mul": "{a} * {b}",
-    "div": "{a} / {b}",
-    "max": "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",  # torch.maximum propagates NaN
-}
-
-
-def swiglu_backward_lines(name: str, dy: str, gate: str, up: str, sig: str) -> list[str]:
-    """The SwiGLU backward of one pair form (both generators emit it): ``name_gate``, ``name_up``."""
-    return [f"{name}_gate = {dy} * {up} * {sig} * (1.0 + {gate} * (1.0 - {sig}))",
-            f"{name}_up = {dy} * {gate} * {sig}"]
-
-
-def rope_lines(name: str, even: str, odd: str, cos: str, sin: str, inverse: bool) -> list[str]:
-    """The rotation of each pair (even, odd) by theta, or by -theta when ``inverse`` (cos(-t) = cos t,
-    sin(-t) = -sin t): ``name_even``, ``name_odd`` (both generators emit it)."""
-    if inverse:
-        first, second = f"{even} * {cos} + {odd} * {sin}", f"{odd} * {cos} - {even} * {sin}"
-    else:
-        first, second = f"{even} * {cos} - {odd} * {sin}", f"{even} * {sin} + {odd} * {cos}"
-    return [f"{name}_even = {first}", f"{name}_odd = {second}"]
-
-
-def program_key(program: Program) -> str:
-    """A canonical text of everything that changes the generated code (the dataclass reprs)."""
-    return f"{program.name}|{program.gemm!r}|{program.gemm.a_layout}{program.gemm.b_layout}|{program.outputs!r}"
-
-
-def _comment(expr: Expr) -> str:
-    text = str(expr)
-    return text if len(text) <= 90 else text[:87] + "..."
-
 
 class _Epilogue:
     """Emits the body of ``<name>_epilogue``: one line (or a few) per expression, in evaluation order."""
@@ -213,25 +171,25 @@ class _Epilogue:
 
             def unary(x: str) -> str:
                 return self.sigmoid(x) if e.op == "sigmoid" else (
-                    f"{x} * {self.sigmoid(x)}" if e.op == "silu" else _UNARY[e.op].format(x=x))
+                    f"{x} * {self.sigmoid(x)}" if e.op == "silu" else UNARY[e.op].format(lang='tl', x=x))
             if self.in_pairs(e.x):
                 halves = self.operand(e.x, True)
-                self.emit(f"# {_comment(e)}: on (even, odd) halves")
+                self.emit(f"# {comment(e)}: on (even, odd) halves")
                 for half, x in zip(("even", "odd"), halves):
                     self.emit(f"{name}_{half} = {unary(x)}")
                 self.pair_form[e] = (f"{name}_even", f"{name}_odd")
             else:
-                self.emit(f"{name} = {unary(self.full(e.x))}  # {_comment(e)}")
+                self.emit(f"{name} = {unary(self.full(e.x))}  # {comment(e)}")
         elif isinstance(e, Binary):
             name = self.fresh("v")
             if self.in_pairs(e.a, e.b):
                 a2, b2 = self.operand(e.a, True), self.operand(e.b, True)
-                self.emit(f"# {_comment(e)}: on (even, odd) halves")
+                self.emit(f"# {comment(e)}: on (even, odd) halves")
                 for i, half in enumerate(("even", "odd")):
-                    self.emit(f"{name}_{half} = {_BINARY[e.op].format(a=a2[i], b=b2[i])}")
+                    self.emit(f"{name}_{half} = {BINARY[e.op].format(lang='tl', a=a2[i], b=b2[i])}")
                 self.pair_form[e] = (f"{name}_even", f"{name}_odd")
             else:
-                self.emit(f"{name} = {_BINARY[e.op].format(a=self.full(e.a), b=self.full(e.b))}  # {_comment(e)}")
+                self.emit(f"{name} = {BINARY[e.op].format(lang='tl', a=self.full(e.a), b=self.full(e.b))}  # {comment(e)}")
         elif isinstance(e, OneHot):
             name = self.fresh("onehot")
             self.emit(f"# {e}")
@@ -239,14 +197,14 @@ class _Epilogue:
         elif isinstance(e, SwiGLU):
             name = self.fresh("swiglu")
             gate, up = self.pairs_of(e.x)
-            self.emit(f"# {_comment(e)}: silu(gate) * up on pairs (gate, up) = (x[2j], x[2j+1])")
+            self.emit(f"# {comment(e)}: silu(gate) * up on pairs (gate, up) = (x[2j], x[2j+1])")
             self.emit(f"{name} = {gate} * {self.sigmoid(gate)} * {up}")
         elif isinstance(e, SwiGLUBackward):
             name = self.fresh("swiglu_grad")
             dy = self.full(e.grad)
             gate, up = self.pairs_of(e.preact)
             sig = self.sigmoid(gate)
-            self.emit(f"# {_comment(e)}")
+            self.emit(f"# {comment(e)}")
             self.emit("#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g); interleaved (dg, du)")
             for line in swiglu_backward_lines(name, dy, gate, up, sig):
                 self.emit(line)
@@ -263,7 +221,7 @@ class _Epilogue:
                 self.memo[angle_key] = theta
             theta = self.memo[angle_key]
             cos, sin = f"{theta}_cos", f"{theta}_sin"
-            self.emit(f"# {_comment(e)}")
+            self.emit(f"# {comment(e)}")
             for line in rope_lines(name, even, odd, cos, sin, e.inverse):
                 self.emit(line)
             self.pair_form[e] = (f"{name}_even", f"{name}_odd")
@@ -271,7 +229,7 @@ class _Epilogue:
             name = self.fresh("segment_sum")
             w, size = e.width, e.size
             groups = f"{_TILE_COLS[w]} // {size}"
-            self.emit(f"# {_comment(e)}: each aligned group of {size} columns sums per row, broadcast back")
+            self.emit(f"# {comment(e)}: each aligned group of {size} columns sums per row, broadcast back")
             self.emit(f"tl.static_assert({_TILE_COLS[w]} % {size} == 0, \"segment_sum(size={size}): the epilogue "
                       f"sub-tile (BLOCK_N / EPILOGUE_SPLIT columns, times the value's width) must hold whole groups "
                       f"of {size} columns (whole heads when {size} is head_dim)\")")
@@ -624,7 +582,3 @@ def {name}_kernel(
 {ind(chr(10).join(row_stores), 8)}
 '''
     return src
-
-
-def source_hash(*parts: str) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
