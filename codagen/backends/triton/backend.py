@@ -19,7 +19,7 @@ from triton.runtime.errors import OutOfResources
 
 from codagen.backends.device import on_device
 from codagen.epilogue.bind import BoundProgram, cdiv
-from codagen.epilogue.ir import Gemm, Program, ProgramError, Store, TileInput
+from codagen.epilogue.ir import Gemm, Program, ProgramError, Store
 
 from . import pingpong
 from .configs import KernelConfig, TuningCache, candidates, gemm_layout, interpreter_config
@@ -137,7 +137,7 @@ class TritonBackend:
         m, n, k = bound.m, bound.n, bound.k
         tma_hw = interpret or major in (9, 10)
         tma_mainloop = self.tma and tma_hw and k > 0 and _tma_ok(bound.a) and _tma_ok(bound.b)
-        tiles = [bound.tensors[name] for name, e in program.inputs.items() if isinstance(e, TileInput)]
+        tiles = [bound.tensors[name] for name, e in program.inputs.items() if e.kind == "tile"]
         tiles += [bound.tensors[o.name] for o in program.outputs if isinstance(o, Store) and o.accumulate]
         tma_epilogue_ok = self.tma and tma_hw and all(_tma_ok(t) for t in tiles)
         if tma_epilogue_ok:  # the outputs we allocate have the row lengths N*w in their store dtype

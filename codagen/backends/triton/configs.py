@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 from pathlib import Path
 
-from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
+from codagen.epilogue.ir import Program, ProgramError, Store
 
 from . import pingpong
 from .gluon_support import pingpong_available
@@ -108,10 +108,10 @@ def interpreter_config(program: Program) -> KernelConfig:
     """:data:`INTERPRETER_CONFIG`, its tile widened to the narrowest power of two that holds whole groups
     of every ``SegmentSum`` (QK-norm heads); ``ProgramError`` when none up to 256 columns does."""
     block_n = INTERPRETER_CONFIG.block_n
-    segments = program.segment_sums()
-    while any(int(block_n * s.width.value) % s.size for s in segments):
+    segments = program.column_groups()
+    while any(int(block_n * s.width.value) % s.column_group for s in segments):
         if block_n >= _INTERPRETER_MAX_BLOCK_N:
-            sizes = sorted({s.size for s in segments})
+            sizes = sorted({s.column_group for s in segments})
             raise ProgramError(f"{program.name}: segment_sum over groups of {sizes} columns (the QK-norm head_dim) "
                                f"needs a power-of-two tile width up to {_INTERPRETER_MAX_BLOCK_N} that is a multiple "
                                f"of it")
@@ -165,7 +165,7 @@ def small_m_order(pool, n: int, num_sms: int) -> list[KernelConfig]:
 def _tile_io(program: Program):
     """(width, is_output) of every tile that crosses the epilogue: tile operands and tile stores."""
     for e in program.inputs.values():
-        if isinstance(e, TileInput):
+        if e.kind == "tile":
             yield e.width, False
     for o in program.outputs:
         if isinstance(o, Store):
@@ -185,7 +185,7 @@ def smem_estimate(program: Program, cfg: KernelConfig, operand_bytes: int, io_by
 
 
 def _holds_segments(cfg: KernelConfig, segments) -> bool:
-    return all(int(cfg.sub_n * s.width.value) % s.size == 0 for s in segments)
+    return all(int(cfg.sub_n * s.width.value) % s.column_group == 0 for s in segments)
 
 
 def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: int, tma: bool,
@@ -203,7 +203,7 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         pool = _SM90
     else:
         pool = _SM80
-    segments = program.segment_sums()
+    segments = program.column_groups()
     if small_m:  # the decode tiles alone, unless none holds whole segments (heads wider than 128 columns)
         fitting = tuple(cfg for cfg in small_m_order(SMALL_M, n, num_sms) if _holds_segments(cfg, segments))
         pool = fitting or pool
@@ -216,7 +216,7 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
     if segments:
         fitting = tuple(cfg for cfg in pool if _holds_segments(cfg, segments))
         if not fitting:
-            sizes = sorted({s.size for s in segments})
+            sizes = sorted({s.column_group for s in segments})
             raise ProgramError(
                 f"{program.name}: segment_sum over groups of {sizes} columns (the QK-norm head_dim) needs an "
                 f"epilogue sub-tile width (BLOCK_N / EPILOGUE_SPLIT) that is a multiple of it; the configurations "

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import textwrap
 
-from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Program,
-                                 Rope, RowPartial, RowVector, ScalarInput, SegmentSum, Store, SwiGLU,
-                                 SwiGLUBackward, TileInput, Unary, Width)
+from codagen.epilogue.ir import ColPartial, Expr, Program, RowPartial, Store, Width
 
-from ..emitter import BINARY, UNARY, comment, rope_lines, swiglu_backward_lines
+from ..emitter import Emitter, comment
 from ..names import kernel_program
 
 __all__ = ["generate", "GENERATOR_VERSION"]
@@ -47,16 +45,20 @@ _TILE_OFFSET = {Width.HALF: "off_n // 2", Width.FULL: "off_n", Width.DOUBLE: "2 
 # the width whose columns index the pairs of a width's columns
 _HALF_OF = {Width.FULL: Width.HALF, Width.DOUBLE: Width.FULL}
 
-class _Epilogue:
-    """Emits the body of ``<name>_epilogue``: one line (or a few) per expression, in evaluation order."""
+class PersistentEmitter(Emitter):
+    """Emits the body of ``<name>_epilogue``: one line (or a few) per expression, in evaluation order.
+
+    What a primitive's ``emit_persistent`` may use: ``emit``, ``fresh``, ``comment``, ``memo``; ``names``
+    (expression -> its variable); ``full(e)`` (the [BLOCK_M, W] tile of a value), ``pairs_of(e)`` (its
+    (even, odd) halves), ``pair_form`` (values kept as halves), ``in_pairs(*operands)``, ``operand``;
+    ``sigmoid(var)``; ``elementwise(e, operands, formula)``; the sub-tile's index names ``cols(w)``,
+    ``col_ok(w)``, ``tile_ok(w)``, ``tile_offsets(w)``, ``tile_offset(w)``, ``tile_cols(w)``.
+    """
 
     def __init__(self, program: Program):
-        self.program = program
-        self.lines: list[str] = []
+        super().__init__(program)
         self.names: dict[Expr, str] = {}
-        self.memo: dict[tuple, str] = {}       # shared helper values (pair splits, sigmoids, angles)
         self.widths_used: set[Width] = set()
-        self.counter = 0
         # values kept as their (even, odd) column halves: pair maps produce them, elementwise maps of
         # them stay in that form, and the interleaving tl.join + reshape is emitted only for a consumer
         # that needs the [BLOCK_M, W] tile itself (a store or a column reduction)
@@ -64,12 +66,15 @@ class _Epilogue:
         self.joined: set[Expr] = set()
 
     # -- helpers -------------------------------------------------------------------------------------
-    def emit(self, line: str = "") -> None:
-        self.lines.append(line)
+    @staticmethod
+    def tile_cols(width: Width) -> str:
+        """Columns of a sub-tile of a value of ``width`` (SUB_N * w)."""
+        return _TILE_COLS[width]
 
-    def fresh(self, stem: str) -> str:
-        self.counter += 1
-        return f"{stem}_{self.counter}"
+    @staticmethod
+    def tile_offset(width: Width) -> str:
+        """The sub-tile's first column of a value of ``width``."""
+        return _TILE_OFFSET[width]
 
     def cols(self, width: Width) -> str:
         self.widths_used.add(width)
@@ -132,124 +137,25 @@ class _Epilogue:
             self.memo[key] = name
         return self.memo[key]
 
+    def elementwise(self, e: Expr, operands: tuple[Expr, ...], formula) -> str:
+        """An elementwise map: on (even, odd) halves when an operand is in pair form (no join needed;
+        row vectors, scalars and constants broadcast to both halves), else on full tiles. ``formula``
+        takes the operands' variables and returns the expression (it may emit helper lines)."""
+        name = self.fresh("v")
+        if self.in_pairs(*operands):
+            halves = [self.operand(o, True) for o in operands]
+            self.emit(f"# {comment(e)}: on (even, odd) halves")
+            for i, half in enumerate(("even", "odd")):
+                self.emit(f"{name}_{half} = {formula(*(h[i] for h in halves))}")
+            self.pair_form[e] = (f"{name}_even", f"{name}_odd")
+        else:
+            values = [self.full(o) for o in operands]
+            self.emit(f"{name} = {formula(*values)}  # {comment(e)}")
+        return name
+
     # -- expressions ---------------------------------------------------------------------------------
     def expression(self, e: Expr) -> None:
-        if isinstance(e, Accumulator):
-            self.names[e] = "acc"
-            return
-        if isinstance(e, RowVector):
-            name = e.name
-            self.emit(f"# {e.name}[m]: per-row vector" + (" (integer index)" if e.index else ""))
-            if e.index:
-                self.emit(f"{name} = tl.load({e.name}_ptr + rows, mask=row_ok, other=-1)[:, None]")
-            else:
-                self.emit(f"{name} = tl.load({e.name}_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]")
-        elif isinstance(e, ColVector):
-            name = e.name
-            w = e.width
-            self.emit(f"# {e}: per-column vector")
-            self.emit(f"{name} = tl.load({e.name}_ptr + {self.cols(w)}, mask={self.col_ok(w)}, "
-                      f"other=0.0).to(tl.float32)[None, :]")
-        elif isinstance(e, ScalarInput):
-            name = e.name
-            self.emit(f"# {e.name}: device scalar (no host sync)")
-            self.emit(f"{name} = tl.load({e.name}_ptr).to(tl.float32)")
-        elif isinstance(e, TileInput):
-            name = e.name
-            w = e.width
-            self.emit(f"# {e}: tile operand")
-            self.emit("if TMA_EPILOGUE:")
-            self.emit(f"    {name} = {e.name}_desc.load([off_m, {_TILE_OFFSET[w]}]).to(tl.float32)")
-            self.emit("else:")
-            self.emit(f"    {name} = tl.load({e.name}_ptr + {self.tile_offsets(w)}, mask={self.tile_ok(w)}, "
-                      f"other=0.0).to(tl.float32)")
-        elif isinstance(e, Constant):
-            name = self.fresh("const")
-            self.emit(f"{name} = tl.full([], {e.value!r}, tl.float32)")
-        elif isinstance(e, Unary):
-            name = self.fresh("v")
-
-            def unary(x: str) -> str:
-                return self.sigmoid(x) if e.op == "sigmoid" else (
-                    f"{x} * {self.sigmoid(x)}" if e.op == "silu" else UNARY[e.op].format(lang='tl', x=x))
-            if self.in_pairs(e.x):
-                halves = self.operand(e.x, True)
-                self.emit(f"# {comment(e)}: on (even, odd) halves")
-                for half, x in zip(("even", "odd"), halves):
-                    self.emit(f"{name}_{half} = {unary(x)}")
-                self.pair_form[e] = (f"{name}_even", f"{name}_odd")
-            else:
-                self.emit(f"{name} = {unary(self.full(e.x))}  # {comment(e)}")
-        elif isinstance(e, Binary):
-            name = self.fresh("v")
-            if self.in_pairs(e.a, e.b):
-                a2, b2 = self.operand(e.a, True), self.operand(e.b, True)
-                self.emit(f"# {comment(e)}: on (even, odd) halves")
-                for i, half in enumerate(("even", "odd")):
-                    self.emit(f"{name}_{half} = {BINARY[e.op].format(lang='tl', a=a2[i], b=b2[i])}")
-                self.pair_form[e] = (f"{name}_even", f"{name}_odd")
-            else:
-                self.emit(f"{name} = {BINARY[e.op].format(lang='tl', a=self.full(e.a), b=self.full(e.b))}  # {comment(e)}")
-        elif isinstance(e, OneHot):
-            name = self.fresh("onehot")
-            self.emit(f"# {e}")
-            self.emit(f"{name} = tl.where({self.cols(Width.FULL)}[None, :] == {self.names[e.index]}, 1.0, 0.0)")
-        elif isinstance(e, SwiGLU):
-            name = self.fresh("swiglu")
-            gate, up = self.pairs_of(e.x)
-            self.emit(f"# {comment(e)}: silu(gate) * up on pairs (gate, up) = (x[2j], x[2j+1])")
-            self.emit(f"{name} = {gate} * {self.sigmoid(gate)} * {up}")
-        elif isinstance(e, SwiGLUBackward):
-            name = self.fresh("swiglu_grad")
-            dy = self.full(e.grad)
-            gate, up = self.pairs_of(e.preact)
-            sig = self.sigmoid(gate)
-            self.emit(f"# {comment(e)}")
-            self.emit("#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g); interleaved (dg, du)")
-            for line in swiglu_backward_lines(name, dy, gate, up, sig):
-                self.emit(line)
-            self.pair_form[e] = (f"{name}_gate", f"{name}_up")
-        elif isinstance(e, Rope):
-            name = self.fresh("rope")
-            even, odd = self.pairs_of(e.x)
-            angle_key = ("angle", self.names[e.positions], self.names[e.frequencies])
-            if angle_key not in self.memo:
-                theta = self.fresh("theta")
-                self.emit(f"# rotation angle of each pair, in registers: theta = {e.positions} * {e.frequencies}")
-                self.emit(f"{theta} = {self.names[e.positions]} * {self.names[e.frequencies]}")
-                self.emit(f"{theta}_cos, {theta}_sin = cos_sin({theta}, INTERPRETER)")
-                self.memo[angle_key] = theta
-            theta = self.memo[angle_key]
-            cos, sin = f"{theta}_cos", f"{theta}_sin"
-            self.emit(f"# {comment(e)}")
-            for line in rope_lines(name, even, odd, cos, sin, e.inverse):
-                self.emit(line)
-            self.pair_form[e] = (f"{name}_even", f"{name}_odd")
-        elif isinstance(e, SegmentSum):
-            name = self.fresh("segment_sum")
-            w, size = e.width, e.size
-            groups = f"{_TILE_COLS[w]} // {size}"
-            self.emit(f"# {comment(e)}: each aligned group of {size} columns sums per row, broadcast back")
-            self.emit(f"tl.static_assert({_TILE_COLS[w]} % {size} == 0, \"segment_sum(size={size}): the epilogue "
-                      f"sub-tile (BLOCK_N / EPILOGUE_SPLIT columns, times the value's width) must hold whole groups "
-                      f"of {size} columns (whole heads when {size} is head_dim)\")")
-            if self.in_pairs(e.x):
-                # a group of `size` columns is size/2 pairs: the same [groups, size/2] cut of both halves
-                even, odd = self.pair_form[e.x]
-                half = size // 2
-                self.emit(f"{name}_group = tl.sum(tl.reshape({even}, (BLOCK_M, {groups}, {half})), axis=2) + "
-                          f"tl.sum(tl.reshape({odd}, (BLOCK_M, {groups}, {half})), axis=2)")
-                self.emit(f"{name}_half = tl.reshape(tl.broadcast_to({name}_group[:, :, None], (BLOCK_M, {groups}, "
-                          f"{half})), (BLOCK_M, {_TILE_COLS[w]} // 2))  # both halves of a pair hold the group's sum")
-                self.pair_form[e] = (f"{name}_half", f"{name}_half")
-            else:
-                x = self.full(e.x)
-                self.emit(f"{name}_group = tl.sum(tl.reshape({x}, (BLOCK_M, {groups}, {size})), axis=2)")
-                self.emit(f"{name} = tl.reshape(tl.broadcast_to({name}_group[:, :, None], (BLOCK_M, {groups}, "
-                          f"{size})), (BLOCK_M, {_TILE_COLS[w]}))")
-        else:  # pragma: no cover - the IR is a closed set
-            raise TypeError(f"triton backend cannot generate code for {type(e).__name__}")
-        self.names[e] = name
+        self.names[e] = e.emit_persistent(self)
 
     # -- outputs -------------------------------------------------------------------------------------
     def output(self, out) -> list[str]:
@@ -312,7 +218,7 @@ def _signature_names(program: Program) -> tuple[list[str], list[str], list[str]]
     """(input pointer names, output pointer names, descriptor names) in argument order."""
     inputs = [f"{name}_ptr" for name in program.inputs]
     outputs = [f"{o.name}_ptr" for o in program.outputs]
-    descs = [f"{name}_desc" for name, e in program.inputs.items() if isinstance(e, TileInput)]
+    descs = [f"{name}_desc" for name, e in program.inputs.items() if e.kind == "tile"]
     descs += [f"{o.name}_desc" for o in program.outputs if isinstance(o, Store)]
     return inputs, outputs, descs
 
@@ -387,7 +293,7 @@ def generate(program: Program, header: str = "") -> str:
     """The Triton source of ``program``'s fused kernel (a complete Python module)."""
     shown, program = program, kernel_program(program)
     name = program.name
-    ep = _Epilogue(program)
+    ep = PersistentEmitter(program)
     for e in program.expressions():
         ep.expression(e)
     row_pieces: list[tuple[RowPartial, list[str]]] = []
@@ -427,7 +333,7 @@ def generate(program: Program, header: str = "") -> str:
     for arg in descs:
         tname = arg[:-len("_desc")]
         e = program.inputs.get(tname)
-        w = e.width if isinstance(e, TileInput) else next(o for o in program.outputs if o.name == tname).value.width
+        w = e.width if e is not None and e.kind == "tile" else next(o for o in program.outputs if o.name == tname).value.width
         desc_lines.append(f"{arg} = tl.make_tensor_descriptor({tname}_ptr, shape=[M, {_MATRIX_COLS[w]}], "
                           f"strides=[{_MATRIX_COLS[w]}, 1], block_shape=[BLOCK_M, {_TILE_COLS[w]}])")
     if desc_lines:

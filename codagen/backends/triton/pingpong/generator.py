@@ -26,13 +26,9 @@ load in the layout (and pair form) their use needs. DOUBLE-width values exist on
 """
 from __future__ import annotations
 
-import math
+from codagen.epilogue.ir import Binary, ColPartial, Expr, Program, RowPartial, Store, TileInput, Width
 
-from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Program,
-                                 Rope, RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward,
-                                 TileInput, Unary, Width)
-
-from ..emitter import BINARY, UNARY, comment, rope_lines, swiglu_backward_lines
+from ..emitter import Emitter, comment
 from ..names import kernel_program
 from .plan import kernel_arguments, refusal, tile_io
 
@@ -56,32 +52,25 @@ def _tile_inputs(program: Program) -> list[tuple[str, str, Width]]:
             for name, width, is_input in tile_io(program) if is_input]
 
 
-def _float(value: float) -> str:
-    return repr(value) if math.isfinite(value) else f"float('{value!r}')"
+class PingpongEmitter(Emitter):
+    """Emits the body of ``<name>_piece``: one line (or a few) per expression, in evaluation order.
 
-
-class _Piece:
-    """Emits the body of ``<name>_piece``: one line (or a few) per expression, in evaluation order."""
+    What a primitive's ``emit_pingpong`` may use: ``emit``, ``fresh``, ``comment``, ``memo``; ``full``
+    (value -> its variable) and ``pairs`` (value -> its (even, odd) halves), one of which it sets;
+    ``operand(e, width, paired)`` (an operand in the layout and form of the result); ``row(e, layout)``;
+    ``sigmoid(var)``; ``elementwise(e, operands, formula)``; ``scalars`` (device scalars the consumer
+    loads); the piece's index names ``cols``, ``col_ok``, ``cols_half``, ``col_ok_half``.
+    """
 
     def __init__(self, program: Program):
-        self.program = program
-        self.lines: list[str] = []
+        super().__init__(program)
         self.full: dict[Expr, str] = {}                # value -> its tile (or vector, scalar) variable
         self.pairs: dict[Expr, tuple[str, str]] = {}   # value -> its (even, odd) halves
-        self.memo: dict[tuple, object] = {}
-        self.row_vectors: list[RowVector] = []             # loaded per tile by the consumer
-        self.scalars: list[ScalarInput] = []               # loaded once by the consumer
+        self.row_vectors: list[Expr] = []                  # loaded per tile by the consumer
+        self.scalars: list[Expr] = []                      # loaded once by the consumer
         self.col_vectors: dict[tuple[str, bool], list[str]] = {}   # (name, paired) -> variables
         self.col_loads: list[str] = []                     # the body of <name>_load_vectors
         self.uses_half_layout = False
-        self.counter = 0
-
-    def emit(self, line: str = "") -> None:
-        self.lines.append(line)
-
-    def fresh(self, stem: str) -> str:
-        self.counter += 1
-        return f"{stem}_{self.counter}"
 
     def layout(self, width: Width, paired: bool) -> str:
         """``P`` or ``H`` (module docstring) for a tile of ``width`` in full or pair form."""
@@ -163,77 +152,25 @@ class _Piece:
             self.memo[key] = f"{x}_sigmoid"
         return self.memo[key]
 
+    def elementwise(self, e: Expr, operands: tuple[Expr, ...], formula) -> None:
+        """An elementwise map: on (even, odd) halves when the result is DOUBLE-wide or an operand is
+        only in pair form, else on full tiles. ``formula`` takes the operands' variables and returns the
+        expression (it may emit helper lines)."""
+        paired = e.width == Width.DOUBLE or any(o in self.pairs and o not in self.full for o in operands)
+        name = self.fresh("v")
+        values = [self.operand(o, e.width, paired) for o in operands]
+        if paired:
+            self.emit(f"# {comment(e)}: on (even, odd) halves")
+            for i, half in enumerate(("even", "odd")):
+                self.emit(f"{name}_{half} = {formula(*(v[i] for v in values))}")
+            self.pairs[e] = (f"{name}_even", f"{name}_odd")
+        else:
+            self.emit(f"{name} = {formula(*values)}  # {comment(e)}")
+            self.full[e] = name
+
     # -- expressions -------------------------------------------------------------------------------
     def expression(self, e: Expr) -> None:
-        if isinstance(e, Accumulator):
-            self.full[e] = "acc"
-        elif isinstance(e, (RowVector, ColVector, TileInput)):
-            pass  # vectors load where they are used (in the layout the use needs); tile operands at the start
-        elif isinstance(e, ScalarInput):  # loaded once by the consumer (a device scalar: no host sync)
-            self.scalars.append(e)
-            self.full[e] = e.name
-        elif isinstance(e, Constant):
-            self.full[e] = _float(e.value)
-        elif isinstance(e, (Unary, Binary)):
-            operands = (e.x,) if isinstance(e, Unary) else (e.a, e.b)
-            paired = e.width == Width.DOUBLE or any(o in self.pairs and o not in self.full for o in operands)
-            name = self.fresh("v")
-            values = [self.operand(o, e.width, paired) for o in operands]
-
-            def formula(*xs: str) -> str:
-                if isinstance(e, Binary):
-                    return BINARY[e.op].format(lang='gl', a=xs[0], b=xs[1])
-                if e.op == "sigmoid":
-                    return self.sigmoid(xs[0])
-                if e.op == "silu":
-                    return f"{xs[0]} * {self.sigmoid(xs[0])}"
-                return UNARY[e.op].format(lang='gl', x=xs[0])
-            if paired:
-                self.emit(f"# {comment(e)}: on (even, odd) halves")
-                for i, half in enumerate(("even", "odd")):
-                    self.emit(f"{name}_{half} = {formula(*(v[i] for v in values))}")
-                self.pairs[e] = (f"{name}_even", f"{name}_odd")
-            else:
-                self.emit(f"{name} = {formula(*values)}  # {comment(e)}")
-                self.full[e] = name
-        elif isinstance(e, OneHot):
-            name = self.fresh("onehot")
-            index = self.row(e.index, "P")
-            self.emit(f"{name} = gl.where(gl.expand_dims(cols, 0) == {index}, 1.0, 0.0)  # {e}")
-            self.full[e] = name
-        elif isinstance(e, SwiGLU):
-            name = self.fresh("swiglu")
-            gate, up = self.operand(e.x, e.x.width, True)
-            self.emit(f"{name} = {gate} * {self.sigmoid(gate)} * {up}  # {comment(e)}: silu(gate) * up")
-            self.full[e] = name
-        elif isinstance(e, SwiGLUBackward):
-            name = self.fresh("swiglu_grad")
-            gate, up = self.operand(e.preact, e.preact.width, True)
-            dy = self.operand(e.grad, e.grad.width, False)
-            sig = self.sigmoid(gate)
-            self.emit(f"# {comment(e)}")
-            self.emit("#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g)")
-            for line in swiglu_backward_lines(name, dy, gate, up, sig):
-                self.emit(line)
-            self.pairs[e] = (f"{name}_gate", f"{name}_up")
-        elif isinstance(e, Rope):
-            name = self.fresh("rope")
-            even, odd = self.operand(e.x, e.x.width, True)
-            positions = self.operand(e.positions, e.x.width, True)[0]  # in the halves' layout
-            frequencies = self.operand(e.frequencies, e.frequencies.width, False)
-            key = ("angle", positions, frequencies)
-            if key not in self.memo:
-                theta = self.fresh("theta")
-                self.emit(f"{theta} = {positions} * {frequencies}  # rotation angle of each pair")
-                self.emit(f"{theta}_cos, {theta}_sin = cos_sin({theta})")
-                self.memo[key] = theta
-            cos, sin = f"{self.memo[key]}_cos", f"{self.memo[key]}_sin"
-            self.emit(f"# {comment(e)}")
-            for line in rope_lines(name, even, odd, cos, sin, e.inverse):
-                self.emit(line)
-            self.pairs[e] = (f"{name}_even", f"{name}_odd")
-        else:  # pragma: no cover - plan.supports refuses the rest
-            raise TypeError(f"the ping-pong generator cannot generate code for {type(e).__name__}")
+        e.emit_pingpong(self)
 
     # -- outputs -----------------------------------------------------------------------------------
     def masked_columns(self, value: Expr) -> tuple[list[str], str, str]:
@@ -321,7 +258,7 @@ def generate(program: Program, header: str = "", timeline: bool = False) -> str:
         raise ValueError(f"{program.name}: the ping-pong generator cannot take this program: {reason}")
     shown, program = program, kernel_program(program)
     name = program.name
-    emitter = _Piece(program)
+    emitter = PingpongEmitter(program)
     inputs = _tile_inputs(program)
     # tile operands are read first: their slot is refilled (piece + IN_SLOTS) as soon as they are
     load_lines = []

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from codagen.epilogue.ir import Binary, Program, SegmentSum, Store, TileInput, Unary, Width
+from codagen.epilogue.ir import Program, Store, Width
 
 from ..names import kernel_names
 
@@ -32,10 +32,8 @@ def supports(program: Program) -> str | None:
     if program.gemm.a_layout != "mk":
         return "A must be [M, K] (the weight-gradient layout has no epilogue worth overlapping)"
     for e in program.expressions():
-        if isinstance(e, SegmentSum):
-            return "segment sums (QK-norm) need whole heads per piece"
-        if isinstance(e, (Unary, Binary)) and e.kind != "tile":
-            return f"computed {e.kind} values ({e}) are not generated"
+        if (reason := e.pingpong_refusal()) is not None:
+            return reason
     return None
 
 
@@ -43,7 +41,7 @@ def tile_io(program: Program):
     """(name, width, is_input) of every tile the epilogue moves through shared memory: tile operands,
     the old value of each accumulated store, and tile stores."""
     for name, e in program.inputs.items():
-        if isinstance(e, TileInput):
+        if e.kind == "tile":
             yield name, e.width, True
     for o in program.outputs:
         if isinstance(o, Store):
@@ -67,7 +65,7 @@ def shared_memory(program: Program, piece_n: int, operand_bytes: int = 2, io_byt
 
 def _io_bytes(bound) -> dict[str, int]:
     sizes = {name: bound.tensors[name].element_size() for name, e in bound.program.inputs.items()
-             if isinstance(e, TileInput)}
+             if e.kind == "tile"}
     sizes.update({o.name: torch.empty((), dtype=bound.store_dtype(o)).element_size()
                   for o in bound.program.outputs if isinstance(o, Store)})
     return sizes
@@ -118,11 +116,11 @@ def kernel_arguments(program: Program) -> list[Argument]:
     """The generated kernel's parameters between ``b_desc`` and ``M``, in order (also the launch's)."""
     ids = kernel_names(program)
     args = [Argument(f"{ids[name]}_desc", name, False, True, e.width)
-            for name, e in program.inputs.items() if isinstance(e, TileInput)]
+            for name, e in program.inputs.items() if e.kind == "tile"]
     args += [Argument(f"{ids[o.name]}_desc", o.name, True, True, o.value.width)
              for o in program.outputs if isinstance(o, Store)]
     for name, e in program.inputs.items():
-        if not isinstance(e, TileInput):
+        if e.kind != "tile":
             args.append(Argument(f"{ids[name]}_ptr", name, False, False,
                                  pointer_type="*i64" if getattr(e, "index", False) else "*fp32"))
     args += [Argument(f"{ids[o.name]}_ptr", o.name, True, False) for o in program.outputs if not isinstance(o, Store)]
