@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import math
 import types
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple, Union

@@ -16,7 +16,7 @@ from codagen.backends import execute
 from codagen.backends.triton import TritonBackend, load_kernel, pingpong
 from codagen.bench.kernels import eager_epilogue, gemm, random_inputs
 from codagen.epilogue.bind import bind
-from codagen.epilogue.ir import PRIMITIVES, ColPartial, Gemm, Program, RowPartial, Store
+from codagen.epilogue.ir import PRIMITIVES, ColPartial, Gemm, Program, RowPartial
 
 EXAMPLES = {f"{cls.__name__}-{example.program.name}": example
             for cls in PRIMITIVES.values() for example in cls.examples()}

@@ -17,7 +17,7 @@ from codagen.epilogue.ir import Program
 __all__ = ["RESERVED_NAMES", "TEMPORARY", "PREFIX", "kernel_names", "kernel_program"]
 
 #: identifiers the generated kernels use for their own variables and helpers in the scopes where a
-#: program's input and output names become variables (``tests/test_triton_backend.py`` checks the list
+#: program's input and output names become variables (``tests/backends/test_triton.py`` checks the list
 #: against the generated sources of both schedules)
 RESERVED_NAMES = frozenset("""
     a b a2 b2 acc bar cast_for_store col0 col_ok col_ok_b col_ok_double col_ok_half cols cols_b cols_double

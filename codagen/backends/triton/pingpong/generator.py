@@ -79,7 +79,7 @@ class PingpongEmitter(Emitter):
         return name
 
     # -- operands ----------------------------------------------------------------------------------
-    def row(self, e: RowVector, layout: str) -> str:
+    def row(self, e: Expr, layout: str) -> str:
         """``e`` as a [BLOCK_M, 1] column in ``layout``. The vector itself (P's row slice) is loaded
         once per tile by the consumer, before the mainloop, and passed in."""
         if e not in self.row_vectors:
@@ -92,7 +92,7 @@ class PingpongEmitter(Emitter):
             self.memo[view] = name
         return self.memo[view]
 
-    def col(self, e: ColVector, paired: bool) -> str | tuple[str, str]:
+    def col(self, e: Expr, paired: bool) -> str | tuple[str, str]:
         """``e`` as [1, columns] in the layout of its width and form (its halves when ``paired``).
         Loaded one piece ahead (``<name>_load_vectors``) and passed in, so no load latency is exposed."""
         key = (e.name, paired)
