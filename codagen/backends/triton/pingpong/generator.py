@@ -30,6 +30,7 @@ from codagen.epilogue.ir import Binary, ColPartial, Expr, Program, RowPartial, S
 
 from ..emitter import Emitter, comment
 from ..names import kernel_program
+from . import timeline as timeline_mode
 from .plan import kernel_arguments, refusal, tile_io
 
 __all__ = ["generate", "GENERATOR_VERSION"]
@@ -249,10 +250,8 @@ class PingpongEmitter(Emitter):
 def generate(program: Program, header: str = "", timeline: bool = False) -> str:
     """The Gluon source of ``program``'s ping-pong kernel (a complete Python module).
 
-    ``timeline`` (measurement only, ``bench/pingpong_timeline.py``): the kernel takes a ``timeline_ptr``
-    after ``K`` and CTA 0's consumers write four ``%globaltimer`` stamps for each of their first
-    ``TIMELINE_TILES`` tiles into it (int64 [2, TIMELINE_TILES, 4]): tile start, turn taken, mainloop done,
-    epilogue done. The stamps' branches also change how ptxas may schedule across them (see the script)."""
+    ``timeline``: the measurement-only variant that stamps each tile's phases (:mod:`.timeline`)."""
+    stamps = timeline_mode.ON if timeline else timeline_mode.OFF
     reason = refusal(program)
     if reason:
         raise ValueError(f"{program.name}: the ping-pong generator cannot take this program: {reason}")
@@ -377,12 +376,7 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
         consumer.append(f"{e.name} = gl.load({e.name}_ptr + rows, mask=rows < M, other={other}){cast}")
     if cols_in:
         consumer.append(f"vectors = {name}_load_vectors(0, pid_n, N, {', '.join(p_ + '_ptr' for p_ in col_ptrs)}, PIECE_N)")
-    if timeline:  # the turn is waited for here to stamp it; mainloop's own wait then passes at once
-        consumer = ["stamping = (gl.program_id(0) == 0) & (local // 2 < TIMELINE_TILES)",
-                    "stamp_slot = (WHICH * TIMELINE_TILES + local // 2) * 4",
-                    "if stamping:", "    stamp(timeline_ptr + stamp_slot, local)"] + consumer
-        consumer += ["mbarrier.wait(turn.index(WHICH), (local // 2) & 1)",
-                     "if stamping:", "    stamp(timeline_ptr + stamp_slot + 1, local)"]
+    consumer = stamps.tile_start(consumer)
     consumer += ["acc = mainloop(a_slots, b_slots, ready, empty, turn, local, k_steps, WHICH, B_NK)",
                  "pieces = column_pieces(acc, PIECES)"]
     for out, names in partials:
@@ -395,8 +389,7 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
     vec_call = ", ".join(rows_in + [f"vectors[{i}]" for i in range(len(cols_in))])
     call = (f"{name}_piece(pieces[piece], piece, local // 2, pid_m, pid_n, M, N, {shared}, "
             f"{vec_call + ', ' if vec_call else ''}PIECE_N, PIECES, IN_SLOTS)")
-    if timeline:
-        consumer += ["if stamping:", "    stamp(timeline_ptr + stamp_slot + 2, local)"]
+    consumer += stamps.stamp(2)
     consumer += ["for piece in gl.static_range(PIECES):", f"    {lhs + ' = ' if lhs else ''}{call}"]
     for out, names in partials:
         if out.reduction == "sum":
@@ -404,8 +397,7 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
         else:
             consumer.append(f"    {out.name}_max, {out.name}_sumexp = merge_logsumexp({out.name}_max, {out.name}_sumexp, "
                             f"{out.name}_0, {out.name}_1)")
-    if timeline:
-        consumer += ["if stamping:", "    stamp(timeline_ptr + stamp_slot + 3, local)"]
+    consumer += stamps.stamp(3)
     if partials:
         consumer += ["partial_offsets = rows.to(gl.int64) * num_pid_n + pid_n  # [M, cdiv(N, BN)] partials"]
         for out, _ in partials:
@@ -434,26 +426,13 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
         inits += ["for slot_index in gl.static_range(IN_SLOTS):", "    mbarrier.init(input_bars_0.index(slot_index), count=1)",
                   "    mbarrier.init(input_bars_1.index(slot_index), count=1)"]
 
-    timeline_arg = ["timeline_ptr"] if timeline else []
 
     def per_consumer(c):
         own = [f"{b}_{c}" for b in in_bufs + out_bufs + bars]
-        return ", ".join(["a_slots, b_slots, ready, empty, turn, M, N, K"] + descs + ptrs + own + timeline_arg
+        return ", ".join(["a_slots, b_slots, ready, empty, turn, M, N, K"] + descs + ptrs + own + stamps.params
                          + [str(c), "B_NK", "PIECE_N", "IN_SLOTS"])
-    kernel_params = ", ".join(["a_desc, b_desc"] + descs + ptrs + ["M, N, K"] + timeline_arg
+    kernel_params = ", ".join(["a_desc, b_desc"] + descs + ptrs + ["M, N, K"] + stamps.params
                               + ["B_NK: gl.constexpr, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr"])
-    timeline_fn = """
-
-TIMELINE_TILES = gl.constexpr(64)
-
-
-@gluon.jit
-def stamp(address, dep):
-    \"\"\"(timeline) %globaltimer, in ns, to ``address``; ``dep`` (any int32) orders the read.\"\"\"
-    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep], dtype=gl.int64,
-                                    is_pure=False, pack=1)
-    gl.store(address, now)
-""" if timeline else ""
     program_text = "\n".join("#   " + line for line in str(shown).splitlines())
     doc = (program.doc or "").strip().splitlines()[0] if program.doc else ""
 
@@ -468,7 +447,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from codagen.backends.triton.pingpong import (BK, BM, BN, OUT_BUFFERS, RING, column_pieces, cos_sin,
                                               mainloop, merge_logsumexp, producer, sigmoid, tile_coords)
-{timeline_fn}{load_fn}
+{stamps.functions()}{load_fn}
 
 @gluon.jit
 def {name}_piece(acc, piece: gl.constexpr, iteration, pid_m, pid_n, M, N, {shared},{' ' + vector_args + ',' if vector_args else ''}
@@ -478,7 +457,7 @@ def {name}_piece(acc, piece: gl.constexpr, iteration, pid_m, pid_n, M, N, {share
 
 
 @gluon.jit
-def {name}_consumer(a_slots, b_slots, ready, empty, turn, M, N, K, {shared},{' timeline_ptr,' if timeline else ''}
+def {name}_consumer(a_slots, b_slots, ready, empty, turn, M, N, K, {shared},{''.join(' ' + p + ',' for p in stamps.params)}
         WHICH: gl.constexpr, B_NK: gl.constexpr, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr):
     """Consumer WHICH: tiles WHICH, WHICH + 2, ... of this program; its epilogue overlaps the other's mainloop."""
     PIECES: gl.constexpr = BN // PIECE_N
