@@ -19,7 +19,7 @@ import torch
 __all__ = [
     "Width", "Gemm", "Expr", "Store", "RowPartial", "ColPartial", "Output", "Program", "ProgramError",
     "STORE_DTYPES", "PRIMITIVES", "primitive", "as_expr", "broadcast", "need_tile", "check_name", "check_shape",
-    "Example", "CPU_ORACLE",
+    "Example",
 ]
 
 
@@ -279,9 +279,6 @@ class Example(NamedTuple):
     n: int = 64
 
 
-#: the oracle's device and dtype
-CPU_ORACLE = (torch.device("cpu"), torch.float64)
-
 
 # --------------------------------------------------------------------------------------------------
 # Outputs
@@ -430,7 +427,8 @@ class Program:
             if e.is_input:
                 if e.name in found and found[e.name] != e:
                     raise ProgramError(
-                        f"program {self.name!r}: input {e.name!r} is declared twice differently: {found[e.name]!r} and {e!r}")
+                        f"program {self.name!r}: input {e.name!r} is declared twice differently: {found[e.name]!r} "
+                        f"and {e!r}")
                 found[e.name] = e
         return types.MappingProxyType(found)
 

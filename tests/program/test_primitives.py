@@ -9,12 +9,15 @@ A new primitive module brings its examples and is tested here with no other edit
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from codagen.backends import execute
 from codagen.backends.triton import TritonBackend, load_kernel, pingpong
 from codagen.bench.kernels import eager_epilogue, gemm, random_inputs
+from codagen.epilogue import primitives
 from codagen.epilogue.bind import bind
 from codagen.epilogue.ir import PRIMITIVES, ColPartial, Gemm, Program, RowPartial
 
@@ -112,3 +115,15 @@ def test_pingpong_compiles_for_sm90_or_states_why_not(name):
     kernel = load_kernel(program, dtypes="test", arch="sm_90", interpret=False, schedule="pingpong")
     compiled = pingpong.compile_sm90(kernel, program, pingpong.PIECE_WIDTHS[0], torch.bfloat16)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
+
+
+def test_a_primitive_is_one_module():
+    """Every module of ``codagen.epilogue.primitives`` registers exactly one primitive, and every primitive
+    lives in a module of its own there (so a new primitive is one new file)."""
+    modules = {}
+    for cls in PRIMITIVES.values():
+        modules.setdefault(cls.__module__, []).append(cls.__name__)
+    assert all(module.startswith("codagen.epilogue.primitives.") for module in modules)
+    assert all(len(names) == 1 for names in modules.values()), modules
+    files = {p.stem for p in Path(primitives.__file__).parent.glob("*.py")} - {"__init__"}
+    assert {module.rsplit(".", 1)[1] for module in modules} == files

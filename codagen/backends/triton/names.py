@@ -2,8 +2,8 @@
 
 Each input and output becomes kernel variables named after it (``rstd``, ``rstd_ptr``, ``normed_desc``,
 ...), so a generated kernel reads like the program. A name the generators use for their own variables
-would shadow one, so such a name is mangled: it gets the prefix :data:`PREFIX` (again, until it is free: ``rows`` -> ``_rows``),
-and the kernel uses the mangled name throughout. Names that do not collide stay as they are, so the
+would shadow one, so such a name is mangled: it gets the prefix :data:`PREFIX` (again, until it is free:
+``rows`` -> ``_rows``), and the kernel uses the mangled name throughout. Names that do not collide stay as they are, so the
 generated sources of the library programs carry the program's own names.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ __all__ = ["RESERVED_NAMES", "TEMPORARY", "PREFIX", "kernel_names", "kernel_prog
 RESERVED_NAMES = frozenset("""
     a b a2 b2 acc bar cast_for_store col0 col_ok col_ok_b col_ok_double col_ok_half cols cols_b cols_double
     cols_half column_halves column_pieces cos_sin empty fence_async_shared float gl gluon input_bars
-    input_bars_0 input_bars_1 iteration k_ok low_rank_steps off_r offs_r r_ok r_tile k_steps k_tile k_tiles local mainloop mbarrier
+    input_bars_0 input_bars_1 iteration k_ok low_rank_steps off_r offs_r r_ok r_tile k_steps k_tile k_tiles local
+    mainloop mbarrier
     merge_logsumexp my_tiles next_vectors num_pid_m num_pid_n num_tiles off_k off_m off_n offs_k
     partial_offsets pid_m pid_n piece pieces probe_even probe_odd producer range ready row_layout row_ok
     row_ok_P row_ok_H row_ok_a rows rows_64 rows_a sigmoid slot slot_index stamp stamp_slot stamping
