@@ -12,8 +12,8 @@ if ! python3 -c "import pytest" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; th
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
-  timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_backend.py \
-      tests/test_pingpong.py --maxfail=8 -rs 2>&1 \
+  timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/backends/test_triton.py \
+      tests/backends/test_pingpong.py --maxfail=8 -rs 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -25
 fi
 python3 -m codagen bench kernels --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^|" 

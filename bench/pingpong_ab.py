@@ -1,6 +1,6 @@
 """A/B a change to the ping-pong schedule in one process (GPU): today's :mod:`.pingpong` against saved copies.
 
-A change to ``codagen/backends/triton/pingpong.py`` re-keys every ping-pong tuned choice, and timings
+A change to ``codagen/backends/triton/pingpong/runtime.py`` re-keys every ping-pong tuned choice, and timings
 taken in different runs differ by up to 10% (power cap, thermal state: docs/triton.md), so a change is
 judged here first: each benchmark kernel's generated ping-pong kernel is built on every saved module
 (``--baseline``, named by file stem) and on today's (``candidate``), checked for bitwise-equal outputs,
@@ -8,7 +8,7 @@ and timed in alternation with the cuBLAS GEMM of its shape for ``--rounds`` roun
 in an order that rotates: in fixed order, two builds of identical device code differed by up to 4%).
 A kernel given as ``name:model:piece_n`` runs with that piece width only, else with each that fits.
 
-    git show HEAD~1:codagen/backends/triton/pingpong.py > /tmp/pingpong_saved.py
+    git show HEAD~1:codagen/backends/triton/pingpong/runtime.py > /tmp/pingpong_saved.py
     PYTHONPATH=. python bench/pingpong_ab.py --baseline /tmp/pingpong_saved.py [more.py ...]
         [--kernels lm_head_ce:d2048 o_proj_residual_rms:d2048:32 ...] [--rounds 3] [--rep-ms 60] [--out DIR]
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from codagen.backends.triton import pingpong, pingpong_codegen
+from codagen.backends.triton import pingpong
 from codagen.backends.triton.backend import set_scratch_allocator
 from codagen.bench.common import load_module, median_ms, timed_rounds, write_results
 from codagen.bench.kernels import MODELS, gemm, kernel_cases, random_inputs
@@ -30,13 +30,13 @@ _modules = Path(tempfile.mkdtemp(prefix="codagen-ab-"))
 
 
 def baseline_module(path: str):
-    """A saved pingpong.py as a sibling module, so its relative imports resolve."""
-    return load_module(f"codagen.backends.triton.{Path(path).stem}", path)
+    """A saved pingpong/runtime.py as a sibling module, so its relative imports resolve."""
+    return load_module(f"codagen.backends.triton.pingpong.{Path(path).stem}", path)
 
 
 def kernel_on(schedule, program):
     """The program's generated ping-pong kernel, importing its fixed parts from ``schedule``."""
-    source = pingpong_codegen.generate(program).replace(
+    source = pingpong.generate(program).replace(
         f"from {pingpong.__name__} import", f"from {schedule.__name__} import")
     path = _modules / f"{program.name}_{schedule.__name__.rsplit('.', 1)[1]}.py"
     path.write_text(source)
@@ -45,7 +45,7 @@ def kernel_on(schedule, program):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", nargs="+", required=True, help="paths of saved pingpong.py versions")
+    parser.add_argument("--baseline", nargs="+", required=True, help="paths of saved pingpong/runtime.py versions")
     parser.add_argument("--kernels", nargs="+", default=DEFAULT_KERNELS, help="name:model of benchmark kernels")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep-ms", type=float, default=60)

@@ -10,7 +10,7 @@ consumer's epilogue: the two no longer overlap.
 For every program the ping-pong schedule takes and each piece width that fits, this compiles the
 generated kernel for sm_90, disassembles it (``cuobjdump -sass``) and counts, per consumer, the
 floating-point instructions between the mainloop's final wgmma wait and the turn hand-off
-(:func:`codagen.backends.triton.sass.arithmetic_before_handoff`; ``tests/test_pingpong.py`` checks it too).
+(:func:`codagen.backends.triton.sass.arithmetic_before_handoff`; ``tests/backends/test_pingpong.py`` checks it too).
 
 The mainloop puts the arrives in a branch of their own, a scheduling boundary, so every kernel counts 0;
 without it the LM-head programs, whose epilogues start with arithmetic only, counted 1460-1910

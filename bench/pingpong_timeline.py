@@ -2,7 +2,7 @@
 
 For each benchmark kernel given (``name:model``, e.g. ``o_proj_residual_rms:d2048``):
 
-1. **Timeline.** The kernel generated with ``timeline=True`` (:func:`pingpong_codegen.generate`) writes
+1. **Timeline.** The kernel generated with ``timeline=True`` (:func:`codagen.backends.triton.pingpong.generate`) writes
    ``%globaltimer`` stamps for CTA 0's first tiles: tile start, turn taken, mainloop done, epilogue done.
    Reported as medians over the tiles after each consumer's first: the wait for the turn, the mainloop,
    the epilogue, and the time per tile (half a consumer's period). The same for the ``linear`` program
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from codagen.backends.triton import pingpong, pingpong_codegen
+from codagen.backends.triton import pingpong
 from codagen.backends.triton.backend import TritonBackend
 from codagen.backends.triton.configs import KernelConfig
 from codagen.bench.common import load_module, write_results
@@ -46,7 +46,7 @@ _modules = Path(tempfile.mkdtemp(prefix="codagen-timeline-"))
 def timeline_kernel(program):
     """The program's ping-pong kernel with stamps, loaded from a module file (``@gluon.jit`` reads it)."""
     path = _modules / f"{program.name}_timeline.py"
-    path.write_text(pingpong_codegen.generate(program, timeline=True))
+    path.write_text(pingpong.generate(program, timeline=True))
     module = load_module(path.stem, path)
     return getattr(module, f"{program.name}_kernel"), module.TIMELINE_TILES.value
 

@@ -24,8 +24,11 @@ TABLE = ROOT / "codagen" / "backends" / "triton" / "tuned.json"
 # every library program the tuning table may hold, by its program text
 _HASHES = """
 import json
-from codagen.backends.triton import codegen
-from codagen.backends.triton.backend import kernel_hash
+try:
+    from codagen.backends.triton.tuning import kernel_hash, program_key
+except ImportError:  # a tree from before the backend was split by concern
+    from codagen.backends.triton.backend import kernel_hash
+    from codagen.backends.triton.codegen import program_key
 from codagen.epilogue import library
 programs = [library.linear(), library.input_grad(), library.rms_linear(), library.residual_rms_stats(),
             library.rms_gate_up_swiglu(), library.rms_lm_head_cross_entropy(),
@@ -33,7 +36,7 @@ programs = [library.linear(), library.input_grad(), library.rms_linear(), librar
 programs += [library.rms_qkv_rope(head_dim, 1e-6) for head_dim in (64, 128)]
 programs += [library.rms_norm_backward(grad) for grad in ("add", "accumulate", "none")]
 programs += [library.weight_grad(accumulate, dtype) for accumulate in (False, True) for dtype in ("input", "float32")]
-print(json.dumps({codegen.program_key(p): f"{p.name}:{kernel_hash(p)}" for p in programs}))
+print(json.dumps({program_key(p): f"{p.name}:{kernel_hash(p)}" for p in programs}))
 """
 
 

@@ -1,6 +1,5 @@
 """codagen: Transformer training with the memory-bound work fused into GEMM epilogues (the CODA method)."""
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .backends import execute, set_backend, use_backend
 from .epilogue import Program, ProgramError, library
 from .models import is_patched, patch, unpatch

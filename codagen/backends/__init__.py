@@ -21,7 +21,12 @@ import torch
 from codagen.epilogue.bind import bind
 from codagen.epilogue.ir import Program
 
+from .device import on_device
 from .reference import ReferenceBackend
+
+_TRITON = importlib.util.find_spec("triton") is not None
+if _TRITON:  # the package imports without Triton; the backend is there when Triton is
+    from .triton import TritonBackend
 
 __all__ = ["BACKENDS", "execute", "get_backend", "resolve_backend_name", "set_backend", "use_backend",
            "triton_available", "on_device"]
@@ -31,16 +36,7 @@ _selected: str | None = None
 
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def on_device(device: torch.device):
-    """Make ``device`` the current CUDA device for a kernel launch: Triton launches on the current
-    device, not on its tensors' (tensors on ``cuda:1`` while ``cuda:0`` is current would fault). A no-op
-    context when it already is current, or for CPU tensors."""
-    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
+    return _TRITON
 
 
 def _check_name(name: str, source: str) -> str:
@@ -88,7 +84,6 @@ def get_backend(name: str):
     if name == "reference":
         return ReferenceBackend()
     if name == "triton":
-        from codagen.backends.triton import TritonBackend
         return TritonBackend()
     raise ValueError(f"no backend object for {name!r}; expected 'reference' or 'triton'")
 

@@ -12,88 +12,42 @@ from typing import Mapping
 import torch
 
 from codagen.epilogue.bind import BoundProgram, cdiv
-from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Program, Rope,
-                                 RowPartial, RowVector, ScalarInput, SegmentSum, Store, SwiGLU, SwiGLUBackward,
-                                 TileInput, Unary)
+from codagen.epilogue.ir import ColPartial, Expr, Program, RowPartial, Store
+from codagen.epilogue.primitives.rope import rope_ref
+from codagen.epilogue.primitives.segment_sum import segment_sum_ref
+from codagen.epilogue.primitives.swiglu import swiglu_ref
+from codagen.epilogue.primitives.swiglu_backward import swiglu_backward_ref
 
 __all__ = ["ReferenceBackend", "evaluate_epilogue", "swiglu_ref", "swiglu_backward_ref", "rope_ref", "segment_sum_ref"]
 
 
-def swiglu_ref(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., 0::2]) * x[..., 1::2]``."""
-    gate, up = x[..., 0::2], x[..., 1::2]
-    return torch.nn.functional.silu(gate) * up
+class _Values:
+    """What a primitive's ``reference`` reads: its operands' values, the named tensors, the accumulator."""
 
+    def __init__(self, acc: torch.Tensor, tensors: Mapping[str, torch.Tensor]):
+        self.acc, self.tensors = acc, tensors
+        self.dtype, self.device = acc.dtype, acc.device
+        self.m, self.n = acc.shape
+        self.values: dict[Expr, torch.Tensor] = {}
 
-def swiglu_backward_ref(preact: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Interleaved ``(dg, du)`` of ``silu(g) * u`` for pairs ``(g, u)`` of ``preact``."""
-    gate, up = preact[..., 0::2], preact[..., 1::2]
-    sig = torch.sigmoid(gate)
-    d_gate = grad * up * sig * (1 + gate * (1 - sig))
-    d_up = grad * gate * sig
-    return torch.stack((d_gate, d_up), dim=-1).flatten(-2)
+    def value(self, e: Expr) -> torch.Tensor:
+        return self.values[e]
 
-
-def rope_ref(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs ``(x[2j], x[2j+1])`` by ``theta[..., j]``."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    cos, sin = torch.cos(theta), torch.sin(theta)
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-
-
-def segment_sum_ref(x: torch.Tensor, size: int) -> torch.Tensor:
-    """Each column gets the sum of its aligned group of ``size`` adjacent columns (``x.shape[-1] % size == 0``)."""
-    groups = x.unflatten(-1, (-1, size))
-    return groups.sum(-1, keepdim=True).expand(groups.shape).flatten(-2)
-
-
-_UNARY = {
-    "neg": torch.neg, "exp": torch.exp, "log": torch.log, "sigmoid": torch.sigmoid,
-    "silu": torch.nn.functional.silu, "square": torch.square, "rsqrt": torch.rsqrt,
-}
-_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "max": torch.maximum}
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
 
 
 def evaluate_epilogue(program: Program, acc: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> dict[Expr, torch.Tensor]:
     """Every expression of ``program`` on a whole GEMM output ``acc`` [M, N], in ``acc``'s dtype.
 
-    Row vectors come out as [M, 1], column vectors as [1, N*w], tiles as [M, N*w]. Plain PyTorch ops,
-    so it also serves as the unfused (eager / torch.compile) epilogue in the kernel benchmark.
+    Row vectors come out as [M, 1], column vectors as [1, N*w], tiles as [M, N*w]. Plain PyTorch ops
+    (each primitive's ``reference``), so it also serves as the unfused (eager / torch.compile) epilogue
+    in the kernel benchmark.
     """
-    cd, device, n = acc.dtype, acc.device, acc.shape[1]
-    values: dict[Expr, torch.Tensor] = {}
+    ev = _Values(acc, tensors)
     for e in program.expressions():
-        if isinstance(e, Accumulator):
-            v = acc
-        elif isinstance(e, RowVector):
-            v = tensors[e.name][:, None] if e.index else tensors[e.name].to(cd)[:, None]
-        elif isinstance(e, ColVector):
-            v = tensors[e.name].to(cd)[None, :]
-        elif isinstance(e, ScalarInput):
-            v = tensors[e.name].to(cd).reshape(())
-        elif isinstance(e, TileInput):
-            v = tensors[e.name].to(cd)
-        elif isinstance(e, Constant):
-            v = torch.tensor(e.value, dtype=cd, device=device)
-        elif isinstance(e, Unary):
-            v = _UNARY[e.op](values[e.x])
-        elif isinstance(e, Binary):
-            v = _BINARY[e.op](values[e.a], values[e.b])
-        elif isinstance(e, OneHot):
-            v = (torch.arange(n, device=device)[None, :] == values[e.index]).to(cd)
-        elif isinstance(e, SwiGLU):
-            v = swiglu_ref(values[e.x])
-        elif isinstance(e, SwiGLUBackward):
-            v = swiglu_backward_ref(values[e.preact], values[e.grad])
-        elif isinstance(e, Rope):
-            theta = values[e.positions] * values[e.frequencies]
-            v = rope_ref(values[e.x], -theta if e.inverse else theta)
-        elif isinstance(e, SegmentSum):
-            v = segment_sum_ref(values[e.x].expand(acc.shape[0], e.width.columns(n)), e.size)
-        else:  # pragma: no cover - the IR is a closed set
-            raise TypeError(f"reference backend cannot evaluate {type(e).__name__}")
-        values[e] = v
-    return values
+        ev.values[e] = e.reference(ev)
+    return ev.values
 
 
 class ReferenceBackend:

@@ -1,9 +1,7 @@
 """Layer 1: epilogue programs (the IR), their validation, the CODA program library and finishing reductions."""
-from .bind import BoundProgram, bind
-from .ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, Gemm, OneHot, Program, ProgramError, Rope,
-                 RowPartial, RowVector, ScalarInput, SegmentSum, Store, SwiGLU, SwiGLUBackward, TileInput, Unary, Width)
 from . import finish, library
+from .bind import BoundProgram, bind
+from .ir import *  # noqa: F401,F403 - the IR: the frame and every primitive
+from .ir import __all__ as _ir
 
-__all__ = ["Accumulator", "Binary", "ColPartial", "ColVector", "Constant", "Expr", "Gemm", "OneHot", "Program",
-           "ProgramError", "Rope", "RowPartial", "RowVector", "ScalarInput", "SegmentSum", "Store", "SwiGLU",
-           "SwiGLUBackward", "TileInput", "Unary", "Width", "BoundProgram", "bind", "finish", "library"]
+__all__ = [*_ir, "BoundProgram", "bind", "finish", "library"]

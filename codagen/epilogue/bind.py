@@ -15,12 +15,11 @@ import os
 import torch
 
 from . import library
-from .ir import ColPartial, ColVector, Program, ProgramError, RowPartial, RowVector, ScalarInput, Store, TileInput
+from .core import ColPartial, Program, ProgramError, RowPartial, Store, check_shape
 
 __all__ = ["BoundProgram", "bind", "OPERAND_DTYPES", "cdiv", "set_poison_outputs"]
 
 OPERAND_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 #: Fill new outputs with NaN so that an element a kernel forgets to write shows up. A debugging aid:
@@ -111,11 +110,6 @@ def _check_contiguous(name: str, t: torch.Tensor) -> None:
                            f"{tuple(t.stride())} for shape {tuple(t.shape)}; call .contiguous() first")
 
 
-def _check_shape(name: str, t: torch.Tensor, shape: tuple, desc: str) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ProgramError(f"{name}: expected shape {desc} = {tuple(shape)}, got {tuple(t.shape)}")
-
-
 def bind(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, torch.Tensor]) -> BoundProgram:
     """Validate ``a``, ``b`` and the named tensors against ``program``; return the bound problem."""
     if not isinstance(program, Program):
@@ -156,11 +150,11 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, 
 
     if program.needs_even_n() and n % 2:
         raise ProgramError(f"{program.name}: pairs of columns (2j, 2j+1) need an even N, got N = {n}")
-    for segment in program.segment_sums():
-        columns = segment.width.columns(n)
-        if columns % segment.size:
-            raise ProgramError(f"{program.name}: segment_sum(size={segment.size}) needs whole groups of {segment.size} "
-                               f"columns, got {columns} columns (N = {n}, width {segment.width!r})")
+    for grouped in program.column_groups():
+        columns, size = grouped.width.columns(n), grouped.column_group
+        if columns % size:
+            raise ProgramError(f"{program.name}: segment_sum(size={size}) needs whole groups of {size} "
+                               f"columns, got {columns} columns (N = {n}, width {grouped.width!r})")
 
     if low_rank:
         _check_low_rank(program, tensors["a2"], tensors["b2"], a, m, n)
@@ -171,27 +165,11 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, 
         if t.device != a.device:
             raise ProgramError(f"{name}: expected device {a.device} (that of a), got {t.device}")
         spec = inputs.get(name)
-        if isinstance(spec, RowVector):
-            _check_shape(name, t, (m,), "[M]")
-            if spec.index and t.dtype not in _INDEX_DTYPES:
-                raise ProgramError(f"{name}: expected an integer index vector (int32 or int64), got {t.dtype}")
-            if not spec.index and not t.dtype.is_floating_point:
-                raise ProgramError(f"{name}: expected a floating-point vector, got {t.dtype}")
-        elif isinstance(spec, ColVector):
-            _check_shape(name, t, (spec.width.columns(n),), f"[{spec.width!r}]")
-            if not t.dtype.is_floating_point:
-                raise ProgramError(f"{name}: expected a floating-point vector, got {t.dtype}")
-        elif isinstance(spec, ScalarInput):
-            if t.numel() != 1 or not t.dtype.is_floating_point:
-                raise ProgramError(f"{name}: expected a one-element floating-point tensor, got shape "
-                                   f"{tuple(t.shape)} and dtype {t.dtype}")
-        elif isinstance(spec, TileInput):
-            _check_shape(name, t, (m, spec.width.columns(n)), f"[M, {spec.width!r}]")
-            if not t.dtype.is_floating_point:
-                raise ProgramError(f"{name}: expected a floating-point tile operand, got {t.dtype}")
+        if spec is not None:
+            spec.check_tensor(name, t, m, n)
         else:  # accumulated output
             store = next(o for o in program.outputs if o.name == name)
-            _check_shape(name, t, (m, store.value.width.columns(n)), f"[M, {store.value.width!r}] (accumulated output)")
+            check_shape(name, t, (m, store.value.width.columns(n)), f"[M, {store.value.width!r}] (accumulated output)")
             if not t.dtype.is_floating_point:
                 raise ProgramError(f"{name}: expected a floating-point output to accumulate into, got {t.dtype}")
         if t.dim() > 0:
@@ -216,5 +194,5 @@ def _check_low_rank(program: Program, a2, b2, a: torch.Tensor, m: int, n: int) -
     a_desc, b_desc = gemm.shapes("M", "N", "R")
     if r < 1:
         raise ProgramError(f"b2: expected a rank R >= 1, got shape {tuple(b2.shape)}")
-    _check_shape("b2", b2, b_shape, f"[{', '.join(b_desc)}]")
-    _check_shape("a2", a2, a_shape, f"[{', '.join(a_desc)}] (R = {r} from b2)")
+    check_shape("b2", b2, b_shape, f"[{', '.join(b_desc)}]")
+    check_shape("a2", a2, a_shape, f"[{', '.join(a_desc)}] (R = {r} from b2)")

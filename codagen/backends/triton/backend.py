@@ -1,205 +1,37 @@
-"""The Triton backend: generate, cache, load, tune and launch a program's fused kernel.
+"""The Triton backend: plan and launch a program's fused kernel.
 
-CUDA tensors run compiled kernels; CPU tensors run the same kernels in the Triton interpreter. The
-interpreter is normally chosen once, by ``TRITON_INTERPRET=1`` before ``import triton``; here it is
-chosen per call: the generated module is loaded a second time with ``triton.knobs.runtime.interpret``
-set (so its ``@triton.jit`` functions become interpreted ones), and while it runs, the ``@triton.jit``
-functions of ``triton.language`` itself (``tl.zeros``, ``tl.sum``, ...) are called the interpreter's
-way (:func:`_interpreting`). Nothing needs exporting before import and GPU kernels are unaffected.
+A call is checked (:meth:`TritonBackend._check`), planned once per call signature (the kernel from
+:mod:`.modules`, TMA eligibility, a configuration from :mod:`.configs` or timed here) and launched:
+compiled for CUDA tensors, in the Triton interpreter for CPU tensors (:mod:`.interpreter`).
 """
 from __future__ import annotations
 
-import ast
-import contextlib
 import functools
-import importlib.util
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import numpy as np
 import torch
+import triton
+import triton.testing
+from triton.runtime.errors import OutOfResources
 
-import codagen
-from codagen.backends import on_device
+from codagen.backends.device import on_device
 from codagen.epilogue.bind import BoundProgram, cdiv
-from codagen.epilogue.ir import Gemm, Program, ProgramError, Store, TileInput
+from codagen.epilogue.ir import Gemm, Program, ProgramError, Store
 
-from . import codegen
-from .configs import KernelConfig, TuningCache, cache_dir, candidates, gemm_layout, interpreter_config
+from . import pingpong
+from .configs import KernelConfig, TuningCache, candidates, gemm_layout, interpreter_config
 from .gluon_support import pingpong_unsupported
+from .interpreter import interpreting
+from .modules import load_kernel, program_source
+from .tuning import TRITON_DTYPE, kernel_hash, tuning_key
 
 __all__ = ["TritonBackend", "program_source", "load_kernel", "tuning_key", "kernel_hash", "SUPPORTED_DTYPES"]
 
 #: operand dtypes the Triton backend multiplies (float64 stays with the reference backend)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-                 torch.int32: "i32", torch.int64: "i64"}
-
-
-def _pingpong_version() -> str:
-    from . import pingpong_codegen
-    return pingpong_codegen.GENERATOR_VERSION
-
-
-def _versions() -> str:
-    import triton
-    return f"codagen {codagen.__version__}, generator {codegen.GENERATOR_VERSION}, triton {triton.__version__}, torch {torch.__version__.split('+')[0]}"
-
-
-_kernel_hashes: dict[str, str] = {}
-
-
-def kernel_hash(program: Program) -> str:
-    """Hash of the code a tuned choice is measured on: the generated ``tl`` kernel (without its version
-    line), the device math it imports and, for a program the ping-pong schedule takes, the generated
-    Gluon kernel and :mod:`.pingpong`. A choice stays valid until one of them changes, whatever else
-    changes in the generators."""
-    key = codegen.program_key(program)
-    if key not in _kernel_hashes:
-        def code_lines(source: str) -> list[str]:
-            return [line for line in source.splitlines() if "generator version" not in line]
-        here = Path(__file__).parent
-        parts = code_lines(codegen.generate(program)) + [_code_of(here / "device_math.py")]
-        if pingpong_unsupported() is None:  # the ping-pong kernels exist on this Triton
-            from . import pingpong_codegen
-            if pingpong_codegen.refusal(program) is None:
-                parts += code_lines(pingpong_codegen.generate(program)) + [_code_of(here / "pingpong.py")]
-        _kernel_hashes[key] = codegen.source_hash(*parts)
-    return _kernel_hashes[key]
-
-
-def _code_of(path: Path) -> str:
-    """A module's lines without docstrings, comment lines and blank lines, so editing those keeps tuned
-    choices (a trailing comment still counts). Line-based, not ``ast.dump``: that differs between Python
-    versions, and the shipped table must match on every one."""
-    source = path.read_text()
-    docstrings = set()
-    for node in ast.walk(ast.parse(source)):
-        body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
-    return "\n".join(line.strip() for number, line in enumerate(source.splitlines(), 1)
-                     if number not in docstrings and line.strip() and not line.strip().startswith("#"))
-
-
-def tuning_key(gpu: str, bound: BoundProgram, tma_mainloop: bool, tma_epilogue_ok: bool,
-               versions: str | None = None) -> str:
-    """What a tuned choice is cached under: GPU name, Triton and torch versions (``versions``: these
-    instead of the installed ones), the program and its kernel's code (:func:`kernel_hash`), operand and
-    input dtypes, TMA eligibility and the shape bucket (M, N, K rounded up to powers of two)."""
-    if versions is None:
-        import triton
-        versions = f"triton {triton.__version__}, torch {torch.__version__.split('+')[0]}"
-
-    def bucket(x: int) -> int:
-        return 1 << max(0, (x - 1).bit_length())
-    tensors = ",".join(f"{n}:{_TRITON_DTYPE.get(t.dtype, t.dtype)}" for n, t in sorted(bound.tensors.items()))
-    return (f"{gpu}|{versions}|"
-            f"{bound.program.name}:{kernel_hash(bound.program)}|a:{_TRITON_DTYPE[bound.dtype]},{tensors}|"
-            f"tma:{int(tma_mainloop)}{int(tma_epilogue_ok)}|M{bucket(bound.m)} N{bucket(bound.n)} K{bucket(bound.k)}")
-
-
-def program_source(program: Program, dtypes: str = "any", arch: str = "any", schedule: str = "persistent") -> str:
-    """Readable source of ``program``'s fused kernel (``Program.triton_source()``): the generated ``tl``
-    kernel, or with ``schedule="pingpong"`` the Gluon ping-pong kernel (Hopper)."""
-    header = f"# dtypes: {dtypes}; arch: {arch}; {_versions()}\n"
-    if schedule == "pingpong":
-        from . import pingpong_codegen
-        return pingpong_codegen.generate(program, header=header)
-    return codegen.generate(program, header=header)
-
-
-# --------------------------------------------------------------------------------------------------
-# Loading generated modules
-# --------------------------------------------------------------------------------------------------
-_modules: dict[tuple[str, bool], object] = {}
-_modules_lock = threading.Lock()
-
-
-def load_kernel(program: Program, *, dtypes: str, arch: str, interpret: bool, schedule: str = "persistent"):
-    """The ``<name>_kernel`` JIT function of ``program``'s ``schedule`` kernel, from a real module file
-    in the cache.
-
-    The file name hashes the program, dtypes, arch, schedule and library versions; ``@triton.jit`` reads
-    its source with ``inspect``, so it must live in a file, at module level.
-    """
-    key_text = "\n".join([codegen.program_key(program), dtypes, arch, _versions()] +
-                         ([f"pingpong {_pingpong_version()}"] if schedule == "pingpong" else []))
-    digest = codegen.source_hash(key_text)
-    with _modules_lock:
-        module = _modules.get((digest, interpret))
-        if module is None:
-            stem = program.name + ("_pingpong" if schedule == "pingpong" else "")
-            path = cache_dir() / "triton" / "kernels" / f"{stem}_{digest}.py"
-            source = program_source(program, dtypes, arch, schedule)
-            if not path.exists() or path.read_text() != source:
-                from .configs import _atomic_write
-                _atomic_write(path, source)
-            mod_name = f"codagen_kernels.{stem}_{digest}{'_interpreted' if interpret else ''}"
-            spec = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(spec)
-            from triton import knobs
-            previous = knobs.runtime.interpret
-            knobs.runtime.interpret = interpret
-            try:
-                spec.loader.exec_module(module)
-            finally:
-                knobs.runtime.interpret = previous
-            sys.modules[mod_name] = module
-            _modules[(digest, interpret)] = module
-    return getattr(module, f"{program.name}_kernel")
-
-
-_interpret_lock = threading.RLock()
-_interpreted_wrappers: dict = {}
-
-
-@contextlib.contextmanager
-def _interpreting():
-    """Run ``triton.language``'s own ``@triton.jit`` helpers the interpreter's way, for one launch.
-
-    The interpreter swaps ``triton.language`` builtins for numpy ones while it runs. Triton 3.6 puts
-    back what a kernel launch swapped but not what an interpreted helper call swapped (e.g. ``tl.cdiv``'s
-    module ``triton.language.core``); left so, a later compile in the same process (a real kernel for
-    the GPU) fails inside ``tl.cdiv``. Every attribute swapped during the launch is restored here to
-    the value it had before the launch."""
-    from triton.runtime import interpreter
-    from triton.runtime.jit import JITFunction
-
-    def call_interpreted(self, *args, **kwargs):
-        wrapper = _interpreted_wrappers.get(self.fn)
-        if wrapper is None:
-            wrapper = _interpreted_wrappers[self.fn] = interpreter.InterpretedFunction(self.fn)
-        return wrapper(*args, **kwargs)
-
-    before: dict[tuple[int, str], tuple[object, str, object]] = {}
-    set_attr = interpreter._LangPatchScope.set_attr
-
-    def recording_set_attr(scope, obj, name, value):
-        before.setdefault((id(obj), name), (obj, name, getattr(obj, name, interpreter._MISSING)))
-        set_attr(scope, obj, name, value)
-
-    with _interpret_lock, np.errstate(all="ignore"):  # masked-off lanes are computed too (log 0, x / 0)
-        original = JITFunction.__call__
-        JITFunction.__call__ = call_interpreted
-        interpreter._LangPatchScope.set_attr = recording_set_attr
-        try:
-            yield
-        finally:
-            JITFunction.__call__ = original
-            interpreter._LangPatchScope.set_attr = set_attr
-            for obj, name, value in before.values():
-                if value is interpreter._MISSING:
-                    if name in vars(obj):
-                        delattr(obj, name)
-                else:
-                    setattr(obj, name, value)
 
 
 def _scratch_alloc(size: int, alignment: int, stream):
@@ -213,7 +45,6 @@ def _set_allocator() -> None:
     backward on its own device threads, so this is set before every launch (a cheap ContextVar set),
     not once per process.
     """
-    import triton
     triton.set_allocator(_scratch_alloc)
 
 
@@ -302,14 +133,14 @@ class TritonBackend:
 
     def _prepare(self, bound: BoundProgram, interpret: bool, major: int) -> _Launch:
         program = bound.program
-        dtypes = ",".join(f"{n}:{_TRITON_DTYPE.get(t.dtype, str(t.dtype))}" for n, t in
+        dtypes = ",".join(f"{n}:{TRITON_DTYPE.get(t.dtype, str(t.dtype))}" for n, t in
                           [("a", bound.a)] + sorted(bound.tensors.items()))
         arch = "interpreter" if interpret else f"sm_{major}x"
         kernel = load_kernel(program, dtypes=dtypes, arch=arch, interpret=interpret)
         m, n, k = bound.m, bound.n, bound.k
         tma_hw = interpret or major in (9, 10)
         tma_mainloop = self.tma and tma_hw and k > 0 and _tma_ok(bound.a) and _tma_ok(bound.b)
-        tiles = [bound.tensors[name] for name, e in program.inputs.items() if isinstance(e, TileInput)]
+        tiles = [bound.tensors[name] for name, e in program.inputs.items() if e.kind == "tile"]
         tiles += [bound.tensors[o.name] for o in program.outputs if isinstance(o, Store) and o.accumulate]
         tma_epilogue_ok = self.tma and tma_hw and all(_tma_ok(t) for t in tiles)
         if tma_epilogue_ok:  # the outputs we allocate have the row lengths N*w in their store dtype
@@ -331,7 +162,6 @@ class TritonBackend:
     def _launch_here(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
         program = bound.program
         if cfg.schedule == "pingpong":  # validated once per call signature, in _choose
-            from . import pingpong
             slots = launch.pingpong_slots.get(cfg.sub_n)
             if slots is None:
                 slots = launch.pingpong_slots[cfg.sub_n] = pingpong.input_slots(bound, cfg.sub_n, _smem_limit(bound.device))
@@ -355,7 +185,7 @@ class TritonBackend:
         if low_rank:  # the rank loop's step: at least the dot's minimum inner size 16, at most BLOCK_K
             meta["BLOCK_R"] = max(16, min(cfg.block_k, 1 << (bound.r - 1).bit_length()))
         if launch.interpret:
-            with _interpreting():
+            with interpreting():
                 launch.kernel[grid](*args, **meta)
         else:
             _set_allocator()
@@ -408,8 +238,7 @@ class TritonBackend:
                 name = bound.program.name
                 if (reason := pingpong_unsupported()) is not None:
                     raise ProgramError(f"{name}: {reason}; use a persistent configuration")
-                from . import pingpong, pingpong_codegen
-                reason = pingpong_codegen.refusal(bound.program)
+                reason = pingpong.refusal(bound.program)
                 if reason:
                     raise ProgramError(f"{name}: the ping-pong kernel cannot compute this program: {reason}; "
                                        f"use a persistent configuration")
@@ -450,7 +279,6 @@ class TritonBackend:
                           operand_bytes=bound.a.element_size(), smem_limit=smem_limit, tma=launch.tma_mainloop,
                           tma_epilogue=launch.tma_epilogue_ok, m=bound.m, n=bound.n, num_sms=_num_sms(dev))
         if any(cfg.schedule == "pingpong" for cfg in pool):  # the estimate assumed 2-byte tiles
-            from . import pingpong
             pool = [cfg for cfg in pool if cfg.schedule != "pingpong" or not pingpong.refuses(bound, cfg.sub_n, smem_limit)]
         return pool
 
@@ -473,7 +301,6 @@ class TritonBackend:
         return tuning_key(torch.cuda.get_device_name(bound.device), bound, launch.tma_mainloop, launch.tma_epilogue_ok)
 
     def _tune(self, bound: BoundProgram, launch: _Launch, pool: list[KernelConfig], key: str) -> KernelConfig:
-        from triton.runtime.errors import OutOfResources
         verbose = self.verbose if self.verbose is not None else True
         start = time.perf_counter()
         announced = False
@@ -510,7 +337,6 @@ class TritonBackend:
     def _time(run) -> float:
         """Median milliseconds of ``run`` (one candidate's launch); the first call compiles it (and raises
         ``OutOfResources`` for a candidate that does not fit)."""
-        import triton.testing
         run()
         return triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
 

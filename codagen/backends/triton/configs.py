@@ -50,11 +50,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 from pathlib import Path
 
-from codagen.epilogue.ir import Program, ProgramError, Store, TileInput
+from codagen.epilogue.ir import Program, ProgramError, Store
 
+from . import pingpong
 from .gluon_support import pingpong_available
 
-__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "TuningCache", "INTERPRETER_CONFIG", "PINGPONG",
+__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "atomic_write", "TuningCache", "INTERPRETER_CONFIG", "PINGPONG",
            "heuristic", "gemm_layout", "interpreter_config", "SMALL_M", "SMALL_M_ROWS", "small_m_order"]
 
 
@@ -107,10 +108,10 @@ def interpreter_config(program: Program) -> KernelConfig:
     """:data:`INTERPRETER_CONFIG`, its tile widened to the narrowest power of two that holds whole groups
     of every ``SegmentSum`` (QK-norm heads); ``ProgramError`` when none up to 256 columns does."""
     block_n = INTERPRETER_CONFIG.block_n
-    segments = program.segment_sums()
-    while any(int(block_n * s.width.value) % s.size for s in segments):
+    segments = program.column_groups()
+    while any(int(block_n * s.width.value) % s.column_group for s in segments):
         if block_n >= _INTERPRETER_MAX_BLOCK_N:
-            sizes = sorted({s.size for s in segments})
+            sizes = sorted({s.column_group for s in segments})
             raise ProgramError(f"{program.name}: segment_sum over groups of {sizes} columns (the QK-norm head_dim) "
                                f"needs a power-of-two tile width up to {_INTERPRETER_MAX_BLOCK_N} that is a multiple "
                                f"of it")
@@ -165,7 +166,7 @@ def small_m_order(pool, n: int, num_sms: int) -> list[KernelConfig]:
 def _tile_io(program: Program):
     """(width, is_output) of every tile that crosses the epilogue: tile operands and tile stores."""
     for e in program.inputs.values():
-        if isinstance(e, TileInput):
+        if e.kind == "tile":
             yield e.width, False
     for o in program.outputs:
         if isinstance(o, Store):
@@ -175,7 +176,6 @@ def _tile_io(program: Program):
 def smem_estimate(program: Program, cfg: KernelConfig, operand_bytes: int, io_bytes: int = 2) -> int:
     """Bytes of shared memory the configuration needs (see the module docstring)."""
     if cfg.schedule == "pingpong":
-        from . import pingpong
         return pingpong.shared_memory(program, cfg.sub_n, operand_bytes)
     ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * operand_bytes
     # layout conversions of a sub-tile go through shared memory (measured: BM * SUB_N * 2 bytes on sm_90)
@@ -186,7 +186,7 @@ def smem_estimate(program: Program, cfg: KernelConfig, operand_bytes: int, io_by
 
 
 def _holds_segments(cfg: KernelConfig, segments) -> bool:
-    return all(int(cfg.sub_n * s.width.value) % s.size == 0 for s in segments)
+    return all(int(cfg.sub_n * s.width.value) % s.column_group == 0 for s in segments)
 
 
 def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: int, tma: bool,
@@ -204,21 +204,20 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         pool = _SM90
     else:
         pool = _SM80
-    segments = program.segment_sums()
+    segments = program.column_groups()
     if small_m:  # the decode tiles alone, unless none holds whole segments (heads wider than 128 columns)
         fitting = tuple(cfg for cfg in small_m_order(SMALL_M, n, num_sms) if _holds_segments(cfg, segments))
         pool = fitting or pool
     pingpong_pool = ()
     if major == 9 and tma and tma_epilogue and operand_bytes == 2 and not small_m and pingpong_available():
-        from . import pingpong_codegen
-        if pingpong_codegen.refusal(program) is None:
+        if pingpong.refusal(program) is None:
             pingpong_pool = tuple(cfg for cfg in PINGPONG if smem_estimate(program, cfg, operand_bytes) <= smem_limit)
     # A SegmentSum group (a head, for QK-norm) must lie inside one epilogue sub-tile: a hard constraint,
     # so it filters the pool before the fallback below.
     if segments:
         fitting = tuple(cfg for cfg in pool if _holds_segments(cfg, segments))
         if not fitting:
-            sizes = sorted({s.size for s in segments})
+            sizes = sorted({s.column_group for s in segments})
             raise ProgramError(
                 f"{program.name}: segment_sum over groups of {sizes} columns (the QK-norm head_dim) needs an "
                 f"epilogue sub-tile width (BLOCK_N / EPILOGUE_SPLIT) that is a multiple of it; the configurations "
@@ -272,7 +271,7 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
@@ -281,7 +280,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 class _Key(NamedTuple):
-    """The fields of a tuning key (:func:`.backend.tuning_key`)."""
+    """The fields of a tuning key (:func:`.tuning.tuning_key`)."""
     gpu: str
     versions: str
     program: str  # name:kernel hash
@@ -410,7 +409,7 @@ class TuningCache:
                 on_disk = {}
             on_disk[key] = entries[key]
             try:
-                _atomic_write(self.path, json.dumps(on_disk, indent=1, sort_keys=True))
+                atomic_write(self.path, json.dumps(on_disk, indent=1, sort_keys=True))
             except OSError:
                 pass  # a read-only cache directory only costs re-tuning
 

@@ -5,7 +5,7 @@ releases of Triton. The ping-pong kernels are written against Triton 3.6 and run
 :data:`GLUON_TRITON` releases only. On any other release the ping-pong schedule is not offered: tuning
 keeps to the persistent ``tl`` kernels (one ``UserWarning`` per process says so), a configuration that
 asks for ``schedule="pingpong"`` raises ``ProgramError`` naming the installed version, and importing
-:mod:`.pingpong` raises ``ImportError`` with the same reason. The persistent kernels need no Gluon.
+:mod:`.pingpong.runtime` raises ``ImportError`` with the same reason. The persistent kernels need no Gluon.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ __all__ = ["GLUON_TRITON", "GLUON_NAMES", "pingpong_unsupported", "pingpong_avai
 #: Triton releases the ping-pong kernels run on: ``[lowest, first unsupported)`` as (major, minor)
 GLUON_TRITON = ((3, 6), (3, 7))
 
-#: the Gluon names :mod:`.pingpong` and :mod:`.pingpong_codegen` use, by module
+#: the Gluon names the ping-pong runtime and its generated kernels use, by module
 GLUON_NAMES = {
     "triton.experimental.gluon": ("jit",),
     "triton.experimental.gluon.language": (

@@ -98,8 +98,8 @@ def test_segment_sum_printout_and_qk_norm_program():
     assert str(SegmentSum(acc * acc, 64)) == "segment_sum((acc * acc), size=64)"
     p = library.rms_qkv_rope(64, 1e-6)
     assert p is library.rms_qkv_rope(64, 1e-6) and p.name == "rms_qkv_rope_qk_norm"
-    assert p.segment_sums() == (SegmentSum(Unary("square", acc * RowVector("rstd")), 64),)
-    assert library.rms_qkv_rope().segment_sums() == ()
+    assert p.column_groups() == (SegmentSum(Unary("square", acc * RowVector("rstd")), 64),)
+    assert library.rms_qkv_rope().column_groups() == ()
     assert list(p.inputs) == ["rstd", "qk_norm_weight", "qk_passthrough", "positions", "frequencies"]
     text = str(p)
     assert "t0 = (acc * rstd[m])" in text and "segment_sum(square(t0), size=64)" in text and "rsqrt(" in text

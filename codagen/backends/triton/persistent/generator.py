@@ -1,9 +1,9 @@
 """Epilogue program -> Triton source: one persistent GEMM kernel with the program in its epilogue.
 
-The generated module holds three ``@triton.jit`` functions (module level, so that Triton can resolve
-them by name):
+The generated module holds ``@triton.jit`` functions at module level, so that Triton can resolve them
+by name: the fixed helpers of :mod:`.runtime` (copied in: ``tile_coords``, the grouped, L2-friendly
+order of output tiles; ``column_halves``; ``cast_for_store``; ``merge_logsumexp``) and two generated ones:
 
-``tile_coords``          grouped (L2-friendly) order of output tiles;
 ``<name>_epilogue``      the program, evaluated on one ``[BLOCK_M, SUB_N]`` accumulator sub-tile in
                          registers: vector and tile loads, elementwise and pair maps, stores, the
                          ColPartial sums, and the sub-tile's RowPartial pieces (returned);
@@ -25,14 +25,15 @@ and columns past N*w are masked on every load and store and excluded from every 
 """
 from __future__ import annotations
 
-import hashlib
 import textwrap
 
-from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Program,
-                                 Rope, RowPartial, RowVector, ScalarInput, SegmentSum, Store, SwiGLU,
-                                 SwiGLUBackward, TileInput, Unary, Width)
+from codagen.epilogue.ir import ColPartial, Expr, Program, RowPartial, Store, Width
 
-__all__ = ["generate", "program_key", "GENERATOR_VERSION"]
+from ..emitter import Emitter, comment
+from . import runtime
+from ..names import kernel_program
+
+__all__ = ["generate", "GENERATOR_VERSION"]
 
 #: bump when the generated code changes meaning (it keys the on-disk source cache)
 GENERATOR_VERSION = "3"
@@ -45,58 +46,20 @@ _TILE_OFFSET = {Width.HALF: "off_n // 2", Width.FULL: "off_n", Width.DOUBLE: "2 
 # the width whose columns index the pairs of a width's columns
 _HALF_OF = {Width.FULL: Width.HALF, Width.DOUBLE: Width.FULL}
 
-_UNARY = {
-    "neg": "-{x}",
-    "exp": "tl.exp({x})",
-    "log": "tl.log({x})",
-    "square": "{x} * {x}",
-    "rsqrt": "tl.rsqrt({x})",
-}
-_BINARY = {
-    "add": "{a} + {b}",
-    "sub": "{a} - {b}",
-    "mul": "{a} * {b}",
-    "div": "{a} / {b}",
-    "max": "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",  # torch.maximum propagates NaN
-}
+class PersistentEmitter(Emitter):
+    """Emits the body of ``<name>_epilogue``: one line (or a few) per expression, in evaluation order.
 
-
-def swiglu_backward_lines(name: str, dy: str, gate: str, up: str, sig: str) -> list[str]:
-    """The SwiGLU backward of one pair form (both generators emit it): ``name_gate``, ``name_up``."""
-    return [f"{name}_gate = {dy} * {up} * {sig} * (1.0 + {gate} * (1.0 - {sig}))",
-            f"{name}_up = {dy} * {gate} * {sig}"]
-
-
-def rope_lines(name: str, even: str, odd: str, cos: str, sin: str, inverse: bool) -> list[str]:
-    """The rotation of each pair (even, odd) by theta, or by -theta when ``inverse`` (cos(-t) = cos t,
-    sin(-t) = -sin t): ``name_even``, ``name_odd`` (both generators emit it)."""
-    if inverse:
-        first, second = f"{even} * {cos} + {odd} * {sin}", f"{odd} * {cos} - {even} * {sin}"
-    else:
-        first, second = f"{even} * {cos} - {odd} * {sin}", f"{even} * {sin} + {odd} * {cos}"
-    return [f"{name}_even = {first}", f"{name}_odd = {second}"]
-
-
-def program_key(program: Program) -> str:
-    """A canonical text of everything that changes the generated code (the dataclass reprs)."""
-    return f"{program.name}|{program.gemm!r}|{program.gemm.a_layout}{program.gemm.b_layout}|{program.outputs!r}"
-
-
-def _comment(expr: Expr) -> str:
-    text = str(expr)
-    return text if len(text) <= 90 else text[:87] + "..."
-
-
-class _Epilogue:
-    """Emits the body of ``<name>_epilogue``: one line (or a few) per expression, in evaluation order."""
+    What a primitive's ``emit_persistent`` may use: ``emit``, ``fresh``, ``comment``, ``memo``; ``names``
+    (expression -> its variable); ``full(e)`` (the [BLOCK_M, W] tile of a value), ``pairs_of(e)`` (its
+    (even, odd) halves), ``pair_form`` (values kept as halves), ``in_pairs(*operands)``, ``operand``;
+    ``sigmoid(var)``; ``elementwise(e, operands, formula)``; the sub-tile's index names ``cols(w)``,
+    ``col_ok(w)``, ``tile_ok(w)``, ``tile_offsets(w)``, ``tile_offset(w)``, ``tile_cols(w)``.
+    """
 
     def __init__(self, program: Program):
-        self.program = program
-        self.lines: list[str] = []
+        super().__init__(program)
         self.names: dict[Expr, str] = {}
-        self.memo: dict[tuple, str] = {}       # shared helper values (pair splits, sigmoids, angles)
         self.widths_used: set[Width] = set()
-        self.counter = 0
         # values kept as their (even, odd) column halves: pair maps produce them, elementwise maps of
         # them stay in that form, and the interleaving tl.join + reshape is emitted only for a consumer
         # that needs the [BLOCK_M, W] tile itself (a store or a column reduction)
@@ -104,12 +67,15 @@ class _Epilogue:
         self.joined: set[Expr] = set()
 
     # -- helpers -------------------------------------------------------------------------------------
-    def emit(self, line: str = "") -> None:
-        self.lines.append(line)
+    @staticmethod
+    def tile_cols(width: Width) -> str:
+        """Columns of a sub-tile of a value of ``width`` (SUB_N * w)."""
+        return _TILE_COLS[width]
 
-    def fresh(self, stem: str) -> str:
-        self.counter += 1
-        return f"{stem}_{self.counter}"
+    @staticmethod
+    def tile_offset(width: Width) -> str:
+        """The sub-tile's first column of a value of ``width``."""
+        return _TILE_OFFSET[width]
 
     def cols(self, width: Width) -> str:
         self.widths_used.add(width)
@@ -172,124 +138,25 @@ class _Epilogue:
             self.memo[key] = name
         return self.memo[key]
 
+    def elementwise(self, e: Expr, operands: tuple[Expr, ...], formula) -> str:
+        """An elementwise map: on (even, odd) halves when an operand is in pair form (no join needed;
+        row vectors, scalars and constants broadcast to both halves), else on full tiles. ``formula``
+        takes the operands' variables and returns the expression (it may emit helper lines)."""
+        name = self.fresh("v")
+        if self.in_pairs(*operands):
+            halves = [self.operand(o, True) for o in operands]
+            self.emit(f"# {comment(e)}: on (even, odd) halves")
+            for i, half in enumerate(("even", "odd")):
+                self.emit(f"{name}_{half} = {formula(*(h[i] for h in halves))}")
+            self.pair_form[e] = (f"{name}_even", f"{name}_odd")
+        else:
+            values = [self.full(o) for o in operands]
+            self.emit(f"{name} = {formula(*values)}  # {comment(e)}")
+        return name
+
     # -- expressions ---------------------------------------------------------------------------------
     def expression(self, e: Expr) -> None:
-        if isinstance(e, Accumulator):
-            self.names[e] = "acc"
-            return
-        if isinstance(e, RowVector):
-            name = e.name
-            self.emit(f"# {e.name}[m]: per-row vector" + (" (integer index)" if e.index else ""))
-            if e.index:
-                self.emit(f"{name} = tl.load({e.name}_ptr + rows, mask=row_ok, other=-1)[:, None]")
-            else:
-                self.emit(f"{name} = tl.load({e.name}_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]")
-        elif isinstance(e, ColVector):
-            name = e.name
-            w = e.width
-            self.emit(f"# {e}: per-column vector")
-            self.emit(f"{name} = tl.load({e.name}_ptr + {self.cols(w)}, mask={self.col_ok(w)}, "
-                      f"other=0.0).to(tl.float32)[None, :]")
-        elif isinstance(e, ScalarInput):
-            name = e.name
-            self.emit(f"# {e.name}: device scalar (no host sync)")
-            self.emit(f"{name} = tl.load({e.name}_ptr).to(tl.float32)")
-        elif isinstance(e, TileInput):
-            name = e.name
-            w = e.width
-            self.emit(f"# {e}: tile operand")
-            self.emit("if TMA_EPILOGUE:")
-            self.emit(f"    {name} = {e.name}_desc.load([off_m, {_TILE_OFFSET[w]}]).to(tl.float32)")
-            self.emit("else:")
-            self.emit(f"    {name} = tl.load({e.name}_ptr + {self.tile_offsets(w)}, mask={self.tile_ok(w)}, "
-                      f"other=0.0).to(tl.float32)")
-        elif isinstance(e, Constant):
-            name = self.fresh("const")
-            self.emit(f"{name} = tl.full([], {e.value!r}, tl.float32)")
-        elif isinstance(e, Unary):
-            name = self.fresh("v")
-
-            def unary(x: str) -> str:
-                return self.sigmoid(x) if e.op == "sigmoid" else (
-                    f"{x} * {self.sigmoid(x)}" if e.op == "silu" else _UNARY[e.op].format(x=x))
-            if self.in_pairs(e.x):
-                halves = self.operand(e.x, True)
-                self.emit(f"# {_comment(e)}: on (even, odd) halves")
-                for half, x in zip(("even", "odd"), halves):
-                    self.emit(f"{name}_{half} = {unary(x)}")
-                self.pair_form[e] = (f"{name}_even", f"{name}_odd")
-            else:
-                self.emit(f"{name} = {unary(self.full(e.x))}  # {_comment(e)}")
-        elif isinstance(e, Binary):
-            name = self.fresh("v")
-            if self.in_pairs(e.a, e.b):
-                a2, b2 = self.operand(e.a, True), self.operand(e.b, True)
-                self.emit(f"# {_comment(e)}: on (even, odd) halves")
-                for i, half in enumerate(("even", "odd")):
-                    self.emit(f"{name}_{half} = {_BINARY[e.op].format(a=a2[i], b=b2[i])}")
-                self.pair_form[e] = (f"{name}_even", f"{name}_odd")
-            else:
-                self.emit(f"{name} = {_BINARY[e.op].format(a=self.full(e.a), b=self.full(e.b))}  # {_comment(e)}")
-        elif isinstance(e, OneHot):
-            name = self.fresh("onehot")
-            self.emit(f"# {e}")
-            self.emit(f"{name} = tl.where({self.cols(Width.FULL)}[None, :] == {self.names[e.index]}, 1.0, 0.0)")
-        elif isinstance(e, SwiGLU):
-            name = self.fresh("swiglu")
-            gate, up = self.pairs_of(e.x)
-            self.emit(f"# {_comment(e)}: silu(gate) * up on pairs (gate, up) = (x[2j], x[2j+1])")
-            self.emit(f"{name} = {gate} * {self.sigmoid(gate)} * {up}")
-        elif isinstance(e, SwiGLUBackward):
-            name = self.fresh("swiglu_grad")
-            dy = self.full(e.grad)
-            gate, up = self.pairs_of(e.preact)
-            sig = self.sigmoid(gate)
-            self.emit(f"# {_comment(e)}")
-            self.emit("#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g); interleaved (dg, du)")
-            for line in swiglu_backward_lines(name, dy, gate, up, sig):
-                self.emit(line)
-            self.pair_form[e] = (f"{name}_gate", f"{name}_up")
-        elif isinstance(e, Rope):
-            name = self.fresh("rope")
-            even, odd = self.pairs_of(e.x)
-            angle_key = ("angle", self.names[e.positions], self.names[e.frequencies])
-            if angle_key not in self.memo:
-                theta = self.fresh("theta")
-                self.emit(f"# rotation angle of each pair, in registers: theta = {e.positions} * {e.frequencies}")
-                self.emit(f"{theta} = {self.names[e.positions]} * {self.names[e.frequencies]}")
-                self.emit(f"{theta}_cos, {theta}_sin = cos_sin({theta}, INTERPRETER)")
-                self.memo[angle_key] = theta
-            theta = self.memo[angle_key]
-            cos, sin = f"{theta}_cos", f"{theta}_sin"
-            self.emit(f"# {_comment(e)}")
-            for line in rope_lines(name, even, odd, cos, sin, e.inverse):
-                self.emit(line)
-            self.pair_form[e] = (f"{name}_even", f"{name}_odd")
-        elif isinstance(e, SegmentSum):
-            name = self.fresh("segment_sum")
-            w, size = e.width, e.size
-            groups = f"{_TILE_COLS[w]} // {size}"
-            self.emit(f"# {_comment(e)}: each aligned group of {size} columns sums per row, broadcast back")
-            self.emit(f"tl.static_assert({_TILE_COLS[w]} % {size} == 0, \"segment_sum(size={size}): the epilogue "
-                      f"sub-tile (BLOCK_N / EPILOGUE_SPLIT columns, times the value's width) must hold whole groups "
-                      f"of {size} columns (whole heads when {size} is head_dim)\")")
-            if self.in_pairs(e.x):
-                # a group of `size` columns is size/2 pairs: the same [groups, size/2] cut of both halves
-                even, odd = self.pair_form[e.x]
-                half = size // 2
-                self.emit(f"{name}_group = tl.sum(tl.reshape({even}, (BLOCK_M, {groups}, {half})), axis=2) + "
-                          f"tl.sum(tl.reshape({odd}, (BLOCK_M, {groups}, {half})), axis=2)")
-                self.emit(f"{name}_half = tl.reshape(tl.broadcast_to({name}_group[:, :, None], (BLOCK_M, {groups}, "
-                          f"{half})), (BLOCK_M, {_TILE_COLS[w]} // 2))  # both halves of a pair hold the group's sum")
-                self.pair_form[e] = (f"{name}_half", f"{name}_half")
-            else:
-                x = self.full(e.x)
-                self.emit(f"{name}_group = tl.sum(tl.reshape({x}, (BLOCK_M, {groups}, {size})), axis=2)")
-                self.emit(f"{name} = tl.reshape(tl.broadcast_to({name}_group[:, :, None], (BLOCK_M, {groups}, "
-                          f"{size})), (BLOCK_M, {_TILE_COLS[w]}))")
-        else:  # pragma: no cover - the IR is a closed set
-            raise TypeError(f"triton backend cannot generate code for {type(e).__name__}")
-        self.names[e] = name
+        self.names[e] = e.emit_persistent(self)
 
     # -- outputs -------------------------------------------------------------------------------------
     def output(self, out) -> list[str]:
@@ -352,7 +219,7 @@ def _signature_names(program: Program) -> tuple[list[str], list[str], list[str]]
     """(input pointer names, output pointer names, descriptor names) in argument order."""
     inputs = [f"{name}_ptr" for name in program.inputs]
     outputs = [f"{o.name}_ptr" for o in program.outputs]
-    descs = [f"{name}_desc" for name, e in program.inputs.items() if isinstance(e, TileInput)]
+    descs = [f"{name}_desc" for name, e in program.inputs.items() if e.kind == "tile"]
     descs += [f"{o.name}_desc" for o in program.outputs if isinstance(o, Store)]
     return inputs, outputs, descs
 
@@ -425,8 +292,9 @@ for r_tile in range(tl.cdiv(R, BLOCK_R)):  # the low-rank pair: acc += op(A2) @ 
 
 def generate(program: Program, header: str = "") -> str:
     """The Triton source of ``program``'s fused kernel (a complete Python module)."""
+    shown, program = program, kernel_program(program)
     name = program.name
-    ep = _Epilogue(program)
+    ep = PersistentEmitter(program)
     for e in program.expressions():
         ep.expression(e)
     row_pieces: list[tuple[RowPartial, list[str]]] = []
@@ -466,7 +334,7 @@ def generate(program: Program, header: str = "") -> str:
     for arg in descs:
         tname = arg[:-len("_desc")]
         e = program.inputs.get(tname)
-        w = e.width if isinstance(e, TileInput) else next(o for o in program.outputs if o.name == tname).value.width
+        w = e.width if e is not None and e.kind == "tile" else next(o for o in program.outputs if o.name == tname).value.width
         desc_lines.append(f"{arg} = tl.make_tensor_descriptor({tname}_ptr, shape=[M, {_MATRIX_COLS[w]}], "
                           f"strides=[{_MATRIX_COLS[w]}, 1], block_shape=[BLOCK_M, {_TILE_COLS[w]}])")
     if desc_lines:
@@ -518,7 +386,7 @@ def generate(program: Program, header: str = "") -> str:
         return textwrap.indent(text, " " * n)
 
     setup, kbody = _mainloop(program)
-    program_text = textwrap.indent(str(program), "#   ")
+    program_text = textwrap.indent(str(shown), "#   ")
     doc = (program.doc or "").strip().splitlines()[0] if program.doc else ""
 
     low_rank = program.gemm.low_rank
@@ -543,47 +411,7 @@ import triton.language as tl
 from codagen.backends.triton.device_math import cos_sin, sigmoid  # shared with the row kernels
 
 
-@triton.jit
-def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped order: GROUP_M consecutive M-tiles sweep the N-tiles together, so B tiles stay in L2."""
-    tiles_per_group = GROUP_M * num_pid_n
-    group = tile_id // tiles_per_group
-    first_m = group * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % group_m)
-    pid_n = (tile_id % tiles_per_group) // group_m
-    return pid_m, pid_n
-
-
-@triton.jit
-def column_halves(x, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
-    """[BLOCK_M, 2 * HALF] -> its left and right [BLOCK_M, HALF] halves (a register relabelling)."""
-    return tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-
-
-@triton.jit
-def cast_for_store(x, ptr, INTERPRETER: tl.constexpr):
-    """fp32 -> the output's dtype, rounding to nearest even.
-
-    The Triton 3.6 interpreter truncates fp32 -> bf16; there, round the fp32 bits to bf16 precision
-    first (add 0x7FFF plus the lowest kept bit, clear the low half), so the truncation is exact.
-    """
-    if INTERPRETER:
-        if ptr.dtype.element_ty == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-    return x.to(ptr.dtype.element_ty)
-
-
-@triton.jit
-def merge_logsumexp(max_a, sumexp_a, max_b, sumexp_b):
-    """Merge two (max, sum exp(x - shift)) pieces of an online logsumexp (shift: max where finite, else 0,
-    so infinite maxima give -inf or +inf, not nan)."""
-    new_max = tl.maximum(max_a, max_b)
-    shift = tl.where(tl.abs(new_max) == float("inf"), 0.0, new_max)
-    return new_max, sumexp_a * tl.exp(max_a - shift) + sumexp_b * tl.exp(max_b - shift)
-
+{runtime.SOURCE}
 
 @triton.jit
 def {name}_epilogue(
@@ -621,7 +449,3 @@ def {name}_kernel(
 {ind(chr(10).join(row_stores), 8)}
 '''
     return src
-
-
-def source_hash(*parts: str) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

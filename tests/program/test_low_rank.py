@@ -142,13 +142,13 @@ def test_bind_refuses_bad_low_rank_operands():
 
 
 def test_pingpong_refuses_low_rank_programs():
-    from codagen.backends.triton import pingpong_codegen
+    from codagen.backends.triton import pingpong
     from codagen.backends.triton.configs import candidates
     program = library.rms_gate_up_swiglu().with_low_rank()
-    assert pingpong_codegen.refusal(library.rms_gate_up_swiglu()) is None
-    assert "low-rank" in pingpong_codegen.refusal(program)
+    assert pingpong.refusal(library.rms_gate_up_swiglu()) is None
+    assert "low-rank" in pingpong.refusal(program)
     with pytest.raises(ValueError, match="low-rank operand pair"):
-        pingpong_codegen.generate(program)
+        pingpong.generate(program)
     kw = dict(major=9, operand_bytes=2, smem_limit=232448, tma=True, tma_epilogue=True)
     assert any(cfg.schedule == "pingpong" for cfg in candidates(library.rms_gate_up_swiglu(), **kw))
     assert all(cfg.schedule != "pingpong" for cfg in candidates(program, **kw))

@@ -204,9 +204,8 @@ def test_autotune_times_unseen_keys_once_and_resumes(monkeypatch, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["residual_rms_stats", "rms_norm_backward", "swiglu_backward"])
-def test_gpu_unseen_shape_runs_untimed_choice_correctly(name, monkeypatch, tmp_path):
+def test_gpu_unseen_shape_runs_untimed_choice_correctly(check, name, monkeypatch, tmp_path):
     """On the GPU, a shape no entry holds runs its untimed choice (nothing timed) within the numerics rule."""
-    from tests.test_triton_backend import check
     monkeypatch.setenv("CODAGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CODAGEN_TRITON_AUTOTUNE", raising=False)
 

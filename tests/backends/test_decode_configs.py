@@ -8,7 +8,6 @@ import torch
 from codagen.backends.triton import TritonBackend
 from codagen.backends.triton.configs import SMALL_M, SMALL_M_ROWS, candidates, small_m_order
 from codagen.epilogue import library
-from tests.test_triton_backend import check, kernel_cache_dir  # noqa: F401  (the fixture)
 
 DECODE_PROGRAMS = ["rms_qkv_rope", "residual_rms_stats", "rms_gate_up_swiglu", "rms_linear"]
 H200 = dict(major=9, operand_bytes=2, smem_limit=232448, tma=True, tma_epilogue=True, num_sms=132)
@@ -42,8 +41,8 @@ def test_qk_norm_keeps_only_head_wide_decode_tiles():
 
 @pytest.mark.parametrize("cfg", SMALL_M, ids=lambda c: c.short())
 @pytest.mark.parametrize("name", DECODE_PROGRAMS)
-def test_decode_config_interpreter(name, cfg):
-    """Each decode tile on 1 and 5 rows, fp32 in the interpreter (test_triton_backend checks that loading an fp16
+def test_decode_config_interpreter(check, name, cfg):
+    """Each decode tile on 1 and 5 rows, fp32 in the interpreter (test_triton checks that loading an fp16
     kernel writes its source file, which a kernel loaded here first would not)."""
     for m in (1, 5):
         check(library.PROGRAMS[name](), m, 2 * cfg.block_n + 6, 136, torch.float32, backend=TritonBackend(config=cfg))
@@ -52,6 +51,6 @@ def test_decode_config_interpreter(name, cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", SMALL_M, ids=lambda c: c.short())
 @pytest.mark.parametrize("name", DECODE_PROGRAMS)
-def test_gpu_decode_config(name, cfg):
+def test_gpu_decode_config(check, name, cfg):
     for m in (1, 8, 64):
         check(library.PROGRAMS[name](), m, 3072, 2048, torch.bfloat16, device="cuda", backend=TritonBackend(config=cfg))

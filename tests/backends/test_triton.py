@@ -14,81 +14,19 @@ from __future__ import annotations
 
 import ast
 import os
-import tempfile
 
 import pytest
 import torch
 
 from codagen.backends import execute
-from codagen.backends.reference import ReferenceBackend
-from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend
+from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend, program_source
 from codagen.backends.triton.configs import candidates
-from codagen.bench.kernels import eager_epilogue, gemm, random_inputs
+from codagen.bench.kernels import random_inputs
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
 from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Gemm, OneHot, Program,
                                  ProgramError, Rope, RowPartial, RowVector, ScalarInput, SegmentSum, Store, SwiGLU,
                                  SwiGLUBackward, TileInput, Unary, Width)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernel_cache_dir():
-    """Generated sources and tuning results go to a fresh directory, not the user's cache."""
-    with tempfile.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CODAGEN_CACHE_DIR", d)
-        yield d
-
-
-# --------------------------------------------------------------------------------------------------
-# The check every test uses
-# --------------------------------------------------------------------------------------------------
-def finish(program: Program, outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Outputs with partials reduced over their tile axis (any tile count), as float64."""
-    done = {}
-    for o in program.outputs:
-        v = outs[o.name].double()
-        if isinstance(o, RowPartial):
-            v = v.sum(-1) if o.reduction == "sum" else torch.logsumexp(v, -1)
-        elif isinstance(o, ColPartial):
-            v = v.sum(0)
-        done[o.name] = v.reshape(-1) if not isinstance(o, Store) else v
-    return done
-
-
-def _clone(tensors):
-    return {k: v.clone() for k, v in tensors.items()}
-
-
-def check(program: Program, m: int, n: int, k: int, dtype: torch.dtype, device="cpu",
-          backend: TritonBackend | None = None, inputs: dict | None = None) -> dict[str, torch.Tensor]:
-    """Run ``program`` on fresh random inputs with the Triton backend and apply the numerics rule.
-
-    ``inputs`` maps input names to functions ``(m, device) -> tensor`` that replace the random ones."""
-    backend = backend or TritonBackend(autotune=False)
-    a, b, tensors = random_inputs(program, m, n, k, dtype, device)
-    for name, make in (inputs or {}).items():
-        tensors[name] = make(m, device)
-    outs = backend.run(bind(program, a, b, _clone(tensors)))
-
-    up = {name: (t.double() if t.dtype.is_floating_point else t) for name, t in tensors.items()}
-    # exact: float64 all the way, stores not rounded to their dtypes
-    unrounded = Program(program.name, program.gemm, tuple(
-        Store(o.name, o.value, "input", o.accumulate) if isinstance(o, Store) else o for o in program.outputs))
-    exact = finish(program, ReferenceBackend().run(bind(unrounded, a.double(), b.double(), up)))
-    lowp_tensors = _clone(tensors)
-    lowp = finish(program, eager_epilogue(program, gemm(program, a, b), lowp_tensors))
-    got = finish(program, outs)
-    for o in program.outputs:
-        g, e, lo = got[o.name], exact[o.name], lowp[o.name]
-        assert g.shape == e.shape, f"{o.name}: shape {tuple(g.shape)} != {tuple(e.shape)}"
-        assert not torch.isnan(g).any(), f"{o.name}: NaN left (an element was not written)"
-        err = (g - e).abs().max().item() if g.numel() else 0.0
-        if dtype == torch.float32:
-            bound = 1e-5 * max(1.0, e.abs().max().item() if e.numel() else 0.0)
-        else:
-            bound = 2 * ((lo.reshape(e.shape) - e).abs().max().item() if e.numel() else 0.0) + 1e-6
-        assert err <= bound, f"{program.name}.{o.name} ({dtype}, M={m} N={n} K={k}): error {err:.3g} > {bound:.3g}"
-    return outs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,7 +38,7 @@ SHAPES = [(1, 70, 48), (7, 69, 45), (129, 66, 40), (40, 128, 64)]
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", sorted(library.PROGRAMS))
-def test_library_program(name, shape, dtype):
+def test_library_program(check, name, shape, dtype):
     program = library.PROGRAMS[name]()
     m, n, k = shape
     if n % 2 and program.needs_even_n():
@@ -109,7 +47,7 @@ def test_library_program(name, shape, dtype):
 
 
 @pytest.mark.parametrize("name", ["rms_gate_up_swiglu", "swiglu_backward", "rms_lm_head_cross_entropy_backward"])
-def test_library_program_bf16_interpreter(name):
+def test_library_program_bf16_interpreter(check, name):
     """bf16 runs in the interpreter with the dot upcast to fp32 (its bf16 dot is wrong)."""
     check(library.PROGRAMS[name](), 33, 66, 48, torch.bfloat16)
 
@@ -118,7 +56,7 @@ def test_library_program_bf16_interpreter(name):
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("name", ["swiglu_backward", "rms_lm_head_cross_entropy", "rms_norm_backward",
                                   "rms_qkv_rope", "residual_rms_stats"])
-def test_epilogue_split(name, split, block_n, tma):
+def test_epilogue_split(check, name, split, block_n, tma):
     """The accumulator cut into 2 or 4 column slices (partials merged across slices), TMA or pointer epilogue."""
     cfg = KernelConfig(32, block_n, 32, 1, 4, epilogue_split=split, tma_epilogue=tma, group_m=2)
     outs = check(library.PROGRAMS[name](), 45, 2 * block_n + 10, 48, torch.float16, backend=TritonBackend(config=cfg, tma=tma))
@@ -128,26 +66,15 @@ def test_epilogue_split(name, split, block_n, tma):
             assert outs[o.name].shape == (45, -(-(2 * block_n + 10) // block_n))
 
 
-def _llama3_rope_inputs(n: int, positions_max: int = 16384):
-    """Positions spread over [0, positions_max) and LLaMA-3 frequencies (base 500000, head dim 128):
-    angles up to ~16384 rad, far outside the [-pi, pi] of the hardware sin/cos approximations."""
-    def positions(m, device):
-        return torch.linspace(0, positions_max - 1, m, device=device).round()
-
-    def frequencies(m, device):
-        return 500000.0 ** (-(torch.arange(n // 2, device=device) % 64).float() / 64)
-    return {"positions": positions, "frequencies": frequencies}
-
-
 @pytest.mark.parametrize("inverse", [False, True], ids=["rope", "inverse"])
-def test_rope_long_positions(inverse):
+def test_rope_long_positions(check, llama3_rope_inputs, inverse):
     """RoPE's reduced sin/cos at LLaMA-3 positions up to 16384 (interpreter: the reduction is shared)."""
     program = Program("rope_long", Gemm.linear(), (
         Store("out", Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF), inverse=inverse)),))
-    check(program, 64, 64, 32, torch.float16, inputs=_llama3_rope_inputs(64))
+    check(program, 64, 64, 32, torch.float16, inputs=llama3_rope_inputs(64))
 
 
-def test_pair_form_consumers():
+def test_pair_form_consumers(check):
     """A pair map's result kept as (even, odd) halves: elementwise maps with column, row and scalar
     operands, a logsumexp and a sum RowPartial on the halves, a ColPartial and a store of the join."""
     rope = Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF))
@@ -159,7 +86,7 @@ def test_pair_form_consumers():
         check(program, 45, 138, 48, torch.float16, backend=TritonBackend(config=cfg))
 
 
-def test_segment_sum():
+def test_segment_sum(check):
     """SegmentSum on a full tile, on a pair map's (even, odd) halves (and consumed in that form), at half and
     double width and feeding a row partial; whole-tile and split sub-tiles, TMA and pointer epilogues."""
     rope = Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF))
@@ -177,13 +104,13 @@ def test_segment_sum():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("head_dim, shape", [(16, (7, 96, 40)), (32, (129, 128, 48)), (16, (1, 64, 24))])
-def test_qk_norm_program(head_dim, shape, dtype):
+def test_qk_norm_program(check, head_dim, shape, dtype):
     """F4 with QK-norm: per-head rsqrt of a segmented sum of squares inside the RoPE epilogue."""
     check(library.rms_qkv_rope(head_dim, 1e-6), *shape, dtype)
 
 
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
-def test_qk_norm_program_split_epilogue(tma):
+def test_qk_norm_program_split_epilogue(check, tma):
     cfg = KernelConfig(32, 128, 32, 1, 4, epilogue_split=2, tma_epilogue=tma, group_m=2)  # sub-tiles of 64: 2 heads
     check(library.rms_qkv_rope(32, 1e-6), 45, 320, 48, torch.float16, backend=TritonBackend(config=cfg, tma=tma))
 
@@ -202,7 +129,7 @@ def test_segment_wider_than_the_tile_is_refused():
         TritonBackend(config=INTERPRETER_CONFIG).run(bind(library.rms_qkv_rope(64, 1e-6), a, b, tensors))  # 32 wide
 
 
-def test_pointer_mainloop_forced():
+def test_pointer_mainloop_forced(check):
     check(library.rms_norm_backward(), 20, 64, 64, torch.float16, backend=TritonBackend(autotune=False, tma=False))
 
 
@@ -238,7 +165,7 @@ PRIMITIVES = {
 
 @pytest.mark.parametrize("gemm", [Gemm.linear(), Gemm.input_grad(), Gemm.weight_grad()], ids=["mk_nk", "mk_kn", "km_kn"])
 @pytest.mark.parametrize("name", sorted(PRIMITIVES))
-def test_primitive(name, gemm):
+def test_primitive(check, name, gemm):
     program = Program(f"prim_{name}", gemm, PRIMITIVES[name])
     check(program, 37, 70, 40, torch.float16)
 
@@ -277,8 +204,8 @@ def test_k_zero_gives_zero_accumulator():
 def test_deterministic(name):
     program = library.PROGRAMS[name]()
     a, b, tensors = random_inputs(program, 70, 66, 48, torch.float16, "cpu")
-    first = TritonBackend().run(bind(program, a, b, _clone(tensors)))
-    second = TritonBackend().run(bind(program, a, b, _clone(tensors)))
+    first = TritonBackend().run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))
+    second = TritonBackend().run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))
     for key in first:
         assert torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)), key
 
@@ -286,13 +213,13 @@ def test_deterministic(name):
 @pytest.mark.parametrize("name", sorted(library.PROGRAMS))
 def test_source_is_printable_python(name):
     program = library.PROGRAMS[name]()
-    src = program.triton_source()
+    src = program_source(program)
     ast.parse(src)
     assert f"def {name}_kernel(" in src and "tl.dot(" in src and "@triton.jit" in src
     assert str(program).splitlines()[0] in src  # the program's math is in the header
 
 
-def test_source_cached_on_disk(kernel_cache_dir):
+def test_source_cached_on_disk(check, kernel_cache_dir):
     check(library.rms_linear(), 5, 16, 16, torch.float16)
     files = os.listdir(os.path.join(kernel_cache_dir, "triton", "kernels"))
     assert any(f.startswith("rms_linear_") and f.endswith(".py") for f in files)
@@ -313,7 +240,7 @@ def test_float64_is_refused_clearly():
         TritonBackend().run(bind(program, a, b, {}))
 
 
-def test_interpreter_leaves_triton_language_as_it_found_it():
+def test_interpreter_leaves_triton_language_as_it_found_it(check):
     """An interpreted launch swaps triton.language builtins for numpy ones; all must be back afterwards,
     or a later compile for the GPU in the same process fails (seen: the ping-pong kernel's sm_90 compile
     inside ``tl.cdiv`` after the interpreter tests)."""
@@ -331,7 +258,7 @@ def test_interpreter_config_is_small():
 
 
 def test_kernel_code_hash_ignores_docstrings_and_comment_lines(tmp_path):
-    from codagen.backends.triton.backend import _code_of
+    from codagen.backends.triton.tuning import _code_of
     module = tmp_path / "m.py"
     module.write_text('"""Module doc."""\nimport math\n\n\ndef f(x):\n    """Doc."""\n    # why\n    return math.exp(x)\n')
     code = _code_of(module)
@@ -348,7 +275,7 @@ def test_shipped_tuning_covers_the_kernel_benchmark():
     on the GPU (``bench/tune_buckets.py``, or ``CODAGEN_TRITON_RETUNE=1 codagen bench kernels``) and merge."""
     import json
 
-    from codagen.backends.triton.backend import tuning_key
+    from codagen.backends.triton.tuning import tuning_key
     from codagen.backends.triton.configs import TuningCache
     from codagen.bench.kernels import MODELS, kernel_cases
     shipped = json.loads(TuningCache.SHIPPED.read_text())
@@ -382,7 +309,7 @@ def _is_hopper():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", sorted(library.PROGRAMS))
-def test_gpu_program(name, dtype):
+def test_gpu_program(check, name, dtype):
     program = library.PROGRAMS[name]()
     check(program, 1000, 1536, 1024, dtype, device="cuda")       # M past a tile edge
     check(program, 515, 1000, 1000, dtype, device="cuda")        # N, K past tile edges
@@ -393,7 +320,7 @@ def test_gpu_program(name, dtype):
 @pytest.mark.parametrize("name", ["linear", "weight_grad", "residual_rms_stats", "rms_gate_up_swiglu", "rms_qkv_rope",
                                   "rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward", "rms_norm_backward",
                                   "swiglu_backward"])
-def test_gpu_every_config(name, cfg):
+def test_gpu_every_config(check, name, cfg):
     if not _is_hopper():
         pytest.skip("Hopper configurations")
     program = library.PROGRAMS[name]()
@@ -408,18 +335,18 @@ def test_gpu_every_config(name, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [None] + _gpu_configs(), ids=lambda c: c.short().replace(" ", "_") if c else "tuned")
-def test_gpu_rope_long_positions(cfg):
+def test_gpu_rope_long_positions(check, llama3_rope_inputs, cfg):
     """The hardware sin/cos after the 2 pi reduction: LLaMA-3 frequencies, positions up to 16384."""
     if cfg is not None and not _is_hopper():
         pytest.skip("Hopper configurations")
     backend = TritonBackend(config=cfg) if cfg else TritonBackend()
     check(library.rms_qkv_rope(), 16384, 1024, 256, torch.bfloat16, device="cuda", backend=backend,
-          inputs=_llama3_rope_inputs(1024))
+          inputs=llama3_rope_inputs(1024))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["linear", "rms_norm_backward", "swiglu_backward"])
-def test_gpu_pointer_path_for_unaligned_rows(name):
+def test_gpu_pointer_path_for_unaligned_rows(check, name):
     """K = 1001 (bf16 rows of 2002 bytes) cannot use TMA: the pointer mainloop runs instead."""
     check(library.PROGRAMS[name](), 300, 512, 1001, torch.bfloat16, device="cuda")
 
@@ -430,8 +357,8 @@ def test_gpu_one_launch_and_bitwise_deterministic(name):
     program = library.PROGRAMS[name]()
     a, b, tensors = random_inputs(program, 2048, 4096, 1024, torch.bfloat16, "cuda")
     backend = TritonBackend(autotune=False)
-    first = backend.run(bind(program, a, b, _clone(tensors)))  # compile outside the profile
-    bound = bind(program, a, b, _clone(tensors))                # (clones are copy kernels: outside too)
+    first = backend.run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))  # compile outside the profile
+    bound = bind(program, a, b, {k: v.clone() for k, v in tensors.items()})                # (clones are copy kernels: outside too)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         second = backend.run(bound)
@@ -448,7 +375,7 @@ def test_gpu_one_launch_and_bitwise_deterministic(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("cfg", [None] + _gpu_configs(), ids=lambda c: c.short().replace(" ", "_") if c else "tuned")
-def test_gpu_qk_norm_program(cfg, head_dim):
+def test_gpu_qk_norm_program(check, cfg, head_dim):
     """F4 with QK-norm at a realistic size (16 Q heads, 4 KV heads) on every Hopper config with whole-head sub-tiles."""
     if cfg is not None and not _is_hopper():
         pytest.skip("Hopper configurations")
@@ -473,11 +400,11 @@ def test_gpu_retune_times_the_candidates_over_a_cached_choice(monkeypatch, tmp_p
         self.tuning.put(key, pool[0], {})
         return pool[0]
     monkeypatch.setattr(TritonBackend, "_tune", fake_tune)
-    TritonBackend(autotune=True).run(bind(program, a, b, _clone(tensors)))
-    TritonBackend(autotune=True).run(bind(program, a, b, _clone(tensors)))  # fresh plans: the cached choice
+    TritonBackend(autotune=True).run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))
+    TritonBackend(autotune=True).run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))  # fresh plans: the cached choice
     assert len(tuned_keys) == 1
     monkeypatch.setenv("CODAGEN_TRITON_RETUNE", "1")
-    TritonBackend(autotune=True).run(bind(program, a, b, _clone(tensors)))
+    TritonBackend(autotune=True).run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))
     assert len(tuned_keys) == 2 and tuned_keys[0] == tuned_keys[1]
 
 
@@ -491,12 +418,12 @@ def test_gpu_float64_refused():
 def test_reserved_names_cover_the_generated_kernels():
     """Every identifier of the generated sources (both schedules) in a scope where the program's own
     names become variables (module level, and every function but the fixed helpers) is reserved in the
-    IR or derived from those names, so no input or output can shadow a kernel variable; such a name is
-    refused with a clear error."""
+    by the generators (``names.RESERVED_NAMES``, ``names.TEMPORARY``) or derived from those names, so
+    mangling exactly the names that collide with them keeps every input and output off a kernel variable."""
     import ast
 
-    from codagen.backends.triton import codegen, pingpong_codegen
-    from codagen.epilogue.ir import _GENERATED_NAME, RESERVED_NAMES, RowVector
+    from codagen.backends.triton import persistent, pingpong
+    from codagen.backends.triton.names import RESERVED_NAMES, TEMPORARY
     fixed_helpers = {"tile_coords", "column_halves", "cast_for_store", "merge_logsumexp", "stamp"}  # own scopes
     programs = [f() for f in library.PROGRAMS.values()] + [
         library.rms_norm_backward("accumulate"), library.rms_norm_backward("none"),
@@ -504,9 +431,9 @@ def test_reserved_names_cover_the_generated_kernels():
         library.rms_gate_up_swiglu().with_low_rank(), library.weight_grad().with_low_rank()]
     for program in programs:
         own = set(program.inputs) | {o.name for o in program.outputs} | {program.name, "a", "b", "a2", "b2"}  # the operands
-        sources = [codegen.generate(program)]
-        if pingpong_codegen.refusal(program) is None:
-            sources += [pingpong_codegen.generate(program), pingpong_codegen.generate(program, timeline=True)]
+        sources = [persistent.generate(program)]
+        if pingpong.refusal(program) is None:
+            sources += [pingpong.generate(program), pingpong.generate(program, timeline=True)]
         for source in sources:
             tree = ast.parse(source)
             ids = {f.name for f in tree.body if isinstance(f, ast.FunctionDef)}
@@ -516,9 +443,24 @@ def test_reserved_names_cover_the_generated_kernels():
                 if isinstance(f, ast.FunctionDef) and f.name not in fixed_helpers:
                     ids |= {n.id for n in ast.walk(f) if isinstance(n, ast.Name)}
                     ids |= {a.arg for a in ast.walk(f) if isinstance(a, ast.arg)}
-            stray = sorted(i for i in ids if i not in RESERVED_NAMES and not _GENERATED_NAME.fullmatch(i)
+            stray = sorted(i for i in ids if i not in RESERVED_NAMES and not TEMPORARY.fullmatch(i)
                            and not any(i == u or i.startswith(u + "_") for u in own))
-            assert not stray, f"{program.name}: add to ir.RESERVED_NAMES: {stray}"
-    for name in ("rows", "acc", "v_3", "N", "piece"):
-        with pytest.raises(ProgramError, match="used by the generated kernels' own variables"):
-            Program("p", Gemm.linear(), (Store("out", Accumulator() * RowVector(name)),))
+            assert not stray, f"{program.name}: add to names.RESERVED_NAMES: {stray}"
+
+
+@pytest.mark.parametrize("name", ["rows", "acc", "v_3", "N", "tl", "_rows"])
+def test_names_of_the_generated_kernels_are_mangled(name):
+    """An input or output named like a generated kernel's own variable is mangled (``_rows``) in the
+    kernel and keeps its name everywhere else; the kernel computes the program."""
+    from codagen.backends.triton.names import kernel_names
+    partner = "_rows" if name == "rows" else "rows"  # a user name that is also a mangled name
+    program = Program("p", Gemm.linear(), (Store(name, Accumulator() * RowVector(partner) + TileInput("x")),))
+    ids = kernel_names(program)
+    assert len(set(ids.values())) == 3 and ids["x"] == "x"
+    assert ids[name] != name or name == "_rows"
+    a, b = torch.randn(20, 16), torch.randn(24, 16)
+    tensors = {partner: torch.randn(20), "x": torch.randn(20, 24)}
+    out = TritonBackend().run(bind(program, a, b, tensors))
+    assert set(out) == {name}
+    torch.testing.assert_close(out[name], (a @ b.T) * tensors[partner][:, None] + tensors["x"])
+    assert f"{ids[name]}_ptr" in program_source(program)

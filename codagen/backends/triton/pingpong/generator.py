@@ -26,18 +26,14 @@ load in the layout (and pair form) their use needs. DOUBLE-width values exist on
 """
 from __future__ import annotations
 
-import functools
-import math
-from dataclasses import dataclass
+from codagen.epilogue.ir import Binary, ColPartial, Expr, Program, RowPartial, Store, TileInput, Width
 
-from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Expr, OneHot, Program,
-                                 Rope, RowPartial, RowVector, ScalarInput, Store, SwiGLU, SwiGLUBackward,
-                                 TileInput, Unary, Width)
+from ..emitter import Emitter, comment
+from ..names import kernel_program
+from . import timeline as timeline_mode
+from .plan import kernel_arguments, refusal, tile_io
 
-from . import codegen, pingpong
-from .codegen import _comment, rope_lines, swiglu_backward_lines
-
-__all__ = ["generate", "kernel_arguments", "Argument", "GENERATOR_VERSION"]
+__all__ = ["generate", "GENERATOR_VERSION"]
 
 #: bump when the generated code changes meaning (it keys the on-disk source cache)
 GENERATOR_VERSION = "1"
@@ -46,72 +42,36 @@ _PIECE_COLS = {Width.HALF: "(PIECE_N // 2)", Width.FULL: "PIECE_N", Width.DOUBLE
 _MATRIX_COLS = {Width.HALF: "(N // 2)", Width.FULL: "N", Width.DOUBLE: "(2 * N)"}
 _OFFSET = {Width.HALF: "col0 // 2", Width.FULL: "col0", Width.DOUBLE: "2 * col0"}
 
-# the tl generator's formulas, in Gluon's namespace (its functions have the same names and meaning)
-_UNARY = {op: formula.replace("tl.", "gl.") for op, formula in codegen._UNARY.items()}
-_BINARY = {op: formula.replace("tl.", "gl.") for op, formula in codegen._BINARY.items()}
-
-
-@dataclass(frozen=True)
-class Argument:
-    """A kernel parameter after ``a_desc, b_desc``: a TMA descriptor of a tile operand or tile output
-    (boxes of [BLOCK_M, PIECE_N * width]) or a pointer (vectors, scalars, partial outputs)."""
-    name: str
-    tensor: str
-    output: bool
-    descriptor: bool
-    width: Width | None = None
-    pointer_type: str = "*fp32"
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_arguments(program: Program) -> list[Argument]:
-    """The generated kernel's parameters between ``b_desc`` and ``M``, in order (also the launch's)."""
-    args = [Argument(f"{name}_desc", name, False, True, e.width)
-            for name, e in program.inputs.items() if isinstance(e, TileInput)]
-    args += [Argument(f"{o.name}_desc", o.name, True, True, o.value.width) for o in program.outputs if isinstance(o, Store)]
-    for name, e in program.inputs.items():
-        if not isinstance(e, TileInput):
-            args.append(Argument(f"{name}_ptr", name, False, False,
-                                 pointer_type="*i64" if getattr(e, "index", False) else "*fp32"))
-    args += [Argument(f"{o.name}_ptr", o.name, True, False) for o in program.outputs if not isinstance(o, Store)]
-    return args
 
 
 def _tile_inputs(program: Program) -> list[tuple[str, str, Width]]:
     """(value name, descriptor, width) of what each piece reads through shared memory
-    (``pingpong._tile_io``): the tile operands, and the old value ``<output>_old`` of each
+    (:func:`.plan.tile_io`): the tile operands, and the old value ``<output>_old`` of each
     accumulated store (through the output's own descriptor)."""
     outputs = {o.name for o in program.outputs}
     return [(f"{name}_old" if name in outputs else name, f"{name}_desc", width)
-            for name, width, is_input in pingpong._tile_io(program) if is_input]
+            for name, width, is_input in tile_io(program) if is_input]
 
 
-def _float(value: float) -> str:
-    return repr(value) if math.isfinite(value) else f"float('{value!r}')"
+class PingpongEmitter(Emitter):
+    """Emits the body of ``<name>_piece``: one line (or a few) per expression, in evaluation order.
 
-
-class _Piece:
-    """Emits the body of ``<name>_piece``: one line (or a few) per expression, in evaluation order."""
+    What a primitive's ``emit_pingpong`` may use: ``emit``, ``fresh``, ``comment``, ``memo``; ``full``
+    (value -> its variable) and ``pairs`` (value -> its (even, odd) halves), one of which it sets;
+    ``operand(e, width, paired)`` (an operand in the layout and form of the result); ``row(e, layout)``;
+    ``sigmoid(var)``; ``elementwise(e, operands, formula)``; ``scalars`` (device scalars the consumer
+    loads); the piece's index names ``cols``, ``col_ok``, ``cols_half``, ``col_ok_half``.
+    """
 
     def __init__(self, program: Program):
-        self.program = program
-        self.lines: list[str] = []
+        super().__init__(program)
         self.full: dict[Expr, str] = {}                # value -> its tile (or vector, scalar) variable
         self.pairs: dict[Expr, tuple[str, str]] = {}   # value -> its (even, odd) halves
-        self.memo: dict[tuple, object] = {}
-        self.row_vectors: list[RowVector] = []             # loaded per tile by the consumer
-        self.scalars: list[ScalarInput] = []               # loaded once by the consumer
+        self.row_vectors: list[Expr] = []                  # loaded per tile by the consumer
+        self.scalars: list[Expr] = []                      # loaded once by the consumer
         self.col_vectors: dict[tuple[str, bool], list[str]] = {}   # (name, paired) -> variables
         self.col_loads: list[str] = []                     # the body of <name>_load_vectors
         self.uses_half_layout = False
-        self.counter = 0
-
-    def emit(self, line: str = "") -> None:
-        self.lines.append(line)
-
-    def fresh(self, stem: str) -> str:
-        self.counter += 1
-        return f"{stem}_{self.counter}"
 
     def layout(self, width: Width, paired: bool) -> str:
         """``P`` or ``H`` (module docstring) for a tile of ``width`` in full or pair form."""
@@ -120,7 +80,7 @@ class _Piece:
         return name
 
     # -- operands ----------------------------------------------------------------------------------
-    def row(self, e: RowVector, layout: str) -> str:
+    def row(self, e: Expr, layout: str) -> str:
         """``e`` as a [BLOCK_M, 1] column in ``layout``. The vector itself (P's row slice) is loaded
         once per tile by the consumer, before the mainloop, and passed in."""
         if e not in self.row_vectors:
@@ -133,7 +93,7 @@ class _Piece:
             self.memo[view] = name
         return self.memo[view]
 
-    def col(self, e: ColVector, paired: bool) -> str | tuple[str, str]:
+    def col(self, e: Expr, paired: bool) -> str | tuple[str, str]:
         """``e`` as [1, columns] in the layout of its width and form (its halves when ``paired``).
         Loaded one piece ahead (``<name>_load_vectors``) and passed in, so no load latency is exposed."""
         key = (e.name, paired)
@@ -193,77 +153,25 @@ class _Piece:
             self.memo[key] = f"{x}_sigmoid"
         return self.memo[key]
 
+    def elementwise(self, e: Expr, operands: tuple[Expr, ...], formula) -> None:
+        """An elementwise map: on (even, odd) halves when the result is DOUBLE-wide or an operand is
+        only in pair form, else on full tiles. ``formula`` takes the operands' variables and returns the
+        expression (it may emit helper lines)."""
+        paired = e.width == Width.DOUBLE or any(o in self.pairs and o not in self.full for o in operands)
+        name = self.fresh("v")
+        values = [self.operand(o, e.width, paired) for o in operands]
+        if paired:
+            self.emit(f"# {comment(e)}: on (even, odd) halves")
+            for i, half in enumerate(("even", "odd")):
+                self.emit(f"{name}_{half} = {formula(*(v[i] for v in values))}")
+            self.pairs[e] = (f"{name}_even", f"{name}_odd")
+        else:
+            self.emit(f"{name} = {formula(*values)}  # {comment(e)}")
+            self.full[e] = name
+
     # -- expressions -------------------------------------------------------------------------------
     def expression(self, e: Expr) -> None:
-        if isinstance(e, Accumulator):
-            self.full[e] = "acc"
-        elif isinstance(e, (RowVector, ColVector, TileInput)):
-            pass  # vectors load where they are used (in the layout the use needs); tile operands at the start
-        elif isinstance(e, ScalarInput):  # loaded once by the consumer (a device scalar: no host sync)
-            self.scalars.append(e)
-            self.full[e] = e.name
-        elif isinstance(e, Constant):
-            self.full[e] = _float(e.value)
-        elif isinstance(e, (Unary, Binary)):
-            operands = (e.x,) if isinstance(e, Unary) else (e.a, e.b)
-            paired = e.width == Width.DOUBLE or any(o in self.pairs and o not in self.full for o in operands)
-            name = self.fresh("v")
-            values = [self.operand(o, e.width, paired) for o in operands]
-
-            def formula(*xs: str) -> str:
-                if isinstance(e, Binary):
-                    return _BINARY[e.op].format(a=xs[0], b=xs[1])
-                if e.op == "sigmoid":
-                    return self.sigmoid(xs[0])
-                if e.op == "silu":
-                    return f"{xs[0]} * {self.sigmoid(xs[0])}"
-                return _UNARY[e.op].format(x=xs[0])
-            if paired:
-                self.emit(f"# {_comment(e)}: on (even, odd) halves")
-                for i, half in enumerate(("even", "odd")):
-                    self.emit(f"{name}_{half} = {formula(*(v[i] for v in values))}")
-                self.pairs[e] = (f"{name}_even", f"{name}_odd")
-            else:
-                self.emit(f"{name} = {formula(*values)}  # {_comment(e)}")
-                self.full[e] = name
-        elif isinstance(e, OneHot):
-            name = self.fresh("onehot")
-            index = self.row(e.index, "P")
-            self.emit(f"{name} = gl.where(gl.expand_dims(cols, 0) == {index}, 1.0, 0.0)  # {e}")
-            self.full[e] = name
-        elif isinstance(e, SwiGLU):
-            name = self.fresh("swiglu")
-            gate, up = self.operand(e.x, e.x.width, True)
-            self.emit(f"{name} = {gate} * {self.sigmoid(gate)} * {up}  # {_comment(e)}: silu(gate) * up")
-            self.full[e] = name
-        elif isinstance(e, SwiGLUBackward):
-            name = self.fresh("swiglu_grad")
-            gate, up = self.operand(e.preact, e.preact.width, True)
-            dy = self.operand(e.grad, e.grad.width, False)
-            sig = self.sigmoid(gate)
-            self.emit(f"# {_comment(e)}")
-            self.emit("#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g)")
-            for line in swiglu_backward_lines(name, dy, gate, up, sig):
-                self.emit(line)
-            self.pairs[e] = (f"{name}_gate", f"{name}_up")
-        elif isinstance(e, Rope):
-            name = self.fresh("rope")
-            even, odd = self.operand(e.x, e.x.width, True)
-            positions = self.operand(e.positions, e.x.width, True)[0]  # in the halves' layout
-            frequencies = self.operand(e.frequencies, e.frequencies.width, False)
-            key = ("angle", positions, frequencies)
-            if key not in self.memo:
-                theta = self.fresh("theta")
-                self.emit(f"{theta} = {positions} * {frequencies}  # rotation angle of each pair")
-                self.emit(f"{theta}_cos, {theta}_sin = cos_sin({theta})")
-                self.memo[key] = theta
-            cos, sin = f"{self.memo[key]}_cos", f"{self.memo[key]}_sin"
-            self.emit(f"# {_comment(e)}")
-            for line in rope_lines(name, even, odd, cos, sin, e.inverse):
-                self.emit(line)
-            self.pairs[e] = (f"{name}_even", f"{name}_odd")
-        else:  # pragma: no cover - pingpong.supports refuses the rest
-            raise TypeError(f"the ping-pong generator cannot generate code for {type(e).__name__}")
+        e.emit_pingpong(self)
 
     # -- outputs -----------------------------------------------------------------------------------
     def masked_columns(self, value: Expr) -> tuple[list[str], str, str]:
@@ -339,28 +247,17 @@ class _Piece:
                       f"{out.name}_out.index(piece % OUT_BUFFERS))")
 
 
-def refusal(program: Program) -> str | None:
-    """Why the ping-pong schedule cannot take ``program`` (None if it can): :func:`.pingpong.supports`, and
-    the GEMM's low-rank operand pair (LoRA), which the producer warp does not stream: its TMA ring and
-    barriers carry one A/B pair, and the short R loop would need a second ring of its own. The persistent
-    schedule runs low-rank programs."""
-    if program.gemm.low_rank:
-        return "a low-rank operand pair (the producer warp's TMA ring streams one A/B pair)"
-    return pingpong.supports(program)
-
-
 def generate(program: Program, header: str = "", timeline: bool = False) -> str:
     """The Gluon source of ``program``'s ping-pong kernel (a complete Python module).
 
-    ``timeline`` (measurement only, ``bench/pingpong_timeline.py``): the kernel takes a ``timeline_ptr``
-    after ``K`` and CTA 0's consumers write four ``%globaltimer`` stamps for each of their first
-    ``TIMELINE_TILES`` tiles into it (int64 [2, TIMELINE_TILES, 4]): tile start, turn taken, mainloop done,
-    epilogue done. The stamps' branches also change how ptxas may schedule across them (see the script)."""
+    ``timeline``: the measurement-only variant that stamps each tile's phases (:mod:`.timeline`)."""
+    stamps = timeline_mode.ON if timeline else timeline_mode.OFF
     reason = refusal(program)
     if reason:
         raise ValueError(f"{program.name}: the ping-pong generator cannot take this program: {reason}")
+    shown, program = program, kernel_program(program)
     name = program.name
-    emitter = _Piece(program)
+    emitter = PingpongEmitter(program)
     inputs = _tile_inputs(program)
     # tile operands are read first: their slot is refilled (piece + IN_SLOTS) as soon as they are
     load_lines = []
@@ -479,12 +376,7 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
         consumer.append(f"{e.name} = gl.load({e.name}_ptr + rows, mask=rows < M, other={other}){cast}")
     if cols_in:
         consumer.append(f"vectors = {name}_load_vectors(0, pid_n, N, {', '.join(p_ + '_ptr' for p_ in col_ptrs)}, PIECE_N)")
-    if timeline:  # the turn is waited for here to stamp it; mainloop's own wait then passes at once
-        consumer = ["stamping = (gl.program_id(0) == 0) & (local // 2 < TIMELINE_TILES)",
-                    "stamp_slot = (WHICH * TIMELINE_TILES + local // 2) * 4",
-                    "if stamping:", "    stamp(timeline_ptr + stamp_slot, local)"] + consumer
-        consumer += ["mbarrier.wait(turn.index(WHICH), (local // 2) & 1)",
-                     "if stamping:", "    stamp(timeline_ptr + stamp_slot + 1, local)"]
+    consumer = stamps.tile_start(consumer)
     consumer += ["acc = mainloop(a_slots, b_slots, ready, empty, turn, local, k_steps, WHICH, B_NK)",
                  "pieces = column_pieces(acc, PIECES)"]
     for out, names in partials:
@@ -497,8 +389,7 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
     vec_call = ", ".join(rows_in + [f"vectors[{i}]" for i in range(len(cols_in))])
     call = (f"{name}_piece(pieces[piece], piece, local // 2, pid_m, pid_n, M, N, {shared}, "
             f"{vec_call + ', ' if vec_call else ''}PIECE_N, PIECES, IN_SLOTS)")
-    if timeline:
-        consumer += ["if stamping:", "    stamp(timeline_ptr + stamp_slot + 2, local)"]
+    consumer += stamps.stamp(2)
     consumer += ["for piece in gl.static_range(PIECES):", f"    {lhs + ' = ' if lhs else ''}{call}"]
     for out, names in partials:
         if out.reduction == "sum":
@@ -506,8 +397,7 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
         else:
             consumer.append(f"    {out.name}_max, {out.name}_sumexp = merge_logsumexp({out.name}_max, {out.name}_sumexp, "
                             f"{out.name}_0, {out.name}_1)")
-    if timeline:
-        consumer += ["if stamping:", "    stamp(timeline_ptr + stamp_slot + 3, local)"]
+    consumer += stamps.stamp(3)
     if partials:
         consumer += ["partial_offsets = rows.to(gl.int64) * num_pid_n + pid_n  # [M, cdiv(N, BN)] partials"]
         for out, _ in partials:
@@ -536,27 +426,14 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
         inits += ["for slot_index in gl.static_range(IN_SLOTS):", "    mbarrier.init(input_bars_0.index(slot_index), count=1)",
                   "    mbarrier.init(input_bars_1.index(slot_index), count=1)"]
 
-    timeline_arg = ["timeline_ptr"] if timeline else []
 
     def per_consumer(c):
         own = [f"{b}_{c}" for b in in_bufs + out_bufs + bars]
-        return ", ".join(["a_slots, b_slots, ready, empty, turn, M, N, K"] + descs + ptrs + own + timeline_arg
+        return ", ".join(["a_slots, b_slots, ready, empty, turn, M, N, K"] + descs + ptrs + own + stamps.params
                          + [str(c), "B_NK", "PIECE_N", "IN_SLOTS"])
-    kernel_params = ", ".join(["a_desc, b_desc"] + descs + ptrs + ["M, N, K"] + timeline_arg
+    kernel_params = ", ".join(["a_desc, b_desc"] + descs + ptrs + ["M, N, K"] + stamps.params
                               + ["B_NK: gl.constexpr, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr"])
-    timeline_fn = """
-
-TIMELINE_TILES = gl.constexpr(64)
-
-
-@gluon.jit
-def stamp(address, dep):
-    \"\"\"(timeline) %globaltimer, in ns, to ``address``; ``dep`` (any int32) orders the read.\"\"\"
-    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep], dtype=gl.int64,
-                                    is_pure=False, pack=1)
-    gl.store(address, now)
-""" if timeline else ""
-    program_text = "\n".join("#   " + line for line in str(program).splitlines())
+    program_text = "\n".join("#   " + line for line in str(shown).splitlines())
     doc = (program.doc or "").strip().splitlines()[0] if program.doc else ""
 
     return f'''\
@@ -570,7 +447,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from codagen.backends.triton.pingpong import (BK, BM, BN, OUT_BUFFERS, RING, column_pieces, cos_sin,
                                               mainloop, merge_logsumexp, producer, sigmoid, tile_coords)
-{timeline_fn}{load_fn}
+{stamps.functions()}{load_fn}
 
 @gluon.jit
 def {name}_piece(acc, piece: gl.constexpr, iteration, pid_m, pid_n, M, N, {shared},{' ' + vector_args + ',' if vector_args else ''}
@@ -580,7 +457,7 @@ def {name}_piece(acc, piece: gl.constexpr, iteration, pid_m, pid_n, M, N, {share
 
 
 @gluon.jit
-def {name}_consumer(a_slots, b_slots, ready, empty, turn, M, N, K, {shared},{' timeline_ptr,' if timeline else ''}
+def {name}_consumer(a_slots, b_slots, ready, empty, turn, M, N, K, {shared},{''.join(' ' + p + ',' for p in stamps.params)}
         WHICH: gl.constexpr, B_NK: gl.constexpr, PIECE_N: gl.constexpr, IN_SLOTS: gl.constexpr):
     """Consumer WHICH: tiles WHICH, WHICH + 2, ... of this program; its epilogue overlaps the other's mainloop."""
     PIECES: gl.constexpr = BN // PIECE_N

@@ -13,7 +13,6 @@ from codagen.backends.triton import TritonBackend
 from codagen.epilogue import library
 from codagen.ops import kernels
 
-from .test_triton_backend import check, kernel_cache_dir  # noqa: F401 - fixture
 
 
 def _need_two_gpus():
@@ -23,7 +22,7 @@ def _need_two_gpus():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["residual_rms_stats", "swiglu_backward", "rms_lm_head_cross_entropy"])
-def test_gpu_fused_program_on_the_second_device(name):
+def test_gpu_fused_program_on_the_second_device(check, name):
     _need_two_gpus()
     with torch.cuda.device(0):
         outs = check(library.PROGRAMS[name](), 1000, 2048, 512, torch.bfloat16, device="cuda:1",

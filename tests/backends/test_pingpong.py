@@ -1,9 +1,9 @@
-"""The warp-specialized ping-pong kernels (``codagen.backends.triton.pingpong`` and ``pingpong_codegen``).
+"""The warp-specialized ping-pong kernels (``codagen.backends.triton.pingpong``).
 
 CPU: every program the schedule takes compiles for sm_90 (shared memory as estimated, wgmma present),
 the generator refuses what it cannot take, the tuner is offered the kernels exactly where they can run,
 and forcing one where it cannot run gives a clear error. GPU (Hopper): the numerics rule of
-``test_triton_backend`` for every program on ragged and realistic shapes in bf16 and fp16 with both
+``test_triton`` for every program on ragged and realistic shapes in bf16 and fp16 with both
 piece widths, one launch, bitwise-identical repeats.
 """
 from __future__ import annotations
@@ -13,14 +13,13 @@ import math
 import pytest
 import torch
 
-from codagen.backends.triton import TritonBackend, load_kernel, pingpong, pingpong_codegen, sass
+from codagen.backends.triton import TritonBackend, load_kernel, pingpong, program_source, sass
 from codagen.backends.triton.configs import PINGPONG, KernelConfig, TuningCache, candidates, smem_estimate
 from codagen.bench.kernels import random_inputs
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
 from codagen.epilogue.ir import ProgramError
 
-from .test_triton_backend import _clone, _is_hopper, check, kernel_cache_dir  # noqa: F401 - fixture
 
 SPLIT4, SPLIT8 = PINGPONG
 H200_SMEM = 232448
@@ -51,7 +50,7 @@ def test_supported_programs():
     assert "A must be [M, K]" in pingpong.supports(library.weight_grad())
     assert "segment sums" in pingpong.supports(library.rms_qkv_rope(qk_norm_head_dim=64))
     with pytest.raises(ValueError, match="cannot take this program: A must be"):
-        pingpong_codegen.generate(library.weight_grad())
+        pingpong.generate(library.weight_grad())
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
@@ -84,8 +83,8 @@ def test_timeline_variant():
     timeline kernel takes ``timeline_ptr`` right after ``K`` (where the script inserts it) and each
     consumer stamps four times per tile, the turn being waited for just before its stamp."""
     program = library.rms_lm_head_cross_entropy()
-    assert "stamp" not in pingpong_codegen.generate(program)
-    source = pingpong_codegen.generate(program, timeline=True)
+    assert "stamp" not in pingpong.generate(program)
+    source = pingpong.generate(program, timeline=True)
     assert ("_kernel(a_desc, b_desc, rstd_ptr, target_ptr, partial_lse_ptr, partial_target_ptr, M, N, K, "
             "timeline_ptr, B_NK") in source
     assert [f"stamp(timeline_ptr + stamp_slot{k}, local)" in source for k in ("", " + 1", " + 2", " + 3")] == [True] * 4
@@ -99,11 +98,11 @@ def test_ab_builds_kernels_on_a_saved_copy(tmp_path):
     import importlib.util
     from pathlib import Path
     spec = importlib.util.spec_from_file_location(
-        "pingpong_ab", Path(__file__).resolve().parents[1] / "bench" / "pingpong_ab.py")
+        "pingpong_ab", Path(__file__).resolve().parents[2] / "bench" / "pingpong_ab.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
     saved_path = tmp_path / "pingpong_saved_for_test.py"
-    saved_path.write_text(Path(pingpong.__file__).read_text())
+    saved_path.write_text(Path(pingpong.runtime.__file__).read_text())
     saved = ab.baseline_module(str(saved_path))
     program = library.residual_rms_stats()
     kernel = ab.kernel_on(saved, program)
@@ -131,7 +130,7 @@ def test_compiles_in_fp16_with_eight_pieces():
 
 
 def test_generated_source_is_readable():
-    source = library.rms_norm_backward().triton_source("pingpong")
+    source = program_source(library.rms_norm_backward(), schedule="pingpong")
     for text in ("def rms_norm_backward_piece(", "def rms_norm_backward_consumer(", "def rms_norm_backward_kernel(",
                  "def rms_norm_backward_load_inputs(", "gl.warp_specialize(", "partial_grad_norm_weight"):
         assert text in source, text
@@ -201,6 +200,10 @@ def test_forcing_it_where_it_cannot_run_is_refused():
 # --------------------------------------------------------------------------------------------------
 # GPU (Hopper)
 # --------------------------------------------------------------------------------------------------
+def _is_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 def _need_hopper():
     if not _is_hopper():
         pytest.skip("the ping-pong kernels are for sm_90")
@@ -210,7 +213,7 @@ def _need_hopper():
 @pytest.mark.parametrize("split", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_gpu_program(name, dtype, split):
+def test_gpu_program(check, name, dtype, split):
     _need_hopper()
     program = PROGRAMS[name]
     cfg = SPLIT4 if split == 4 else SPLIT8
@@ -224,7 +227,7 @@ def test_gpu_program(name, dtype, split):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["residual_rms_stats", "rms_norm_backward", "swiglu_backward", "rms_lm_head_cross_entropy"])
-def test_gpu_realistic_shape(name):
+def test_gpu_realistic_shape(check, name):
     """Many tiles per consumer: every buffer slot and barrier phase turns over many times."""
     _need_hopper()
     program = PROGRAMS[name]
@@ -232,10 +235,11 @@ def test_gpu_realistic_shape(name):
 
 
 @pytest.mark.gpu
-def test_gpu_rope_long_positions():
+def test_gpu_rope_long_positions(check, llama3_rope_inputs):
+    """The hardware sin/cos after the 2 pi reduction: LLaMA-3 frequencies, positions up to 16384."""
     _need_hopper()
-    from .test_triton_backend import test_gpu_rope_long_positions as rope_test
-    rope_test(SPLIT4)
+    check(library.rms_qkv_rope(), 16384, 1024, 256, torch.bfloat16, device="cuda", backend=TritonBackend(config=SPLIT4),
+          inputs=llama3_rope_inputs(1024))
 
 
 @pytest.mark.gpu
@@ -245,8 +249,8 @@ def test_gpu_one_launch_and_bitwise_deterministic(name):
     program = PROGRAMS[name]
     a, b, tensors = random_inputs(program, 2048, 4096, 1024, torch.bfloat16, "cuda")
     backend = TritonBackend(config=_largest_piece(program))
-    first = backend.run(bind(program, a, b, _clone(tensors)))
-    bound = bind(program, a, b, _clone(tensors))
+    first = backend.run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))
+    bound = bind(program, a, b, {k: v.clone() for k, v in tensors.items()})
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         second = backend.run(bound)
@@ -258,7 +262,7 @@ def test_gpu_one_launch_and_bitwise_deterministic(name):
 
 
 @pytest.mark.gpu
-def test_gpu_fp32_tile_operand_takes_eight_pieces():
+def test_gpu_fp32_tile_operand_takes_eight_pieces(check):
     """An fp32 residual doubles its buffers: four pieces no longer fit, eight do."""
     _need_hopper()
     program = library.residual_rms_stats()

@@ -83,12 +83,15 @@ def test_a_build_missing_a_gluon_name_is_refused_naming_it(triton_version, monke
                       "triton.experimental.gluon.language.warp_specialize")
 
 
-def test_importing_pingpong_on_an_unsupported_release_raises_import_error():
+def test_importing_the_pingpong_runtime_on_an_unsupported_release_raises_import_error():
+    """The schedule's package imports (its plan and generator are plain Python) without its runtime."""
     script = ("import triton; triton.__version__ = '3.5.0'\n"
-              "try:\n    import codagen.backends.triton.pingpong\n"
+              "from codagen.backends.triton import pingpong\n"
+              "assert not pingpong.RUNTIME and not hasattr(pingpong, 'launch')\n"
+              "try:\n    import codagen.backends.triton.pingpong.runtime\n"
               "except ImportError as e:\n    print(e)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert result.stdout.strip() == ("codagen.backends.triton.pingpong: the Gluon ping-pong kernels need Triton >= "
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert result.stdout.strip() == ("codagen.backends.triton.pingpong.runtime: the Gluon ping-pong kernels need Triton >= "
                                      "3.6, < 3.7 (Gluon's API changes between minor releases); Triton 3.5.0 is "
                                      "installed"), result.stdout + result.stderr

@@ -1,0 +1,525 @@
+"""The frame of epilogue programs: widths, the GEMM, the expression base, outputs and ``Program``.
+
+Nothing here names a primitive: every expression node (``codagen.epilogue.primitives``) is one class
+registered with :func:`primitive`, and a program asks its nodes what it needs (their children, whether
+they are named inputs, whether they pair columns, how their columns group). The IR as users import it
+is :mod:`codagen.epilogue.ir`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import types
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, NamedTuple, Union
+
+import torch
+
+__all__ = [
+    "Width", "Gemm", "Expr", "Store", "RowPartial", "ColPartial", "Output", "Program", "ProgramError",
+    "STORE_DTYPES", "PRIMITIVES", "primitive", "as_expr", "broadcast", "need_tile", "check_name", "check_shape",
+    "Example",
+]
+
+
+class ProgramError(ValueError):
+    """A program (or the tensors bound to it) is malformed; the message names the culprit."""
+
+
+class Width(enum.Enum):
+    """Columns of a tile value relative to the GEMM's N."""
+    HALF = 0.5
+    FULL = 1
+    DOUBLE = 2
+
+    def columns(self, n: int) -> int:
+        return int(n * self.value)
+
+    def halved(self) -> "Width":
+        return {Width.FULL: Width.HALF, Width.DOUBLE: Width.FULL}[self]
+
+    def doubled(self) -> "Width":
+        return {Width.HALF: Width.FULL, Width.FULL: Width.DOUBLE}[self]
+
+    def __repr__(self) -> str:
+        return {Width.HALF: "N/2", Width.FULL: "N", Width.DOUBLE: "2N"}[self]
+
+
+# --------------------------------------------------------------------------------------------------
+# The GEMM
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Gemm:
+    """``acc[M, N] = op(A) @ op(B)`` with fp32 accumulation; with ``low_rank``, ``+ op(A2) @ op(B2)``.
+
+    ``a_layout``: ``"mk"`` (A is [M, K]) or ``"km"`` (A is [K, M], used transposed).
+    ``b_layout``: ``"nk"`` (B is [N, K], ``nn.Linear`` weight layout, used transposed) or ``"kn"``.
+    The three forms training needs have names: ``Gemm.linear()`` ``X @ W^T`` (forward),
+    ``Gemm.input_grad()`` ``dY @ W`` and ``Gemm.weight_grad()`` ``dY^T @ X``.
+
+    ``low_rank=True`` adds a second operand pair of small inner size R in the same layouts (A2 is
+    [M, R] or [R, M], B2 [N, R] or [R, N]): after its K loop the mainloop runs a short loop over R, so
+    a rank-R weight update ``W + B2 A2``-style (LoRA) joins the accumulator before the epilogue.
+    """
+    a_layout: str = "mk"
+    b_layout: str = "nk"
+    low_rank: bool = False
+
+    def __post_init__(self):
+        if self.a_layout not in ("mk", "km"):
+            raise ProgramError(f"Gemm.a_layout must be 'mk' or 'km', got {self.a_layout!r}")
+        if self.b_layout not in ("nk", "kn"):
+            raise ProgramError(f"Gemm.b_layout must be 'nk' or 'kn', got {self.b_layout!r}")
+        if not isinstance(self.low_rank, bool):
+            raise ProgramError(f"Gemm.low_rank must be a bool, got {self.low_rank!r}")
+
+    @staticmethod
+    def linear() -> "Gemm":
+        return Gemm("mk", "nk")
+
+    @staticmethod
+    def input_grad() -> "Gemm":
+        return Gemm("mk", "kn")
+
+    @staticmethod
+    def weight_grad() -> "Gemm":
+        return Gemm("km", "kn")
+
+    def shapes(self, m: int | str = "M", n: int | str = "N", k: int | str = "K"):
+        """Expected shapes of A and B (of A2 and B2 with ``k = R``)."""
+        a = (m, k) if self.a_layout == "mk" else (k, m)
+        b = (n, k) if self.b_layout == "nk" else (k, n)
+        return a, b
+
+    def __repr__(self) -> str:
+        def term(a_name: str, b_name: str, k: str) -> str:
+            a = f"{a_name}[M, {k}]" if self.a_layout == "mk" else f"{a_name}[{k}, M]^T"
+            b = f"{b_name}[N, {k}]^T" if self.b_layout == "nk" else f"{b_name}[{k}, N]"
+            return f"{a} @ {b}"
+        low_rank = f" + {term('a2', 'b2', 'R')}" if self.low_rank else ""
+        return f"acc[M, N] = {term('a', 'b', 'K')}{low_rank}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Expressions
+# --------------------------------------------------------------------------------------------------
+#: every primitive by class name, in registration order (``@primitive``)
+PRIMITIVES: dict[str, type] = {}
+
+Operand = Union["Expr", float, int]
+
+
+def as_expr(value: Operand) -> "Expr":
+    """``value`` as an expression: numbers become ``Constant``."""
+    if isinstance(value, Expr):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return PRIMITIVES["Constant"](float(value))
+    raise ProgramError(f"expected an epilogue expression or a number, got {type(value).__name__}")
+
+
+class Expr:
+    """Base of epilogue expressions: a primitive (``codagen.epilogue.primitives``) and its operands.
+
+    A primitive class carries, in its own file: the node and its validation (``__post_init__``), its
+    printed form (:meth:`render`), its reference semantics (:meth:`reference`), its code in the
+    persistent ``tl`` kernel (:meth:`emit_persistent`) and in the ping-pong Gluon kernel
+    (:meth:`emit_pingpong`, or :meth:`pingpong_refusal`), its tile constraints (:attr:`pairs`,
+    :attr:`column_group`) and a few example programs (:meth:`examples`). Arithmetic operators build
+    ``Binary``/``Unary`` nodes.
+    """
+    __slots__ = ()
+
+    #: a named input (a tensor the caller passes): it has ``name`` and :meth:`check_tensor`
+    is_input = False
+    #: uses adjacent column pairs (2j, 2j+1): N must be even and tiles never split a pair
+    pairs = False
+
+    #: ``"tile"`` (has a width), ``"row"`` [M], ``"col"`` [N*w], ``"scalar"``
+    @property
+    def kind(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def width(self) -> Width | None:
+        """Width of a tile or column value; None for rows and scalars."""
+        return None
+
+    @property
+    def column_group(self) -> int | None:
+        """Columns that must lie in one tile together (aligned groups of this many), or None."""
+        return None
+
+    def children(self) -> tuple["Expr", ...]:
+        return ()
+
+    # -- what every primitive defines ---------------------------------------------------------------
+    def render(self, show: Callable[["Expr"], str]) -> str:
+        """The printed form, each child printed by ``show`` (which may substitute a name)."""
+        raise NotImplementedError
+
+    def reference(self, ev) -> torch.Tensor:
+        """The value on whole tensors (``codagen.backends.reference``): ``ev.value(child)`` of the children,
+        ``ev.tensor(name)``, ``ev.dtype``, ``ev.device``, ``ev.m``, ``ev.n``."""
+        raise NotImplementedError
+
+    def emit_persistent(self, em) -> str:
+        """Emit the ``tl`` code of this value through ``em`` (the persistent generator's emitter:
+        ``codagen.backends.triton.persistent``); return its variable."""
+        raise NotImplementedError
+
+    def emit_pingpong(self, em) -> None:
+        """Emit the Gluon code of this value through ``em`` (the ping-pong generator's emitter), recording
+        its variable (``em.full[self]``) or its (even, odd) halves (``em.pairs[self]``)."""
+        raise NotImplementedError
+
+    def pingpong_refusal(self) -> str | None:
+        """Why the ping-pong schedule cannot compute this value (None if it can)."""
+        return None
+
+    @classmethod
+    def examples(cls) -> list["Example"]:
+        """Small programs using this primitive, each with its float64 meaning (the shared tests run them)."""
+        return []
+
+    def __str__(self) -> str:
+        return self.render(str)
+
+    def __add__(self, other: Operand) -> "Expr":
+        return PRIMITIVES["Binary"]("add", self, as_expr(other))
+
+    def __radd__(self, other: Operand) -> "Expr":
+        return PRIMITIVES["Binary"]("add", as_expr(other), self)
+
+    def __sub__(self, other: Operand) -> "Expr":
+        return PRIMITIVES["Binary"]("sub", self, as_expr(other))
+
+    def __rsub__(self, other: Operand) -> "Expr":
+        return PRIMITIVES["Binary"]("sub", as_expr(other), self)
+
+    def __mul__(self, other: Operand) -> "Expr":
+        return PRIMITIVES["Binary"]("mul", self, as_expr(other))
+
+    def __rmul__(self, other: Operand) -> "Expr":
+        return PRIMITIVES["Binary"]("mul", as_expr(other), self)
+
+    def __truediv__(self, other: Operand) -> "Expr":
+        return PRIMITIVES["Binary"]("div", self, as_expr(other))
+
+    def __rtruediv__(self, other: Operand) -> "Expr":
+        return PRIMITIVES["Binary"]("div", as_expr(other), self)
+
+    def __neg__(self) -> "Expr":
+        return PRIMITIVES["Unary"]("neg", self)
+
+
+def primitive(cls):
+    """Register an expression class as a primitive: a frozen dataclass whose hash is computed once.
+
+    Expressions nest, and the generated ``__hash__`` hashes the whole subtree; programs look
+    expressions up in dicts while walking them, which without the memo is quadratic in their size.
+    """
+    cls = dataclass(frozen=True, eq=True)(cls)
+    subtree_hash = cls.__hash__
+
+    def __hash__(self):
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = subtree_hash(self)
+            object.__setattr__(self, "_hash", value)
+            return value
+
+    cls.__hash__ = __hash__
+    if cls.__name__ in PRIMITIVES:
+        raise TypeError(f"a primitive named {cls.__name__} is registered already")
+    PRIMITIVES[cls.__name__] = cls
+    return cls
+
+
+def check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ProgramError(f"{what} name must be a Python identifier, got {name!r}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple, desc: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ProgramError(f"{name}: expected shape {desc} = {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def broadcast(*operands: Expr) -> tuple[str, Width | None]:
+    """Kind and width of an elementwise result; raises on incompatible operands."""
+    widths = {o.width for o in operands if o.kind in ("tile", "col")}
+    if len(widths) > 1:
+        shown = ", ".join(f"{o} ({o.width!r})" for o in operands if o.kind in ("tile", "col"))
+        raise ProgramError(f"elementwise operands have different widths: {shown}")
+    if any(o.is_input and getattr(o, "index", False) is True for o in operands):
+        raise ProgramError("an index RowVector can only feed OneHot, not arithmetic")
+    kinds = {o.kind for o in operands}
+    if "tile" in kinds or ("row" in kinds and "col" in kinds):
+        return "tile", (widths.pop() if widths else Width.FULL)
+    for k in ("row", "col"):
+        if k in kinds:
+            return k, (widths.pop() if widths else None)
+    return "scalar", None
+
+
+def need_tile(x: Expr, what: str) -> None:
+    if x.kind != "tile":
+        raise ProgramError(f"{what} needs a tile value, got {x} ({x.kind})")
+
+
+class Example(NamedTuple):
+    """A program that uses a primitive, and its meaning in float64: ``oracle(acc, tensors)`` gives each
+    output from the float64 accumulator ``acc`` [M, N] and inputs: a Store's [M, N*w] tile, a sum
+    RowPartial's [M] row sums. ``n``: a GEMM N the program takes (a multiple of its column groups)."""
+    program: "Program"
+    oracle: Callable[[torch.Tensor, dict], dict]
+    n: int = 64
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Outputs
+# --------------------------------------------------------------------------------------------------
+STORE_DTYPES = ("input", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Store:
+    """Write a tile value to output ``name`` [M, N*w].
+
+    ``accumulate=True``: ``name += value``, into a tensor the caller passes (its dtype is kept);
+    used for in-place gradient accumulation. Otherwise the backend allocates the output in ``dtype``.
+    """
+    name: str
+    value: Expr
+    dtype: str = "input"
+    accumulate: bool = False
+
+    def __post_init__(self):
+        check_name(self.name, "Store")
+        if self.value.kind != "tile":
+            raise ProgramError(f"Store {self.name!r} needs a tile value, got {self.value} ({self.value.kind})")
+        if self.dtype not in STORE_DTYPES:
+            raise ProgramError(f"Store {self.name!r}: dtype must be one of {STORE_DTYPES}, got {self.dtype!r}")
+
+    def describe(self, value: str) -> str:
+        arrow = "+=" if self.accumulate else "<-"
+        dtype = "" if self.accumulate else f"  ({self.dtype})"
+        cols = "n" if self.value.width == Width.FULL else f"n:{self.value.width!r}"
+        return f"{self.name}[m, {cols}] {arrow} {value}{dtype}"
+
+    def __str__(self) -> str:
+        return self.describe(str(self.value))
+
+
+@dataclass(frozen=True)
+class RowPartial:
+    """Tile-local reduction along N: output ``name`` [M, n_tiles] in fp32, one value per (row, N-tile).
+
+    ``reduction="sum"``: sum over the tile's valid columns. ``"logsumexp"``: online max + sum-exp,
+    stored as ``max + log(sum exp(x - max))``; partials merge with a logsumexp over tiles.
+    Columns past the matrix edge are excluded. ``n_tiles`` is chosen by the backend.
+    """
+    name: str
+    value: Expr
+    reduction: str = "sum"
+
+    def __post_init__(self):
+        check_name(self.name, "RowPartial")
+        if self.value.kind != "tile":
+            raise ProgramError(f"RowPartial {self.name!r} needs a tile value, got {self.value} ({self.value.kind})")
+        if self.reduction not in ("sum", "logsumexp"):
+            raise ProgramError(f"RowPartial {self.name!r}: reduction must be 'sum' or 'logsumexp', got {self.reduction!r}")
+
+    def describe(self, value: str) -> str:
+        return f"{self.name}[m, tile_n] <- {self.reduction}_n({value})  (float32 partial)"
+
+    def __str__(self) -> str:
+        return self.describe(str(self.value))
+
+
+@dataclass(frozen=True)
+class ColPartial:
+    """Tile-local sum along M: output ``name`` [m_tiles, N*w] in fp32, one value per (M-tile, column).
+
+    Rows past the matrix edge are excluded. ``m_tiles`` is chosen by the backend.
+    """
+    name: str
+    value: Expr
+
+    def __post_init__(self):
+        check_name(self.name, "ColPartial")
+        if self.value.kind != "tile":
+            raise ProgramError(f"ColPartial {self.name!r} needs a tile value, got {self.value} ({self.value.kind})")
+
+    def describe(self, value: str) -> str:
+        return f"{self.name}[tile_m, n] <- sum_m({value})  (float32 partial)"
+
+    def __str__(self) -> str:
+        return self.describe(str(self.value))
+
+
+Output = Union[Store, RowPartial, ColPartial]
+
+
+# --------------------------------------------------------------------------------------------------
+# Program
+# --------------------------------------------------------------------------------------------------
+def _walk(expr: Expr, seen: dict[Expr, None]) -> None:
+    """Post-order DFS: children before parents, each expression once."""
+    if expr in seen:
+        return
+    for child in expr.children():
+        _walk(child, seen)
+    seen[expr] = None
+
+
+@dataclass(frozen=True)
+class Program:
+    """One GEMM, its epilogue expressions, and the outputs they feed.
+
+    >>> from codagen.epilogue.ir import Accumulator, RowVector, SwiGLU
+    >>> acc, rstd = Accumulator(), RowVector("rstd")
+    >>> z = acc * rstd
+    >>> p = Program("gate_up_swiglu", Gemm.linear(), (Store("preact", z), Store("out", SwiGLU(z))))
+    """
+    name: str
+    gemm: Gemm
+    outputs: tuple[Output, ...]
+    doc: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        check_name(self.name, "Program")
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+        if not self.outputs:
+            raise ProgramError(f"program {self.name!r} has no outputs")
+        names = [o.name for o in self.outputs]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ProgramError(f"program {self.name!r}: output names repeat: {sorted(dup)}")
+        inputs = self.inputs
+        clash = set(inputs) & set(names)
+        if clash:
+            raise ProgramError(f"program {self.name!r}: names used for both an input and an output: {sorted(clash)}")
+        if {"a", "b", "a2", "b2"} & (set(inputs) | set(names)):
+            raise ProgramError(f"program {self.name!r}: 'a', 'b', 'a2' and 'b2' are reserved for the GEMM operands")
+
+    # -- structure (computed once: a program is immutable, and kernels launch it many times) ---------
+    def expressions(self) -> tuple[Expr, ...]:
+        """Every expression in evaluation order (operands before their users)."""
+        return self._expressions
+
+    @functools.cached_property
+    def _expressions(self) -> tuple[Expr, ...]:
+        seen: dict[Expr, None] = {}
+        for out in self.outputs:
+            _walk(out.value, seen)
+        return tuple(seen)
+
+    @functools.cached_property
+    def inputs(self) -> Mapping[str, Expr]:
+        """Named inputs (RowVector, ColVector, ScalarInput, TileInput) in first-use order."""
+        found: dict[str, Expr] = {}
+        for e in self.expressions():
+            if e.is_input:
+                if e.name in found and found[e.name] != e:
+                    raise ProgramError(
+                        f"program {self.name!r}: input {e.name!r} is declared twice differently: {found[e.name]!r} "
+                        f"and {e!r}")
+                found[e.name] = e
+        return types.MappingProxyType(found)
+
+    @functools.cached_property
+    def _accumulated_outputs(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.outputs if isinstance(o, Store) and o.accumulate)
+
+    def accumulated_outputs(self) -> list[str]:
+        return list(self._accumulated_outputs)
+
+    @functools.cached_property
+    def _has_pairs(self) -> bool:
+        return any(e.pairs for e in self.expressions())
+
+    def has_pairs(self) -> bool:
+        return self._has_pairs
+
+    @functools.cached_property
+    def _column_groups(self) -> tuple[Expr, ...]:
+        return tuple(e for e in self.expressions() if e.column_group is not None)
+
+    def column_groups(self) -> tuple[Expr, ...]:
+        """The expressions whose columns group (``e.column_group`` adjacent columns, e.g. a
+        ``SegmentSum``'s): each needs tile widths that are multiples of its group, and ``N * w`` one."""
+        return self._column_groups
+
+    @functools.cached_property
+    def _needs_even_n(self) -> bool:
+        return self._has_pairs or any(e.width == Width.HALF for e in self.expressions() if e.kind in ("tile", "col"))
+
+    def needs_even_n(self) -> bool:
+        """Whether column pairs (2j, 2j+1) or half-width values appear, so N must be even."""
+        return self._needs_even_n
+
+    def shared_expressions(self) -> list[Expr]:
+        """Compound expressions used more than once (named once in the printout, computed once by kernels)."""
+        uses: dict[Expr, int] = {}
+        for e in self.expressions():
+            for child in e.children():
+                uses[child] = uses.get(child, 0) + 1
+        for out in self.outputs:
+            uses[out.value] = uses.get(out.value, 0) + 1
+        return [e for e in self.expressions() if uses.get(e, 0) > 1 and e.children()]
+
+    def __str__(self) -> str:
+        """The program as math: shared subexpressions become named lines ``t0 = ...``."""
+        names: dict[Expr, str] = {}
+
+        def show(e: Expr) -> str:
+            if e in names:
+                return names[e]
+            if not e.children():
+                return str(e)
+            # Render with children replaced by their names: rebuild a shallow printout.
+            return e.render(show)
+
+        lines = [f"program {self.name}:", f"  {self.gemm!r}"]
+        for i, e in enumerate(self.shared_expressions()):
+            lines.append(f"  t{i} = {show(e)}")
+            names[e] = f"t{i}"
+        for out in self.outputs:
+            lines.append("  " + out.describe(show(out.value)))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Program {self.name}: {len(self.outputs)} outputs, inputs {list(self.inputs)}>"
+
+    def with_low_rank(self) -> "Program":
+        """The same program with the GEMM's low-rank operand pair (``Gemm.low_rank``)."""
+        return _with_low_rank(self)
+
+    def renamed(self, names: Mapping[str, str]) -> "Program":
+        """The same program with inputs and outputs renamed by ``names`` (old -> new; absent ones kept)."""
+        memo: dict[Expr, Expr] = {}
+        outputs = tuple(dataclasses.replace(o, name=names.get(o.name, o.name), value=_renamed(o.value, names, memo))
+                        for o in self.outputs)
+        return Program(self.name, self.gemm, outputs, doc=self.doc)
+
+
+def _renamed(e: Expr, names: Mapping[str, str], memo: dict[Expr, Expr]) -> Expr:
+    """``e`` with every named input renamed by ``names`` (shared subexpressions stay shared)."""
+    if e not in memo:
+        changes = {f.name: _renamed(getattr(e, f.name), names, memo) for f in dataclasses.fields(e)
+                   if isinstance(getattr(e, f.name), Expr)}
+        if e.is_input and e.name in names:
+            changes["name"] = names[e.name]
+        memo[e] = dataclasses.replace(e, **changes) if changes else e
+    return memo[e]
+
+
+@functools.cache
+def _with_low_rank(program: Program) -> Program:
+    gemm = Gemm(program.gemm.a_layout, program.gemm.b_layout, low_rank=True)
+    return Program(program.name, gemm, program.outputs, doc=program.doc)
