@@ -2,6 +2,7 @@
 
     python bench/ab.py --base <rev> --head <rev> --out bench/results/<date>-ab-<what>.json
     python bench/ab.py --base HEAD~1 --head HEAD --dry-run --out /tmp/ab.json     # CPU: tiny shapes, interpreter
+    python bench/ab.py --base /tmp/tree-a --head /tmp/tree-b --out ...   # trees exported beforehand (git archive)
 
 Each revision is exported (``git archive``) into a temporary tree and imported by a worker process of its
 own (``PYTHONPATH`` = that tree, a kernel cache directory of its own, ``CODAGEN_TRITON_AUTOTUNE=0`` so both
@@ -109,7 +110,13 @@ for line in sys.stdin:
 
 
 def export(rev: str, into: Path) -> str:
-    """``rev``'s tree under ``into`` (``git archive``: no worktree metadata is written); its commit."""
+    """``rev``'s tree under ``into`` (``git archive``: no worktree metadata is written); its commit. A ``rev``
+    that is a directory is a tree exported beforehand (for a machine without the repository's history):
+    it is used in place, and its ``COMMIT`` file names the commit."""
+    if Path(rev).is_dir():
+        into.symlink_to(Path(rev).resolve(), target_is_directory=True)
+        commit = Path(rev) / "COMMIT"
+        return commit.read_text().strip() if commit.exists() else "unknown"
     sha = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.strip()
     into.mkdir(parents=True)
@@ -151,8 +158,8 @@ def environment(dry: bool) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", required=True, help="git revision A")
-    parser.add_argument("--head", required=True, help="git revision B")
+    parser.add_argument("--base", required=True, help="git revision A, or a directory holding its exported tree")
+    parser.add_argument("--head", required=True, help="git revision B, or a directory holding its exported tree")
     parser.add_argument("--out", required=True, help="the JSON to write")
     parser.add_argument("--models", default="llama3_8b", help="comma-separated models of codagen.bench.kernels")
     parser.add_argument("--kernels", default=None, help="comma-separated subset of kernel case names")

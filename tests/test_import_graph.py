@@ -17,9 +17,8 @@ LAYERS = ("epilogue", "backends", "ops", "models")
 #: modules below every layer (leaves that import nothing of codagen)
 BASE = {"codagen._version"}
 
-#: modules that still import codagen inside a function: the benchmarks' clean-up (another branch) removes
-#: these imports; delete each entry once its module has none (the test below then asks for it)
-FUNCTION_IMPORT_ALLOWLIST = {"codagen.bench.common", "codagen.bench.generate", "codagen.bench.kernels"}
+#: modules allowed to import codagen inside a function (none); an entry whose module has no such import fails
+FUNCTION_IMPORT_ALLOWLIST: set[str] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -23,8 +23,20 @@ import codagen  # noqa: E402
 from codagen import ops  # noqa: E402
 from codagen.bench.kernels import random_inputs  # noqa: E402
 from codagen.epilogue import finish, library  # noqa: E402
-from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Gemm, Program,  # noqa: E402
-                                 ProgramError, RowPartial, RowVector, Store, Unary)
+from codagen.epilogue.ir import (  # noqa: E402
+    Accumulator,
+    Binary,
+    ColPartial,
+    ColVector,
+    Constant,
+    Gemm,
+    Program,
+    ProgramError,
+    RowPartial,
+    RowVector,
+    Store,
+    Unary,
+)
 from codagen.ops import kernels  # noqa: E402
 
 settings.register_profile("codagen", derandomize=True, deadline=None, database=None, print_blob=True,

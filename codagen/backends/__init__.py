@@ -14,7 +14,7 @@ import contextlib
 import functools
 import importlib.util
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -78,7 +78,7 @@ def resolve_backend_name(device: torch.device, name: str | None = None) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_backend(name: str):
     """The backend object for a concrete name."""
     if name == "reference":

@@ -7,7 +7,7 @@ layout matches a kernel's and the library's finishing reductions serve both.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

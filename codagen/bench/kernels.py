@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from codagen._cli import command_parser, dtype_arg
+from codagen.backends import get_backend
 from codagen.backends.reference import evaluate_epilogue
 from codagen.bench.common import environment, median_ms, timed_rounds, wall_ms, write_results
 from codagen.epilogue import library
@@ -295,14 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("codagen bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2
-    from codagen.backends.triton import TritonBackend  # needs Triton: only where a GPU benchmark runs
-
     models = [MODELS[m] for m in args.models.split(",")] if args.models else (
         [MODELS["llama3_8b"]] if args.quick else list(MODELS.values()))
     warmup_ms, rep_ms = (10, 50) if args.quick else (25, 150)
     providers = args.providers.split(",")
     dtype = args.dtype
-    backend = TritonBackend()
+    backend = get_backend("triton")
     env = environment()
     print(f"# kernels on {env['gpu']}: torch {env['torch']}, triton {env['triton']}, {dtype}", flush=True)
     records = []

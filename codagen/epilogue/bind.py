@@ -8,9 +8,8 @@ accumulated outputs are given; for a low-rank GEMM, ``a2`` and ``b2`` (in ``tens
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 import torch
 

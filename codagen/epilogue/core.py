@@ -11,8 +11,9 @@ import dataclasses
 import enum
 import functools
 import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, NamedTuple, Union
+from typing import NamedTuple, Union
 
 import torch
 
@@ -36,10 +37,10 @@ class Width(enum.Enum):
     def columns(self, n: int) -> int:
         return int(n * self.value)
 
-    def halved(self) -> "Width":
+    def halved(self) -> Width:
         return {Width.FULL: Width.HALF, Width.DOUBLE: Width.FULL}[self]
 
-    def doubled(self) -> "Width":
+    def doubled(self) -> Width:
         return {Width.HALF: Width.FULL, Width.FULL: Width.DOUBLE}[self]
 
     def __repr__(self) -> str:
@@ -75,15 +76,15 @@ class Gemm:
             raise ProgramError(f"Gemm.low_rank must be a bool, got {self.low_rank!r}")
 
     @staticmethod
-    def linear() -> "Gemm":
+    def linear() -> Gemm:
         return Gemm("mk", "nk")
 
     @staticmethod
-    def input_grad() -> "Gemm":
+    def input_grad() -> Gemm:
         return Gemm("mk", "kn")
 
     @staticmethod
-    def weight_grad() -> "Gemm":
+    def weight_grad() -> Gemm:
         return Gemm("km", "kn")
 
     def shapes(self, m: int | str = "M", n: int | str = "N", k: int | str = "K"):
@@ -110,7 +111,7 @@ PRIMITIVES: dict[str, type] = {}
 Operand = Union["Expr", float, int]
 
 
-def as_expr(value: Operand) -> "Expr":
+def as_expr(value: Operand) -> Expr:
     """``value`` as an expression: numbers become ``Constant``."""
     if isinstance(value, Expr):
         return value
@@ -151,11 +152,11 @@ class Expr:
         """Columns that must lie in one tile together (aligned groups of this many), or None."""
         return None
 
-    def children(self) -> tuple["Expr", ...]:
+    def children(self) -> tuple[Expr, ...]:
         return ()
 
     # -- what every primitive defines ---------------------------------------------------------------
-    def render(self, show: Callable[["Expr"], str]) -> str:
+    def render(self, show: Callable[[Expr], str]) -> str:
         """The printed form, each child printed by ``show`` (which may substitute a name)."""
         raise NotImplementedError
 
@@ -179,38 +180,38 @@ class Expr:
         return None
 
     @classmethod
-    def examples(cls) -> list["Example"]:
+    def examples(cls) -> list[Example]:
         """Small programs using this primitive, each with its float64 meaning (the shared tests run them)."""
         return []
 
     def __str__(self) -> str:
         return self.render(str)
 
-    def __add__(self, other: Operand) -> "Expr":
+    def __add__(self, other: Operand) -> Expr:
         return PRIMITIVES["Binary"]("add", self, as_expr(other))
 
-    def __radd__(self, other: Operand) -> "Expr":
+    def __radd__(self, other: Operand) -> Expr:
         return PRIMITIVES["Binary"]("add", as_expr(other), self)
 
-    def __sub__(self, other: Operand) -> "Expr":
+    def __sub__(self, other: Operand) -> Expr:
         return PRIMITIVES["Binary"]("sub", self, as_expr(other))
 
-    def __rsub__(self, other: Operand) -> "Expr":
+    def __rsub__(self, other: Operand) -> Expr:
         return PRIMITIVES["Binary"]("sub", as_expr(other), self)
 
-    def __mul__(self, other: Operand) -> "Expr":
+    def __mul__(self, other: Operand) -> Expr:
         return PRIMITIVES["Binary"]("mul", self, as_expr(other))
 
-    def __rmul__(self, other: Operand) -> "Expr":
+    def __rmul__(self, other: Operand) -> Expr:
         return PRIMITIVES["Binary"]("mul", as_expr(other), self)
 
-    def __truediv__(self, other: Operand) -> "Expr":
+    def __truediv__(self, other: Operand) -> Expr:
         return PRIMITIVES["Binary"]("div", self, as_expr(other))
 
-    def __rtruediv__(self, other: Operand) -> "Expr":
+    def __rtruediv__(self, other: Operand) -> Expr:
         return PRIMITIVES["Binary"]("div", as_expr(other), self)
 
-    def __neg__(self) -> "Expr":
+    def __neg__(self) -> Expr:
         return PRIMITIVES["Unary"]("neg", self)
 
 
@@ -274,7 +275,7 @@ class Example(NamedTuple):
     """A program that uses a primitive, and its meaning in float64: ``oracle(acc, tensors)`` gives each
     output from the float64 accumulator ``acc`` [M, N] and inputs: a Store's [M, N*w] tile, a sum
     RowPartial's [M] row sums. ``n``: a GEMM N the program takes (a multiple of its column groups)."""
-    program: "Program"
+    program: Program
     oracle: Callable[[torch.Tensor, dict], dict]
     n: int = 64
 
@@ -496,11 +497,11 @@ class Program:
     def __repr__(self) -> str:
         return f"<Program {self.name}: {len(self.outputs)} outputs, inputs {list(self.inputs)}>"
 
-    def with_low_rank(self) -> "Program":
+    def with_low_rank(self) -> Program:
         """The same program with the GEMM's low-rank operand pair (``Gemm.low_rank``)."""
         return _with_low_rank(self)
 
-    def renamed(self, names: Mapping[str, str]) -> "Program":
+    def renamed(self, names: Mapping[str, str]) -> Program:
         """The same program with inputs and outputs renamed by ``names`` (old -> new; absent ones kept)."""
         memo: dict[Expr, Expr] = {}
         outputs = tuple(dataclasses.replace(o, name=names.get(o.name, o.name), value=_renamed(o.value, names, memo))

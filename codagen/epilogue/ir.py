@@ -38,8 +38,19 @@ O(#tiles)-per-row pass, so no GEMM needs cross-tile communication and results ar
 from __future__ import annotations
 
 from . import primitives
-from .core import (PRIMITIVES, STORE_DTYPES, ColPartial, Expr, Gemm, Output, Program, ProgramError, RowPartial, Store,
-                   Width)
+from .core import (
+                   PRIMITIVES,
+                   STORE_DTYPES,
+                   ColPartial,
+                   Expr,
+                   Gemm,
+                   Output,
+                   Program,
+                   ProgramError,
+                   RowPartial,
+                   Store,
+                   Width,
+)
 from .primitives.binary import BINARY_OPS
 from .primitives.unary import UNARY_OPS
 

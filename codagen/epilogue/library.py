@@ -17,8 +17,26 @@ from __future__ import annotations
 
 import functools
 
-from .ir import (Accumulator, ColPartial, ColVector, Gemm, OneHot, Program, ProgramError, Rope, RowPartial, RowVector,
-                 ScalarInput, SegmentSum, Store, SwiGLU, SwiGLUBackward, TileInput, Unary, Width)
+from .ir import (
+    Accumulator,
+    ColPartial,
+    ColVector,
+    Gemm,
+    OneHot,
+    Program,
+    ProgramError,
+    Rope,
+    RowPartial,
+    RowVector,
+    ScalarInput,
+    SegmentSum,
+    Store,
+    SwiGLU,
+    SwiGLUBackward,
+    TileInput,
+    Unary,
+    Width,
+)
 
 __all__ = ["linear", "input_grad", "weight_grad", "rms_linear", "residual_rms_stats", "rms_gate_up_swiglu",
            "rms_qkv_rope", "rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward",

@@ -14,7 +14,6 @@ from codagen.epilogue import library
 from codagen.ops import kernels
 
 
-
 def _need_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")

@@ -20,7 +20,6 @@ from codagen.epilogue import library
 from codagen.epilogue.bind import bind
 from codagen.epilogue.ir import ProgramError
 
-
 SPLIT4, SPLIT8 = PINGPONG
 H200_SMEM = 232448
 

@@ -5,9 +5,27 @@ import pytest
 import torch
 
 from codagen.backends.reference import ReferenceBackend
-from codagen.epilogue import (Accumulator, ColPartial, ColVector, Gemm, OneHot, Program, ProgramError, Rope, RowPartial,
-                              RowVector, ScalarInput, SegmentSum, Store, SwiGLU, SwiGLUBackward, TileInput, Unary,
-                              Width, bind)
+from codagen.epilogue import (
+    Accumulator,
+    ColPartial,
+    ColVector,
+    Gemm,
+    OneHot,
+    Program,
+    ProgramError,
+    Rope,
+    RowPartial,
+    RowVector,
+    ScalarInput,
+    SegmentSum,
+    Store,
+    SwiGLU,
+    SwiGLUBackward,
+    TileInput,
+    Unary,
+    Width,
+    bind,
+)
 
 acc = Accumulator()
 F64 = torch.float64

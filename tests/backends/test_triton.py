@@ -24,10 +24,28 @@ from codagen.backends.triton.configs import candidates
 from codagen.bench.kernels import random_inputs
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
-from codagen.epilogue.ir import (Accumulator, Binary, ColPartial, ColVector, Constant, Gemm, OneHot, Program,
-                                 ProgramError, Rope, RowPartial, RowVector, ScalarInput, SegmentSum, Store, SwiGLU,
-                                 SwiGLUBackward, TileInput, Unary, Width)
-
+from codagen.epilogue.ir import (
+    Accumulator,
+    Binary,
+    ColPartial,
+    ColVector,
+    Constant,
+    Gemm,
+    OneHot,
+    Program,
+    ProgramError,
+    Rope,
+    RowPartial,
+    RowVector,
+    ScalarInput,
+    SegmentSum,
+    Store,
+    SwiGLU,
+    SwiGLUBackward,
+    TileInput,
+    Unary,
+    Width,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Every library program, small and odd shapes, both mainloops (TMA descriptors when aligned)
@@ -275,8 +293,8 @@ def test_shipped_tuning_covers_the_kernel_benchmark():
     on the GPU (``bench/tune_buckets.py``, or ``CODAGEN_TRITON_RETUNE=1 codagen bench kernels``) and merge."""
     import json
 
-    from codagen.backends.triton.tuning import tuning_key
     from codagen.backends.triton.configs import TuningCache
+    from codagen.backends.triton.tuning import tuning_key
     from codagen.bench.kernels import MODELS, kernel_cases
     shipped = json.loads(TuningCache.SHIPPED.read_text())
     versions = {key.split("|")[1] for key in shipped if key.startswith("NVIDIA H200|")}

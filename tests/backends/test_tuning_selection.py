@@ -10,8 +10,16 @@ import pytest
 import torch
 
 from codagen.backends.triton.backend import TritonBackend, tuning_key
-from codagen.backends.triton.configs import (_SM90, PINGPONG, KernelConfig, TuningCache, candidates, gemm_layout,
-                                             heuristic, smem_estimate)
+from codagen.backends.triton.configs import (
+    _SM90,
+    PINGPONG,
+    KernelConfig,
+    TuningCache,
+    candidates,
+    gemm_layout,
+    heuristic,
+    smem_estimate,
+)
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
 

@@ -1,10 +1,28 @@
 """The IR: construction rules, validation errors, widths, the printout."""
 import pytest
 
-from codagen.epilogue import (Accumulator, Binary, ColPartial, ColVector, Constant, Gemm, OneHot, Program,
-                              ProgramError, Rope, RowPartial, RowVector, SegmentSum, Store, SwiGLU, SwiGLUBackward,
-                              TileInput, Unary, Width)
-from codagen.epilogue import library
+from codagen.epilogue import (
+    Accumulator,
+    Binary,
+    ColPartial,
+    ColVector,
+    Constant,
+    Gemm,
+    OneHot,
+    Program,
+    ProgramError,
+    Rope,
+    RowPartial,
+    RowVector,
+    SegmentSum,
+    Store,
+    SwiGLU,
+    SwiGLUBackward,
+    TileInput,
+    Unary,
+    Width,
+    library,
+)
 
 acc = Accumulator()
 

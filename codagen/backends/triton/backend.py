@@ -357,7 +357,7 @@ def _smem_limit(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 232448)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms_index(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

@@ -47,8 +47,8 @@ import os
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 from codagen.epilogue.ir import Program, ProgramError, Store
 
@@ -95,7 +95,7 @@ class KernelConfig:
         return dataclasses.asdict(self)
 
     @staticmethod
-    def from_json(d: dict) -> "KernelConfig":
+    def from_json(d: dict) -> KernelConfig:
         return KernelConfig(**d)
 
 
@@ -289,7 +289,7 @@ class _Key(NamedTuple):
     shape: tuple[int, int, int]  # log2 of the M, N, K buckets
 
     @staticmethod
-    def parse(key: str) -> "_Key | None":
+    def parse(key: str) -> _Key | None:
         parts = key.split("|")
         if len(parts) != 6:
             return None
@@ -303,7 +303,7 @@ class _Key(NamedTuple):
     def operand_dtype(self) -> str:
         return self.dtypes.split(",")[0]
 
-    def distance(self, other: "_Key") -> int:
+    def distance(self, other: _Key) -> int:
         return sum(abs(a - b) for a, b in zip(self.shape, other.shape)) + (self.versions != other.versions)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import types
-from typing import Mapping
+from collections.abc import Mapping
 
 from codagen.epilogue.ir import Program
 

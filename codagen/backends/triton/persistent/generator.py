@@ -30,8 +30,8 @@ import textwrap
 from codagen.epilogue.ir import ColPartial, Expr, Program, RowPartial, Store, Width
 
 from ..emitter import Emitter, comment
-from . import runtime
 from ..names import kernel_program
+from . import runtime
 
 __all__ = ["generate", "GENERATOR_VERSION"]
 

@@ -8,13 +8,42 @@ this package, and the launch exist on the Triton releases whose Gluon the kernel
 """
 from ..gluon_support import pingpong_unsupported
 from .generator import GENERATOR_VERSION, generate
-from .plan import (BLOCK_K, BLOCK_M, BLOCK_N, CONSUMER_WARPS, MIN_IN_SLOTS, PIECE_WIDTHS, STAGES, Argument,
-                   input_slots, kernel_arguments, refusal, refuses, shared_memory, supports, tile_io)
+from .plan import (
+    BLOCK_K,
+    BLOCK_M,
+    BLOCK_N,
+    CONSUMER_WARPS,
+    MIN_IN_SLOTS,
+    PIECE_WIDTHS,
+    STAGES,
+    Argument,
+    input_slots,
+    kernel_arguments,
+    refusal,
+    refuses,
+    shared_memory,
+    supports,
+    tile_io,
+)
 
 RUNTIME = pingpong_unsupported() is None
 if RUNTIME:
-    from .runtime import (BK, BM, BN, OUT_BUFFERS, RING, column_pieces, compile_sm90, cos_sin, launch, mainloop,
-                          merge_logsumexp, producer, sigmoid, tile_coords)
+    from .runtime import (
+        BK,
+        BM,
+        BN,
+        OUT_BUFFERS,
+        RING,
+        column_pieces,
+        compile_sm90,
+        cos_sin,
+        launch,
+        mainloop,
+        merge_logsumexp,
+        producer,
+        sigmoid,
+        tile_coords,
+    )
 
 __all__ = ["generate", "GENERATOR_VERSION", "supports", "refusal", "refuses", "shared_memory", "input_slots",
            "tile_io", "kernel_arguments", "Argument", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "CONSUMER_WARPS",

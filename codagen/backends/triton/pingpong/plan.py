@@ -111,7 +111,7 @@ class Argument:
     pointer_type: str = "*fp32"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_arguments(program: Program) -> list[Argument]:
     """The generated kernel's parameters between ``b_desc`` and ``M``, in order (also the launch's)."""
     ids = kernel_names(program)
