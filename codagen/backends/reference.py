@@ -37,7 +37,8 @@ class _Values:
         return self.tensors[name]
 
 
-def evaluate_epilogue(program: Program, acc: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> dict[Expr, torch.Tensor]:
+def evaluate_epilogue(program: Program, acc: torch.Tensor,
+                      tensors: Mapping[str, torch.Tensor]) -> dict[Expr, torch.Tensor]:
     """Every expression of ``program`` on a whole GEMM output ``acc`` [M, N], in ``acc``'s dtype.
 
     Row vectors come out as [M, 1], column vectors as [1, N*w], tiles as [M, N*w]. Plain PyTorch ops

@@ -3,8 +3,9 @@
 Backends call :func:`bind` first and may then assume: A and B are 2-D, contiguous, of one float
 dtype and on one device; every named input exists with the right shape, dtype class and device;
 accumulated outputs are given; for a low-rank GEMM, ``a2`` and ``b2`` (in ``tensors``) are contiguous
-2-D matrices of A's dtype and device with one inner size R >= 1; N is even when the program uses column pairs; the columns of every
-``SegmentSum`` value split into whole groups (``N * w`` a multiple of its ``size``).
+2-D matrices of A's dtype and device with one inner size R >= 1; N is even when the program uses column
+pairs; the columns of every ``SegmentSum`` value split into whole groups (``N * w`` a multiple of its
+``size``).
 """
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ class BoundProgram:
     @property
     def r(self) -> int:
         """Inner size of the low-rank operand pair (0 without one)."""
-        return self.tensors["b2"].shape[1 if self.program.gemm.b_layout == "nk" else 0] if self.program.gemm.low_rank else 0
+        gemm = self.program.gemm
+        if not gemm.low_rank:
+            return 0
+        return self.tensors["b2"].shape[1 if gemm.b_layout == "nk" else 0]
 
     @property
     def dtype(self) -> torch.dtype:

@@ -333,7 +333,8 @@ class RowPartial:
         if self.value.kind != "tile":
             raise ProgramError(f"RowPartial {self.name!r} needs a tile value, got {self.value} ({self.value.kind})")
         if self.reduction not in ("sum", "logsumexp"):
-            raise ProgramError(f"RowPartial {self.name!r}: reduction must be 'sum' or 'logsumexp', got {self.reduction!r}")
+            raise ProgramError(f"RowPartial {self.name!r}: reduction must be 'sum' or 'logsumexp', "
+                               f"got {self.reduction!r}")
 
     def describe(self, value: str) -> str:
         return f"{self.name}[m, tile_n] <- {self.reduction}_n({value})  (float32 partial)"
@@ -363,7 +364,7 @@ class ColPartial:
         return self.describe(str(self.value))
 
 
-Output = Union[Store, RowPartial, ColPartial]
+Output = Store | RowPartial | ColPartial
 
 
 # --------------------------------------------------------------------------------------------------

@@ -92,6 +92,6 @@ def test_importing_the_pingpong_runtime_on_an_unsupported_release_raises_import_
               "except ImportError as e:\n    print(e)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert result.stdout.strip() == ("codagen.backends.triton.pingpong.runtime: the Gluon ping-pong kernels need Triton >= "
-                                     "3.6, < 3.7 (Gluon's API changes between minor releases); Triton 3.5.0 is "
-                                     "installed"), result.stdout + result.stderr
+    assert result.stdout.strip() == ("codagen.backends.triton.pingpong.runtime: the Gluon ping-pong kernels need "
+                                     "Triton >= 3.6, < 3.7 (Gluon's API changes between minor releases); "
+                                     "Triton 3.5.0 is installed"), result.stdout + result.stderr

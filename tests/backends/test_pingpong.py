@@ -154,7 +154,8 @@ def test_offered_only_where_it_runs():
 def test_config_schedule():
     assert SPLIT8.short() == "128x128x64 s4 w4 pingpong split8"
     assert KernelConfig.from_json(SPLIT4.to_json()) == SPLIT4
-    assert KernelConfig.from_json({k: v for k, v in SPLIT4.to_json().items() if k != "schedule"}).schedule == "persistent"
+    without_schedule = {k: v for k, v in SPLIT4.to_json().items() if k != "schedule"}
+    assert KernelConfig.from_json(without_schedule).schedule == "persistent"
     with pytest.raises(ValueError, match="schedule must be 'persistent' or 'pingpong'"):
         KernelConfig(128, 128, 64, 4, 4, schedule="cooperative")
     with pytest.raises(ValueError, match="epilogue_split of a persistent configuration must be one of"):
@@ -225,12 +226,14 @@ def test_gpu_program(check, name, dtype, split):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_norm_backward", "swiglu_backward", "rms_lm_head_cross_entropy"])
+@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_norm_backward", "swiglu_backward",
+                                  "rms_lm_head_cross_entropy"])
 def test_gpu_realistic_shape(check, name):
     """Many tiles per consumer: every buffer slot and barrier phase turns over many times."""
     _need_hopper()
     program = PROGRAMS[name]
-    check(program, 4096, 8192, 2048, torch.bfloat16, device="cuda", backend=TritonBackend(config=_largest_piece(program)))
+    check(program, 4096, 8192, 2048, torch.bfloat16, device="cuda",
+          backend=TritonBackend(config=_largest_piece(program)))
 
 
 @pytest.mark.gpu

@@ -29,13 +29,14 @@ from codagen.epilogue import (
 
 acc = Accumulator()
 F64 = torch.float64
+LINEAR = Gemm.linear()
 
 
 def run(program, a, b, block_m=16, block_n=8, **tensors):
     return ReferenceBackend(block_m, block_n).run(bind(program, a, b, tensors))
 
 
-def operands(m, n, k, gemm=Gemm.linear(), dtype=F64):
+def operands(m, n, k, gemm=LINEAR, dtype=F64):
     a_shape, b_shape = gemm.shapes(m, n, k)
     return torch.randn(*a_shape, dtype=dtype), torch.randn(*b_shape, dtype=dtype)
 

@@ -77,7 +77,8 @@ def test_library_program_bf16_interpreter(check, name):
 def test_epilogue_split(check, name, split, block_n, tma):
     """The accumulator cut into 2 or 4 column slices (partials merged across slices), TMA or pointer epilogue."""
     cfg = KernelConfig(32, block_n, 32, 1, 4, epilogue_split=split, tma_epilogue=tma, group_m=2)
-    outs = check(library.PROGRAMS[name](), 45, 2 * block_n + 10, 48, torch.float16, backend=TritonBackend(config=cfg, tma=tma))
+    outs = check(library.PROGRAMS[name](), 45, 2 * block_n + 10, 48, torch.float16,
+                 backend=TritonBackend(config=cfg, tma=tma))
     program = library.PROGRAMS[name]()
     for o in program.outputs:
         if isinstance(o, RowPartial):
@@ -171,7 +172,8 @@ PRIMITIVES = {
     "swiglu_double": (Store("out", SwiGLU(TileInput("t2", Width.DOUBLE))),),
     "swiglu_backward": (Store("out", SwiGLUBackward(TileInput("t2", Width.DOUBLE), acc)),),
     "rope": (Store("out", Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF))),),
-    "rope_inverse": (Store("out", Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF), inverse=True)),),
+    "rope_inverse": (Store("out", Rope(acc, RowVector("positions"), ColVector("frequencies", Width.HALF),
+                                       inverse=True)),),
     "row_partials": (RowPartial("lse_half", SwiGLU(acc), "logsumexp"), RowPartial("sum", acc * r)),
     "col_partial_double": (ColPartial("colsum", SwiGLUBackward(TileInput("t2", Width.DOUBLE), acc)),),
     "store_dtypes": (Store("o32", acc, dtype="float32"), Store("o16", acc, dtype="float16"),
@@ -181,7 +183,8 @@ PRIMITIVES = {
 }
 
 
-@pytest.mark.parametrize("gemm", [Gemm.linear(), Gemm.input_grad(), Gemm.weight_grad()], ids=["mk_nk", "mk_kn", "km_kn"])
+@pytest.mark.parametrize("gemm", [Gemm.linear(), Gemm.input_grad(), Gemm.weight_grad()],
+                         ids=["mk_nk", "mk_kn", "km_kn"])
 @pytest.mark.parametrize("name", sorted(PRIMITIVES))
 def test_primitive(check, name, gemm):
     program = Program(f"prim_{name}", gemm, PRIMITIVES[name])
@@ -278,9 +281,11 @@ def test_interpreter_config_is_small():
 def test_kernel_code_hash_ignores_docstrings_and_comment_lines(tmp_path):
     from codagen.backends.triton.tuning import _code_of
     module = tmp_path / "m.py"
-    module.write_text('"""Module doc."""\nimport math\n\n\ndef f(x):\n    """Doc."""\n    # why\n    return math.exp(x)\n')
+    module.write_text('"""Module doc."""\nimport math\n\n\n'
+                      'def f(x):\n    """Doc."""\n    # why\n    return math.exp(x)\n')
     code = _code_of(module)
-    module.write_text('"""Another\ndoc."""\nimport math\n# new comment\n\ndef f(x):\n    """Other doc."""\n    return math.exp(x)\n')
+    module.write_text('"""Another\ndoc."""\nimport math\n# new comment\n\n'
+                      'def f(x):\n    """Other doc."""\n    return math.exp(x)\n')
     assert _code_of(module) == code
     module.write_text('"""Module doc."""\nimport math\n\n\ndef f(x):\n    """Doc."""\n    return math.exp(-x)\n')
     assert _code_of(module) != code
@@ -336,8 +341,8 @@ def test_gpu_program(check, name, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", _gpu_configs(), ids=lambda c: c.short().replace(" ", "_"))
 @pytest.mark.parametrize("name", ["linear", "weight_grad", "residual_rms_stats", "rms_gate_up_swiglu", "rms_qkv_rope",
-                                  "rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward", "rms_norm_backward",
-                                  "swiglu_backward"])
+                                  "rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward",
+                                  "rms_norm_backward", "swiglu_backward"])
 def test_gpu_every_config(check, name, cfg):
     if not _is_hopper():
         pytest.skip("Hopper configurations")
@@ -370,13 +375,15 @@ def test_gpu_pointer_path_for_unaligned_rows(check, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_gate_up_swiglu", "swiglu_backward", "rms_lm_head_cross_entropy"])
+@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_gate_up_swiglu", "swiglu_backward",
+                                  "rms_lm_head_cross_entropy"])
 def test_gpu_one_launch_and_bitwise_deterministic(name):
     program = library.PROGRAMS[name]()
     a, b, tensors = random_inputs(program, 2048, 4096, 1024, torch.bfloat16, "cuda")
     backend = TritonBackend(autotune=False)
-    first = backend.run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))  # compile outside the profile
-    bound = bind(program, a, b, {k: v.clone() for k, v in tensors.items()})                # (clones are copy kernels: outside too)
+    # Compile outside the profile; the clones are copy kernels, so they stay outside it too.
+    first = backend.run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))
+    bound = bind(program, a, b, {k: v.clone() for k, v in tensors.items()})
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         second = backend.run(bound)
@@ -419,7 +426,8 @@ def test_gpu_retune_times_the_candidates_over_a_cached_choice(monkeypatch, tmp_p
         return pool[0]
     monkeypatch.setattr(TritonBackend, "_tune", fake_tune)
     TritonBackend(autotune=True).run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))
-    TritonBackend(autotune=True).run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))  # fresh plans: the cached choice
+    # A fresh backend (fresh plans) takes the cached choice instead of tuning again.
+    TritonBackend(autotune=True).run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))
     assert len(tuned_keys) == 1
     monkeypatch.setenv("CODAGEN_TRITON_RETUNE", "1")
     TritonBackend(autotune=True).run(bind(program, a, b, {k: v.clone() for k, v in tensors.items()}))
@@ -447,8 +455,9 @@ def test_reserved_names_cover_the_generated_kernels():
         library.rms_norm_backward("accumulate"), library.rms_norm_backward("none"),
         library.rms_qkv_rope(qk_norm_head_dim=64), library.weight_grad(True, "float32"),
         library.rms_gate_up_swiglu().with_low_rank(), library.weight_grad().with_low_rank()]
+    operands = {"a", "b", "a2", "b2"}
     for program in programs:
-        own = set(program.inputs) | {o.name for o in program.outputs} | {program.name, "a", "b", "a2", "b2"}  # the operands
+        own = set(program.inputs) | {o.name for o in program.outputs} | {program.name} | operands
         sources = [persistent.generate(program)]
         if pingpong.refusal(program) is None:
             sources += [pingpong.generate(program), pingpong.generate(program, timeline=True)]

@@ -109,7 +109,8 @@ def test_printout_reads_like_the_math():
     assert "partial_sumsq[m, tile_n] <- sum_n(square(t0))  (float32 partial)" in text
     assert "grad_preact[m, n:2N] <- t0" in str(library.swiglu_backward())
     assert "a[K, M]^T @ b[K, N]" in str(library.weight_grad())
-    assert repr(library.rms_qkv_rope()) == "<Program rms_qkv_rope: 1 outputs, inputs ['rstd', 'positions', 'frequencies']>"
+    assert repr(library.rms_qkv_rope()) == ("<Program rms_qkv_rope: 1 outputs, "
+                                            "inputs ['rstd', 'positions', 'frequencies']>")
 
 
 def test_segment_sum_printout_and_qk_norm_program():

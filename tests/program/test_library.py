@@ -100,7 +100,9 @@ def test_qkv_rope_matches_half_split_rope_on_permuted_weights(heads, kv_heads, m
               frequencies=rope_frequencies(heads, kv_heads, hd))["qkv"]
     q, k, v = qkv.split((heads * hd, kv_heads * hd, kv_heads * hd), -1)
     # Same channels, pair order: q[:, 2i] is HF's channel i, q[:, 2i+1] is channel i + hd/2 of each head.
-    unpair = lambda t, n: t.view(m, n, hd // 2, 2).transpose(2, 3).reshape(m, -1)
+    def unpair(t, n):
+        return t.view(m, n, hd // 2, 2).transpose(2, 3).reshape(m, -1)
+
     torch.testing.assert_close(unpair(q, heads), q_ref)
     torch.testing.assert_close(unpair(k, kv_heads), k_ref)
     torch.testing.assert_close(v, v_ref)

@@ -164,7 +164,8 @@ class TritonBackend:
         if cfg.schedule == "pingpong":  # validated once per call signature, in _choose
             slots = launch.pingpong_slots.get(cfg.sub_n)
             if slots is None:
-                slots = launch.pingpong_slots[cfg.sub_n] = pingpong.input_slots(bound, cfg.sub_n, _smem_limit(bound.device))
+                slots = pingpong.input_slots(bound, cfg.sub_n, _smem_limit(bound.device))
+                launch.pingpong_slots[cfg.sub_n] = slots
             pingpong.launch(launch.pingpong(program), bound, outs, cfg.sub_n, slots, _num_sms(bound.device))
             self.launches += 1
             return
@@ -279,7 +280,8 @@ class TritonBackend:
                           operand_bytes=bound.a.element_size(), smem_limit=smem_limit, tma=launch.tma_mainloop,
                           tma_epilogue=launch.tma_epilogue_ok, m=bound.m, n=bound.n, num_sms=_num_sms(dev))
         if any(cfg.schedule == "pingpong" for cfg in pool):  # the estimate assumed 2-byte tiles
-            pool = [cfg for cfg in pool if cfg.schedule != "pingpong" or not pingpong.refuses(bound, cfg.sub_n, smem_limit)]
+            pool = [cfg for cfg in pool
+                    if cfg.schedule != "pingpong" or not pingpong.refuses(bound, cfg.sub_n, smem_limit)]
         return pool
 
     def tuning_trials(self, bound: BoundProgram):

@@ -55,8 +55,9 @@ from codagen.epilogue.ir import Program, ProgramError, Store
 from . import pingpong
 from .gluon_support import pingpong_available
 
-__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "atomic_write", "TuningCache", "INTERPRETER_CONFIG", "PINGPONG",
-           "heuristic", "gemm_layout", "interpreter_config", "SMALL_M", "SMALL_M_ROWS", "small_m_order"]
+__all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "atomic_write", "TuningCache",
+           "INTERPRETER_CONFIG", "PINGPONG", "heuristic", "gemm_layout", "interpreter_config", "SMALL_M",
+           "SMALL_M_ROWS", "small_m_order"]
 
 
 @dataclass(frozen=True)

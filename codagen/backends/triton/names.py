@@ -3,8 +3,8 @@
 Each input and output becomes kernel variables named after it (``rstd``, ``rstd_ptr``, ``normed_desc``,
 ...), so a generated kernel reads like the program. A name the generators use for their own variables
 would shadow one, so such a name is mangled: it gets the prefix :data:`PREFIX` (again, until it is free:
-``rows`` -> ``_rows``), and the kernel uses the mangled name throughout. Names that do not collide stay as they are, so the
-generated sources of the library programs carry the program's own names.
+``rows`` -> ``_rows``), and the kernel uses the mangled name throughout. Names that do not collide stay as
+they are, so the generated sources of the library programs carry the program's own names.
 """
 from __future__ import annotations
 

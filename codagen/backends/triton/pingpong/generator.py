@@ -379,7 +379,7 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
     consumer = stamps.tile_start(consumer)
     consumer += ["acc = mainloop(a_slots, b_slots, ready, empty, turn, local, k_steps, WHICH, B_NK)",
                  "pieces = column_pieces(acc, PIECES)"]
-    for out, names in partials:
+    for out, _ in partials:
         if out.reduction == "sum":
             consumer.append(f"{out.name} = gl.zeros([BM], gl.float32, row_layout)")
         else:
@@ -391,7 +391,7 @@ def {name}_load_vectors(piece: gl.constexpr, pid_n, N, {', '.join(p_ + '_ptr' fo
             f"{vec_call + ', ' if vec_call else ''}PIECE_N, PIECES, IN_SLOTS)")
     consumer += stamps.stamp(2)
     consumer += ["for piece in gl.static_range(PIECES):", f"    {lhs + ' = ' if lhs else ''}{call}"]
-    for out, names in partials:
+    for out, _ in partials:
         if out.reduction == "sum":
             consumer.append(f"    {out.name} += {out.name}_0")
         else:
