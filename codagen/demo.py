@@ -21,7 +21,7 @@ from codagen._cli import command_parser, device_arg
 from codagen.backends import resolve_backend_name
 from codagen.models import Llama, LlamaConfig, ReferenceLlama
 
-__all__ = ["main", "make_corpus", "CharTokenizer"]
+__all__ = ["main", "make_corpus", "CharTokenizer", "batches", "lr_schedule"]
 
 _NOUNS = "cat dog bird fox horse child farmer king queen river tree house ship star moon garden".split()
 _ADJECTIVES = "old young small big red green quiet happy dark bright lazy clever".split()
@@ -85,7 +85,7 @@ GPU_SETUP = Setup(hidden=768, layers=8, heads=12, kv_heads=4, batch=32, seq=512,
                   dtype=torch.bfloat16)
 
 
-def _batches(data: torch.Tensor, batch: int, seq: int, steps: int, seed: int, device):
+def batches(data: torch.Tensor, batch: int, seq: int, steps: int, seed: int, device):
     """``steps`` random (input, target) windows of the token stream, the same for every call with ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -120,7 +120,7 @@ class _TextBar:
         print(flush=True)
 
 
-def _lr(step: int, steps: int, peak: float) -> float:
+def lr_schedule(step: int, steps: int, peak: float) -> float:
     """Linear warm-up over 5% of the steps, then cosine decay to 10% of ``peak``."""
     warm = max(1, steps // 20)
     if step < warm:
@@ -135,12 +135,12 @@ def train(model: torch.nn.Module, data: torch.Tensor, setup: Setup, seed: int, d
     losses, bar = [], _progress(setup.steps, desc)
     warmup = min(10, setup.steps // 2)
     start = None
-    for step, (inputs, targets) in enumerate(_batches(data, setup.batch, setup.seq, setup.steps, seed, device)):
+    for step, (inputs, targets) in enumerate(batches(data, setup.batch, setup.seq, setup.steps, seed, device)):
         if step == warmup:
             _sync(device)
             start = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = _lr(step, setup.steps, setup.lr)
+            group["lr"] = lr_schedule(step, setup.steps, setup.lr)
         loss = model(inputs, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
