@@ -87,9 +87,9 @@ fi
 
 case "$part" in
   part1)  # about 5 minutes: spawned NCCL jobs and Triton compiles for the tests' shapes, then 6 runs of 200 steps
-    step gpu_tests 240 "$PYTHON" -m pytest -q -m gpu -k gpu -p no:warnings -p no:cacheprovider \
+    step gpu_tests 280 "$PYTHON" -m pytest -q -m gpu -k gpu -p no:warnings -p no:cacheprovider --durations=10 \
       tests/models/test_sharding.py tests/models/test_tensor_parallel.py
-    step convergence 270 "${TORCHRUN[@]}" bench/sharded_convergence.py --modes single fsdp tp \
+    step convergence 230 "${TORCHRUN[@]}" bench/sharded_convergence.py --modes single fsdp tp \
       "${CONVERGENCE_ARGS[@]}" --out "$OUT"
     ;;
   part2)  # Llama-3-8B dims, 4 layers, 8192 tokens per rank (fsdp) or per step (tp, tp_sp)
