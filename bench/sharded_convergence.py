@@ -21,9 +21,9 @@ Writes ``<out>/<date>-sharded-convergence-<modes>.json`` (rank 0, rewritten afte
 rank, versions, world size, the codagen backend, the NVLink multicast switches), ``config``, ``records`` (per
 mode and provider: the per-step losses, the parameter values rank 0 holds, the run's wall time) and
 ``comparisons`` (the largest per-step loss difference of codagen against transformers in each mode, of each
-provider on N ranks against one process, and the step where it occurs). NVLink multicast stays off: the script
-refuses to start unless ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
-``NVSHMEM_DISABLE_NVLS=1`` are set in its environment.
+provider on N ranks against one process, and the step where it occurs); at the end, beside it, a ``.png`` of the curves
+and their differences. NVLink multicast stays off: the script refuses to start unless ``NCCL_NVLS_ENABLE=0``,
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` are set in its environment.
 
     torchrun --nproc-per-node 2 bench/sharded_convergence.py [--modes single fsdp tp] [--shape d512]
         [--steps 200] [--out bench/results]
@@ -59,7 +59,7 @@ from torch.distributed.tensor.parallel import (
 import codagen
 from codagen import demo
 from codagen.backends import resolve_backend_name
-from codagen.bench.common import RESULTS_DIR, environment
+from codagen.bench.common import RESULTS_DIR, environment, pyplot
 from codagen.models import sharding
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -187,6 +187,43 @@ def comparisons(losses: dict[tuple[str, str], list[float]], world: int) -> list[
     return found
 
 
+def plot(result: dict, path: Path) -> Path | None:
+    """Per mode: both providers' loss curves (top) and the per-step loss differences (bottom, log scale)."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    losses = {(r["mode"], r["provider"]): r["losses"] for r in result["records"]}
+    modes = list(dict.fromkeys(mode for mode, _ in losses))
+    world = result["env"]["world_size"]
+    fig, axes = plt.subplots(2, len(modes), figsize=(5 * len(modes), 6), squeeze=False, sharex=True)
+    # the curves coincide: a wide translucent line under a thin dashed one keeps both visible
+    styles = {"codagen": dict(linewidth=3.0, alpha=0.45), "transformers": dict(linewidth=1.0, linestyle="--")}
+    for column, mode in enumerate(modes):
+        top, bottom = axes[0][column], axes[1][column]
+        pairs = [("codagen - transformers", (mode, "codagen"), (mode, "transformers"))]
+        if mode != "single":
+            pairs += [(f"{provider}: {world} ranks - 1", (mode, provider), ("single", provider))
+                      for provider in PROVIDERS]
+        for provider, style in styles.items():
+            if (mode, provider) in losses:
+                top.plot(range(1, len(losses[mode, provider]) + 1), losses[mode, provider], label=provider, **style)
+        for label, got, want in pairs:
+            if got in losses and want in losses:
+                diffs = [abs(a - b) for a, b in zip(losses[got], losses[want])]
+                bottom.plot(range(1, len(diffs) + 1), diffs, label=label, linewidth=1.0)
+        top.set_title(mode if mode == "single" else f"{mode}, {world} ranks")
+        top.set_ylabel("training loss (nats/char)")
+        bottom.set_yscale("log")
+        bottom.set_xlabel("step")
+        bottom.set_ylabel("|loss difference|")
+        top.legend(fontsize=8)
+        bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -259,6 +296,7 @@ def main(argv=None) -> dict:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(result, indent=1) + "\n")
     if rank == 0:
+        plot(result, path.with_suffix(".png"))
         for comparison in result["comparisons"]:
             print(f"{comparison['name']:42} largest per-step difference {comparison['max_abs_diff']:.3e} "
                   f"({comparison['max_rel_diff']:.2e} rel) at step {comparison['step']}")

@@ -2,6 +2,7 @@
 losses against transformers' and against one process, in float32."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -30,6 +31,8 @@ def test_dry_run_writes_matching_loss_curves(tmp_path, monkeypatch):
         monkeypatch.setenv(name, value)
     result = run_distributed(2, _dry_run, str(tmp_path))
     (path,) = tmp_path.glob("*-sharded-convergence-single-fsdp-tp.json")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert path.with_suffix(".png").stat().st_size > 0
     written = json.loads(path.read_text())
     assert written == json.loads(json.dumps(result))
 
