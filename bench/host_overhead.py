@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import copy
+import cProfile
 import json
 import platform
 import pstats
