@@ -305,7 +305,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     with torch.autocast(device_type, enabled=False):
         return _decoder_forward(self, x.to(dtype), dtype, attention_mask, position_ids, labels, shift_labels,
-                                logits_to_keep, num_items_in_batch, return_dict, cache, adapters)
+                                logits_to_keep, num_items_in_batch, return_dict, cache, adapters, modules)
 
 
 
@@ -324,10 +324,10 @@ def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift_labels, logits_to_keep,
-                     num_items_in_batch, return_dict, cache=None, adapters=False):
+                     num_items_in_batch, return_dict, cache=None, adapters=False, modules=None):
     """The checked forward: embeddings ``x`` [B, S, d] in ``dtype`` through the fused decoder and head;
     with ``cache`` (a checked ``transformers`` cache) the KV-cache forward of :mod:`.hf_cache`; ``adapters``:
-    the model holds LoRA layers (:func:`.lora.prepare_adapters`)."""
+    the model holds LoRA layers (:func:`.lora.prepare_adapters`); ``modules``: ``self.named_modules()``."""
     batch, seq, hidden = x.shape
     config = self.config
     # As transformers: a padding mask when given, else documents from position_ids (packed rows); both on the
@@ -371,7 +371,7 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
             hf_cache.drop_inference_blocks(self)
         blocks = fuse()
     else:
-        blocks = hf_cache.inference_blocks(self, dtype, fuse)
+        blocks = hf_cache.inference_blocks(self, dtype, fuse, modules)
     norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
     head_weight = self.lm_head.weight.to(dtype)
     if cache is None:

@@ -44,7 +44,8 @@ def drop_inference_blocks(model) -> None:
 
 
 @torch.compiler.disable  # reads version counters; a compiled forward (generate's static cache) calls it eagerly
-def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWeights]]) -> list[BlockWeights]:
+def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWeights]],
+                     modules: Sequence[tuple[str, torch.nn.Module]] | None = None) -> list[BlockWeights]:
     """``fuse()`` (the blocks' weights in the fused layout), reused across forwards without autograd.
 
     For forwards without autograd (with autograd on the caller fuses differentiably and drops the kept
@@ -54,9 +55,11 @@ def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWei
     and the next forward re-fuses.
     A decode step then reads each weight once instead of gathering QKV and gate/up into new copies.
     (Writes through ``param.data`` bypass the version counter and are not seen.)
+    ``modules``: ``model.named_modules()`` when the caller has walked them already.
     """
     # modules too: merging an adapter (peft's merge_and_unload) writes through ``.data`` and swaps modules
-    modules = tuple(model.modules())  # one walk for both (a parameter shared by two modules appears twice)
+    modules = [m for _, m in (model.named_modules() if modules is None else modules)]
+    # (a parameter shared by two modules appears twice)
     key = (dtype, tuple((p.data_ptr(), p._version) for m in modules for p in m._parameters.values() if p is not None),
            tuple(map(id, modules)))
     kept = _FUSED_WEIGHTS.get(model)

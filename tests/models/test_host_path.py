@@ -82,8 +82,8 @@ def test_decode_steps_bind_without_repeating_the_checks():
         bind_module.bind(bind_module.library.linear(), torch.randn(3, 5), torch.randn(4, 6), {})
 
 
-def test_decode_step_walks_the_modules_twice():
-    """One walk checks hooks and adapters, one keys the kept fused weights: per step, whatever the depth."""
+def test_decode_step_walks_the_modules_once():
+    """One walk checks hooks and adapters and keys the kept fused weights: per step, whatever the depth."""
     model = patch(build("llama", num_hidden_layers=3)).eval()
     walks = []
     named_modules = type(model).named_modules
@@ -95,7 +95,7 @@ def test_decode_step_walks_the_modules_twice():
     counts = []
     with use_backend("reference"), mock.patch.object(type(model), "named_modules", counting):
         _decode_steps(model, 3, on_step=lambda: counts.append(len(walks)))
-    assert [b - a for a, b in zip(counts, counts[1:])] == [2, 2], counts
+    assert [b - a for a, b in zip(counts, counts[1:])] == [1, 1], counts
 
 
 @pytest.mark.skipif(triton_backend_missing() is not None, reason=str(triton_backend_missing()))
