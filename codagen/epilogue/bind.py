@@ -6,6 +6,9 @@ accumulated outputs are given; for a low-rank GEMM, ``a2`` and ``b2`` (in ``tens
 2-D matrices of A's dtype and device with one inner size R >= 1; N is even when the program uses column
 pairs; the columns of every ``SegmentSum`` value split into whole groups (``N * w`` a multiple of its
 ``size``).
+
+Every check depends only on the program and each tensor's dtype, device, shape and strides, so a call
+signature that passed is remembered and a repeated one (every layer of every step) skips the checks.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 from . import library
 from .core import ColPartial, Program, ProgramError, RowPartial, Store, check_shape
 
-__all__ = ["BoundProgram", "bind", "OPERAND_DTYPES", "cdiv", "set_poison_outputs"]
+__all__ = ["BoundProgram", "bind", "OPERAND_DTYPES", "cdiv", "set_poison_outputs", "validations"]
 
 OPERAND_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -84,21 +87,57 @@ class BoundProgram:
             return (cdiv(self.m, block_m), out.value.width.columns(self.n))
         raise TypeError(out)
 
-    def allocate_outputs(self, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
-        """New output tensors (NaN-poisoned when poisoning is on: see :func:`set_poison_outputs`).
+    def output_specs(self, block_m: int, block_n: int) -> tuple[tuple[str, tuple[int, int] | None, torch.dtype], ...]:
+        """``(name, shape, dtype)`` of each output for tiles of ``block_m x block_n``; shape ``None`` for an
+        accumulated output (the caller's tensor). The same for every call of one signature: backends keep it."""
+        specs = []
+        for out in self.program.outputs:
+            if isinstance(out, Store) and out.accumulate:
+                specs.append((out.name, None, self.tensors[out.name].dtype))
+                continue
+            dtype = self.store_dtype(out) if isinstance(out, Store) else self.compute_dtype
+            specs.append((out.name, self.output_shape(out, block_m, block_n), dtype))
+        return tuple(specs)
+
+    def allocate_outputs(self, block_m: int, block_n: int, specs: tuple | None = None) -> dict[str, torch.Tensor]:
+        """New output tensors (NaN-poisoned when poisoning is on: see :func:`set_poison_outputs`), as
+        ``specs`` (:meth:`output_specs` of these blocks, when the caller kept them) gives them.
 
         Accumulated outputs are the caller's tensors, returned as given.
         """
         outs = {}
-        for out in self.program.outputs:
-            if isinstance(out, Store) and out.accumulate:
-                outs[out.name] = self.tensors[out.name]
-                continue
-            dtype = self.store_dtype(out) if isinstance(out, Store) else self.compute_dtype
-            shape = self.output_shape(out, block_m, block_n)
-            outs[out.name] = (torch.full(shape, float("nan"), dtype=dtype, device=self.device) if _poison_outputs
-                              else torch.empty(shape, dtype=dtype, device=self.device))
+        device = self.device
+        for name, shape, dtype in self.output_specs(block_m, block_n) if specs is None else specs:
+            if shape is None:
+                outs[name] = self.tensors[name]
+            else:
+                outs[name] = (torch.full(shape, float("nan"), dtype=dtype, device=device) if _poison_outputs
+                              else torch.empty(shape, dtype=dtype, device=device))
         return outs
+
+
+#: call signature (:func:`_signature`) -> (program, m, n, k) of the calls that passed the checks
+_validated: dict[tuple, tuple] = {}
+_VALIDATED_MAX = 4096  # signatures kept; past it the memo starts afresh (shapes that vary without end)
+_validations = 0
+
+
+def validations() -> int:
+    """How many calls of :func:`bind` ran the checks (the others repeated a signature that passed them)."""
+    return _validations
+
+
+def _signature(program: Program, a, b, tensors: dict) -> tuple | None:
+    """What the checks read: the program, each tensor's dtype, device, shape and strides; None when an
+    argument is not a tensor (the checks then name it)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    signature = [id(program), a.dtype, a.device, a.shape, a.stride(), b.dtype, b.device, b.shape, b.stride()]
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            return None
+        signature += (name, t.dtype, t.device, t.shape, t.stride())
+    return tuple(signature)
 
 
 def _tensor(name: str, t, what: str) -> torch.Tensor:
@@ -115,6 +154,22 @@ def _check_contiguous(name: str, t: torch.Tensor) -> None:
 
 def bind(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, torch.Tensor]) -> BoundProgram:
     """Validate ``a``, ``b`` and the named tensors against ``program``; return the bound problem."""
+    signature = _signature(program, a, b, tensors)
+    known = _validated.get(signature)
+    if known is not None and known[0] is program:  # the id of a collected program can be reused
+        return BoundProgram(program, a, b, known[1], known[2], known[3], dict(tensors))
+    bound = _check(program, a, b, tensors)
+    if signature is not None:
+        if len(_validated) >= _VALIDATED_MAX:
+            _validated.clear()
+        _validated[signature] = (program, bound.m, bound.n, bound.k)
+    return bound
+
+
+def _check(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str, torch.Tensor]) -> BoundProgram:
+    """:func:`bind`'s checks."""
+    global _validations
+    _validations += 1
     if not isinstance(program, Program):
         named = isinstance(program, str) and callable(getattr(library, program, None))
         raise TypeError(f"program: expected a codagen.Program, got {type(program).__name__} {program!r}; pass "

@@ -48,6 +48,7 @@ approximation):
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -202,18 +203,18 @@ def _has_hooks(module: nn.Module) -> bool:
                 or module._backward_hooks)
 
 
-def _check_hooks(model: nn.Module) -> None:
+def _check_hooks(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | None = None) -> None:
     """Refuse hooks the fused decoder would silently skip: it never calls the decoder's submodules'
     ``forward`` (the layers, their projections and norms, the final norm, the LM head), so hooks on any of
     them would not run. Hooks on ``model`` itself run (``model(...)`` calls them around the fused forward),
     and so do hooks on the input embedding (it then runs as the module: :func:`_embed`). Checked at patch
-    time and on every forward (a dictionary test per module)."""
+    time and on every forward (a dictionary test per module; ``modules``: ``model.named_modules()`` when
+    the caller has walked them already)."""
     embedding = model.model.embed_tokens
-    for module in model.modules():
+    for name, module in model.named_modules() if modules is None else modules:
         # a fused block is called as a module (its FSDP unit's hooks run around it)
         if (module is not model and module is not embedding and not isinstance(module, fused_layers.FusedBlock)
                 and _has_hooks(module)):
-            name = next(n for n, m in model.named_modules() if m is module)
             kinds = [kind for kind, hooks in (("forward pre-hooks", module._forward_pre_hooks),
                                               ("forward hooks", module._forward_hooks),
                                               ("backward pre-hooks", module._backward_pre_hooks),
@@ -261,9 +262,11 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
              labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
              return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
-    # PEFT wrappers and adapter states can change after patching (fused parameters take none: sharding.py)
-    adapters = not fused_layers.is_fused(self) and lora.prepare_adapters(self)
-    _check_hooks(self)
+    # PEFT wrappers and adapter states can change after patching (fused parameters take none: sharding.py);
+    # hooks can be added: both checked on one walk of the modules
+    modules = tuple(self.named_modules())
+    adapters = not fused_layers.is_fused(self) and lora.prepare_adapters(self, modules)
+    _check_hooks(self, modules)
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
                       f"documents come from position_ids: DataCollatorWithFlattening(return_flash_attn_kwargs=False))")
@@ -302,7 +305,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     with torch.autocast(device_type, enabled=False):
         return _decoder_forward(self, x.to(dtype), dtype, attention_mask, position_ids, labels, shift_labels,
-                                logits_to_keep, num_items_in_batch, return_dict, cache, adapters)
+                                logits_to_keep, num_items_in_batch, return_dict, cache, adapters, modules)
 
 
 
@@ -321,10 +324,10 @@ def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift_labels, logits_to_keep,
-                     num_items_in_batch, return_dict, cache=None, adapters=False):
+                     num_items_in_batch, return_dict, cache=None, adapters=False, modules=None):
     """The checked forward: embeddings ``x`` [B, S, d] in ``dtype`` through the fused decoder and head;
     with ``cache`` (a checked ``transformers`` cache) the KV-cache forward of :mod:`.hf_cache`; ``adapters``:
-    the model holds LoRA layers (:func:`.lora.prepare_adapters`)."""
+    the model holds LoRA layers (:func:`.lora.prepare_adapters`); ``modules``: ``self.named_modules()``."""
     batch, seq, hidden = x.shape
     config = self.config
     # As transformers: a padding mask when given, else documents from position_ids (packed rows); both on the
@@ -338,7 +341,9 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     elif attention_mask is None and cache is None:
         documents = document_ids(position_ids.expand(batch, seq))
     mask = None if cache is not None else causal_mask(batch, seq, x.device, attention_mask, documents)
-    positions = position_ids.expand(batch, seq).reshape(-1).contiguous()
+    # in the dtype the QKV epilogue computes angles in: cast once here, not by every layer's op
+    positions = position_ids.expand(batch, seq).reshape(-1).to(torch.float64 if dtype == torch.float64
+                                                                else torch.float32).contiguous()
 
     rotary = self.model.rotary_emb
     fused = fused_layers.is_fused(self)
@@ -366,7 +371,7 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
             hf_cache.drop_inference_blocks(self)
         blocks = fuse()
     else:
-        blocks = hf_cache.inference_blocks(self, dtype, fuse)
+        blocks = hf_cache.inference_blocks(self, dtype, fuse, modules)
     norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
     head_weight = self.lm_head.weight.to(dtype)
     if cache is None:

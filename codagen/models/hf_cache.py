@@ -44,7 +44,8 @@ def drop_inference_blocks(model) -> None:
 
 
 @torch.compiler.disable  # reads version counters; a compiled forward (generate's static cache) calls it eagerly
-def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWeights]]) -> list[BlockWeights]:
+def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWeights]],
+                     modules: Sequence[tuple[str, torch.nn.Module]] | None = None) -> list[BlockWeights]:
     """``fuse()`` (the blocks' weights in the fused layout), reused across forwards without autograd.
 
     For forwards without autograd (with autograd on the caller fuses differentiably and drops the kept
@@ -54,9 +55,13 @@ def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWei
     and the next forward re-fuses.
     A decode step then reads each weight once instead of gathering QKV and gate/up into new copies.
     (Writes through ``param.data`` bypass the version counter and are not seen.)
+    ``modules``: ``model.named_modules()`` when the caller has walked them already.
     """
     # modules too: merging an adapter (peft's merge_and_unload) writes through ``.data`` and swaps modules
-    key = (dtype, tuple((p.data_ptr(), p._version) for p in model.parameters()), tuple(map(id, model.modules())))
+    modules = [m for _, m in (model.named_modules() if modules is None else modules)]
+    # (a parameter shared by two modules appears twice)
+    key = (dtype, tuple((p.data_ptr(), p._version) for m in modules for p in m._parameters.values() if p is not None),
+           tuple(map(id, modules)))
     kept = _FUSED_WEIGHTS.get(model)
     if kept is None or kept[0] != key:
         kept = (key, fuse())
@@ -65,6 +70,7 @@ def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWei
 
 
 _TRANSFORMERS: tuple | None = None
+_CACHE_FIELD = "cache"  # set with _TRANSFORMERS (load_transformers)
 
 
 def load_transformers() -> None:
@@ -72,9 +78,11 @@ def load_transformers() -> None:
     forward needs them). ``codagen.patch`` calls it, so the forward finds them loaded: under
     ``torch.compile`` an import of transformers' lazy modules inside the forward is a graph break (torch
     2.11 with transformers 5.17)."""
-    global _TRANSFORMERS
+    global _TRANSFORMERS, _CACHE_FIELD
     if _TRANSFORMERS is None:
         from transformers import cache_utils, masking_utils, modeling_outputs
+        _CACHE_FIELD = ("cache" if "cache" in inspect.signature(masking_utils.create_causal_mask).parameters
+                        else "past_key_values")
         _TRANSFORMERS = cache_utils, masking_utils, modeling_outputs
 
 
@@ -114,9 +122,9 @@ def check_cache(cache) -> None:
 
 def cache_field() -> str:
     """The name of the cache in ``transformers``' model outputs and mask functions (``cache`` from 5.2x,
-    ``past_key_values`` before)."""
-    _, masking_utils, _ = _transformers()
-    return "cache" if "cache" in inspect.signature(masking_utils.create_causal_mask).parameters else "past_key_values"
+    ``past_key_values`` before); read from the signature once, when transformers is loaded."""
+    _transformers()
+    return _CACHE_FIELD
 
 
 def output(loss, logits, cache):

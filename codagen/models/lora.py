@@ -27,6 +27,7 @@ wrappers, and a PeftModel configured with ``bias != "none"`` or a non-LoRA ``pef
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,18 +76,21 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model.get_base_model()
 
 
-def prepare_adapters(model: nn.Module) -> bool:
+def prepare_adapters(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | None = None) -> bool:
     """Before a forward reads any weight: refuse PEFT modules the fused decoder would bypass (any PEFT
     module other than a LoRA layer, with its own submodules, at one of the seven projections of a decoder
     layer) and LoRA layers it cannot compute; unmerge disabled merged layers, as PEFT's forward does.
+    ``modules``: ``model.named_modules()`` when the caller has walked them already.
     Returns whether the model holds LoRA layers."""
+    modules = model.named_modules() if modules is None else modules
+    peft_modules = [(path, module) for path, module in modules if _is_peft_module(module)]
+    if not peft_modules:
+        return False
     slots = {id(getattr(getattr(layer, parent), name)) for layer in model.model.layers
              for parent, names in PROJECTIONS for name in names}
     inside, lora_layers = (), False
-    for path, module in model.named_modules():
+    for path, module in peft_modules:
         if inside and path.startswith(inside):
-            continue
-        if not _is_peft_module(module):
             continue
         if id(module) in slots and is_lora_linear(module):
             inside, lora_layers = path + ".", True

@@ -5,6 +5,12 @@ Each public op validates its arguments, then calls a ``torch.autograd.Function``
 call custom ops (``codagen::...``), so ``torch.compile(fullgraph=True)`` sees one opaque node per fused
 step. A custom op cannot return None: a gradient it does not compute comes back as an empty tensor,
 and the Function hands autograd None instead.
+
+In plain eager calls (no tracing, no dispatch mode, no functorch transform, plain tensors, grad mode off
+as inside a Function's forward and backward) the op's implementation is called directly: the
+dispatcher's route to a Python implementation costs 30 to 40 microseconds per call, about as much as
+the rest of a fused op's host path (``docs/notes/host-overhead.md``). Everywhere else the call goes
+through ``torch.ops.codagen``.
 """
 from __future__ import annotations
 
@@ -13,14 +19,36 @@ import inspect
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ._inductor import register_fake
 
-__all__ = ["custom_op", "named_gradients"]
+__all__ = ["custom_op", "named_gradients", "runs_directly"]
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return type(value) in _PLAIN_TENSORS
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return True
+
+
+def runs_directly(args: tuple, kwargs: dict) -> bool:
+    """Whether a custom op called with ``args``/``kwargs`` may run its implementation without the
+    dispatcher: eager (not under ``torch.compile``), grad mode off, no dispatch mode (``FakeTensorMode``,
+    ``TorchDispatchMode`` recorders), no functorch transform, and only plain tensors (no FakeTensor,
+    DTensor or FunctionalTensor): then the dispatcher would call the implementation and nothing else."""
+    return (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+            and _get_current_dispatch_mode() is None and not torch._C._are_functorch_transforms_active()
+            and all(_plain(a) for a in args) and all(_plain(v) for v in kwargs.values()))
 
 
 def custom_op(name: str, fake: Callable[..., object]) -> Callable:
-    """Declare the decorated function as the custom op ``codagen::name`` (it mutates no argument).
+    """Declare the decorated function as the custom op ``codagen::name`` (it mutates no argument); returns
+    a function that calls the op, or its implementation directly where :func:`runs_directly` holds.
 
     ``fake`` gives the outputs' shapes and dtypes for tracing (empty tensors, no kernel runs). It takes
     the op's arguments by name and declares only those it reads (``**_`` for the rest).
@@ -32,7 +60,12 @@ def custom_op(name: str, fake: Callable[..., object]) -> Callable:
         def fake_impl(*args, **kwargs):
             return fake(**signature.bind(*args, **kwargs).arguments)
         register_fake(op)(fake_impl)
-        return op
+
+        @functools.wraps(impl)
+        def call(*args, **kwargs):
+            return impl(*args, **kwargs) if runs_directly(args, kwargs) else op(*args, **kwargs)
+        call.op = op
+        return call
     return declare
 
 

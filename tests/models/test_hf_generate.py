@@ -170,8 +170,8 @@ def test_fused_weights_kept_for_inference_until_a_parameter_changes():
     blocks = []
     fuse = hf_cache.inference_blocks
 
-    def spy(m, dtype, build_blocks):
-        blocks.append(fuse(m, dtype, build_blocks))
+    def spy(m, dtype, build_blocks, *rest):
+        blocks.append(fuse(m, dtype, build_blocks, *rest))
         return blocks[-1]
     hf_cache.inference_blocks = spy
     try:

@@ -71,6 +71,7 @@ class _Launch:
     interpret: bool
     pingpong_kernel: object = None  # loaded on first use
     pingpong_slots: dict = field(default_factory=dict)  # piece width -> tile-operand slots
+    metas: dict = field(default_factory=dict)  # config -> the kernel's constexpr arguments
 
     def pingpong(self, program: Program):
         if self.pingpong_kernel is None:
@@ -108,6 +109,7 @@ class TritonBackend:
         self.verbose = verbose
         self.tuning = TuningCache()
         self.launches = 0           # kernel launches made by this backend object (tests count them)
+        self.plans_made = 0         # call signatures planned (kernel loaded, config chosen): tests count them
         self._plans: dict[tuple, tuple[Program, _Launch, KernelConfig]] = {}
         self.last_config: KernelConfig | None = None
         self.choices: dict[str, str] = {}
@@ -124,7 +126,7 @@ class TritonBackend:
         if dev.type != "cuda":
             raise ProgramError(f"{bound.program.name}: the triton backend runs CUDA tensors (compiled) and CPU "
                                f"tensors (interpreted), got device {dev}")
-        major, minor = torch.cuda.get_device_capability(dev)
+        major, minor = _capability(dev)
         if major < 8:
             raise ProgramError(f"{bound.program.name}: the triton backend needs an NVIDIA GPU of compute "
                                f"capability 8.0 or newer (Ampere, Ada, Hopper), got {major}.{minor} "
@@ -174,6 +176,18 @@ class TritonBackend:
         args += [bound.tensors[name] for name in program.inputs]
         args += [outs[o.name] for o in program.outputs]
         args += [launch.m, launch.n, launch.k] + ([bound.r] if low_rank else [])
+        grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
+        if launch.interpret:
+            with interpreting():
+                launch.kernel[grid](*args, **meta)
+        else:
+            _set_allocator()
+            launch.kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.launches += 1
+
+    def _meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple[int], dict]:
+        """``(grid, constexpr arguments)`` of a persistent launch of ``cfg``, kept in ``launch.metas``:
+        they depend on the call signature and the config only."""
         num_tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
         if launch.interpret:
             grid = (min(num_tiles, 3),)  # several tiles per program: the persistent loop is exercised
@@ -183,15 +197,11 @@ class TritonBackend:
                     EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
                     TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok, UPCAST_OPERANDS=launch.upcast,
                     DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
-        if low_rank:  # the rank loop's step: at least the dot's minimum inner size 16, at most BLOCK_K
+        if bound.program.gemm.low_rank:  # the rank loop's step: at least the dot's minimum inner size 16, at most
+            # BLOCK_K
             meta["BLOCK_R"] = max(16, min(cfg.block_k, 1 << (bound.r - 1).bit_length()))
-        if launch.interpret:
-            with interpreting():
-                launch.kernel[grid](*args, **meta)
-        else:
-            _set_allocator()
-            launch.kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        self.launches += 1
+        launch.metas[cfg] = grid, meta
+        return grid, meta
 
     def run(self, bound: BoundProgram) -> dict[str, torch.Tensor]:
         interpret, major = self._check(bound)
@@ -199,28 +209,32 @@ class TritonBackend:
             cfg = self.config or (interpreter_config(bound.program) if interpret
                                   else KernelConfig(128, 256, 64, 3, 8, 2))
             return bound.allocate_outputs(cfg.block_m, cfg.block_n)
-        launch, cfg = self._plan(bound, interpret, major)
-        outs = bound.allocate_outputs(cfg.block_m, cfg.block_n)
+        launch, cfg, specs = self._plan(bound, interpret, major)
+        outs = bound.allocate_outputs(cfg.block_m, cfg.block_n, specs)
         self._launch(bound, launch, cfg, outs)
         self.last_config = cfg
         return outs
 
-    def _plan(self, bound: BoundProgram, interpret: bool, major: int) -> tuple[_Launch, KernelConfig]:
-        """The kernel and config for this call, remembered per call signature.
+    def _plan(self, bound: BoundProgram, interpret: bool,
+              major: int) -> tuple[_Launch, KernelConfig, tuple]:
+        """The kernel, config and output specs (:meth:`BoundProgram.output_specs`) for this call, remembered
+        per call signature.
 
         Loading the kernel and choosing its config cost a millisecond or more of Python (candidate
         pruning, cache keys); a training step repeats the same few signatures, so after the first
-        call a step pays one dictionary lookup per launch instead.
+        call a step pays one dictionary lookup per launch instead (``plans_made`` counts the misses).
         """
-        signature = (id(bound.program), bound.device, bound.dtype, tuple(bound.a.shape), tuple(bound.b.shape),
-                     bound.a.data_ptr() % 16, bound.b.data_ptr() % 16,
-                     tuple((name, t.dtype, tuple(t.shape), t.data_ptr() % 16) for name, t in bound.tensors.items()))
+        a, b = bound.a, bound.b
+        signature = (id(bound.program), a.device, a.dtype, a.shape, b.shape, a.data_ptr() % 16, b.data_ptr() % 16,
+                     *[(name, t.dtype, t.shape, t.data_ptr() % 16) for name, t in bound.tensors.items()])
         plan = self._plans.get(signature)
         if plan is None or plan[0] is not bound.program:  # the id of a collected program can be reused
             launch = self._prepare(bound, interpret, major)
-            plan = (bound.program, launch, self._choose(bound, launch, interpret))
+            cfg = self._choose(bound, launch, interpret)
+            plan = (bound.program, launch, cfg, bound.output_specs(cfg.block_m, cfg.block_n))
             self._plans[signature] = plan
-        return plan[1], plan[2]
+            self.plans_made += 1
+        return plan[1], plan[2], plan[3]
 
     def launcher(self, bound: BoundProgram):
         """``(launch, outputs, config)``: a zero-argument function that re-runs the kernel into
@@ -228,8 +242,8 @@ class TritonBackend:
         interpret, major = self._check(bound)
         if bound.m == 0 or bound.n == 0:
             raise ProgramError(f"{bound.program.name}: nothing to launch for M = {bound.m}, N = {bound.n}")
-        launch, cfg = self._plan(bound, interpret, major)
-        outs = bound.allocate_outputs(cfg.block_m, cfg.block_n)
+        launch, cfg, specs = self._plan(bound, interpret, major)
+        outs = bound.allocate_outputs(cfg.block_m, cfg.block_n, specs)
         return (lambda: self._launch(bound, launch, cfg, outs)), outs, cfg
 
     # -- tuning ------------------------------------------------------------------------------------
@@ -357,6 +371,16 @@ def _without_low_rank(bound: BoundProgram) -> BoundProgram:
 
 def _smem_limit(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 232448)
+
+
+@functools.cache
+def _capability_index(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of ``device``, read once per GPU (a call checks it)."""
+    return _capability_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache

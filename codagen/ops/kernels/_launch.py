@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from codagen.backends import on_device, resolve_backend_name
+from codagen.epilogue.bind import cdiv
 
 try:  # the package must import without Triton (or without a GPU)
     import triton
@@ -34,7 +35,8 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 else:
     TRITON_AVAILABLE = True
 
-__all__ = ["triton", "tl", "cos_sin", "sigmoid", "launcher", "dispatcher", "use_triton", "interpreting", "row_block"]
+__all__ = ["triton", "tl", "cos_sin", "sigmoid", "launcher", "dispatcher", "use_triton", "interpreting", "row_block",
+           "next_power_of_2", "cdiv"]
 
 #: widest block of a row kernel that loops over its row
 MAX_BLOCK = 2048
@@ -71,7 +73,13 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= ``n`` (1 for n <= 1): ``triton.next_power_of_2`` as a plain function (Triton's
+    is a ``constexpr_function`` object, a few microseconds per host call; launchers call it every launch)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def row_block(columns: int) -> int:
     """The block of a kernel that loops over a row of ``columns``: the row's power of two, at most
     :data:`MAX_BLOCK`."""
-    return min(triton.next_power_of_2(max(columns, 1)), MAX_BLOCK)
+    return min(next_power_of_2(columns), MAX_BLOCK)

@@ -14,7 +14,7 @@ import torch
 from codagen.backends import reference
 
 from .._checks import stats_dtype
-from ._launch import cos_sin, dispatcher, interpreting, launcher, tl, triton
+from ._launch import cos_sin, dispatcher, interpreting, launcher, next_power_of_2, tl, triton
 
 __all__ = ["rope_backward", "rope_backward_ref", "rope_backward_triton", "rope_block"]
 
@@ -24,7 +24,7 @@ ROPE_MAX_BLOCK = 1024
 
 def rope_block(columns: int, limit: int = ROPE_MAX_BLOCK) -> int:
     """B1's columns per step: the power of two of ``columns``, at least 2 (a pair), at most ``limit``."""
-    return min(max(triton.next_power_of_2(columns), 2), limit)
+    return min(max(next_power_of_2(columns), 2), limit)
 
 
 @triton.jit
