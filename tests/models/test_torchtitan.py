@@ -1,0 +1,200 @@
+"""codagen.integrations.torchtitan: torchtitan's Llama 3 with codagen's blocks trains like the stock model
+(fp32, reference backend), keeps torchtitan's state-dict names, and runs under torchtitan's own FSDP step."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import codagen
+
+from .conftest import run_distributed
+
+torchtitan = pytest.importorskip("torchtitan", reason="torchtitan (0.3) is not installed: pip install torchtitan")
+from torchtitan.config.override import _REGISTRY, derive  # noqa: E402
+from torchtitan.models import llama3  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
+from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.common.config_utils import get_attention_config  # noqa: E402
+
+from codagen.integrations import torchtitan as tt  # noqa: E402
+
+DIM, LAYERS, HEADS, KV_HEADS, HIDDEN, VOCAB, BATCH, SEQ = 64, 2, 4, 2, 128, 128, 2, 16
+
+
+def tiny_config() -> llama3.Llama3Model.Config:
+    """torchtitan's Llama 3 config at tiny sizes, with its ``llama`` RoPE scaling and depth-scaled inits."""
+    layers = llama3._build_llama3_layers(
+        n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=HIDDEN, attn_backend="flex",
+        rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=500000, scaling="llama"))
+    return llama3.Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=llama3._output_linear_init(DIM)),
+        layers=layers)
+
+
+def stock_model(config) -> torch.nn.Module:
+    """The unconverted model with causal SDPA (torchtitan's flex attention has no backward on the CPU)."""
+    layers = [derive(layer, type(layer), attention=derive(layer.attention, type(layer.attention),
+                                                          inner_attention=ScaledDotProductAttention.Config()))
+              for layer in config.layers]
+    torch.manual_seed(0)
+    model = derive(config, type(config), layers=layers).build()
+    model.init_states()
+    with torch.no_grad():  # norm weights away from 1, so that a norm applied in the wrong block shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def converted_model(stock) -> tt.CodagenLlama3Model:
+    model = tt.convert_config(tiny_config()).build()
+    model.init_states()
+    model.load_state_dict(stock.state_dict(), strict=True)
+    return model
+
+
+def loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def torchtitan_grads(model: tt.CodagenLlama3Model) -> dict[str, torch.Tensor]:
+    """The gradients under torchtitan's names and layouts (through the state-dict hook's conversion)."""
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    tt._to_torchtitan_layout(model, grads, "", None)
+    return grads
+
+
+def state_dict_of_grads(stock) -> dict[str, torch.Tensor]:
+    """The stock model's gradients in its state-dict layout (its fused ``wqkv`` split by its own hook)."""
+    holder = copy.deepcopy(stock)
+    for p, q in zip(holder.parameters(), stock.parameters(), strict=True):
+        p.data = q.grad
+    return holder.state_dict()
+
+
+def rel_err(got, want):
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_converted_model_trains_like_torchtitan():
+    stock = stock_model(tiny_config())
+    model = converted_model(stock)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
+    want = loss(stock, tokens)
+    want.backward()
+    with codagen.use_backend("reference"):
+        got = loss(model, tokens)
+        got.backward()
+    assert rel_err(got, want) < 1e-4
+    grads, want_grads = torchtitan_grads(model), state_dict_of_grads(stock)
+    assert set(grads) == set(want_grads)
+    for name, g in want_grads.items():
+        assert rel_err(grads[name], g) < 1e-4, name
+
+
+def test_override_rewrites_the_config():
+    """``--override.imports codagen.integrations.torchtitan.codagen_llama3`` names a registered override that
+    turns the model config and every block config into codagen's."""
+    entry = _REGISTRY["codagen.integrations.torchtitan.codagen_llama3"]
+    converted = entry.factory(tiny_config())
+    assert type(converted) is tt.CodagenLlama3Model.Config
+    assert all(type(layer) is tt.CodagenBlock.Config for layer in converted.layers)
+    assert all(isinstance(layer.attention.inner_attention, ScaledDotProductAttention.Config)
+               for layer in converted.layers)
+    assert isinstance(tiny_config().layers[0].attention.inner_attention, type(get_attention_config("flex")))
+
+
+def test_state_dict_round_trip_in_torchtitan_names():
+    stock = stock_model(tiny_config())
+    model = converted_model(stock)
+    saved = model.state_dict()
+    want = stock.state_dict()
+    assert list(saved) == list(want) or set(saved) == set(want)
+    for name, t in want.items():
+        assert torch.equal(saved[name], t), name
+    fresh = tt.convert_config(tiny_config()).build()
+    fresh.init_states()
+    fresh.load_state_dict(copy.deepcopy(saved), strict=True)
+    for (name, p), (_, q) in zip(fresh.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    restored = stock_model(tiny_config())
+    with torch.no_grad():
+        for p in restored.parameters():
+            p.zero_()
+    restored.load_state_dict(saved, strict=True)
+    for name, t in restored.state_dict().items():
+        assert torch.equal(t, want[name]), name
+
+
+@pytest.mark.parametrize("setting", [{"spmd_backend": "spmd_types"},
+                                     {"spmd_backend": "partial_dtensor", "tensor_parallel_degree": 2}])
+def test_rejects_unsupported_parallelism(setting):
+    from torchtitan.config import ParallelismConfig
+
+    class TrainerConfig:
+        parallelism = ParallelismConfig(**setting)
+    with pytest.raises(NotImplementedError, match="spmd_backend|tensor_parallel_degree"):
+        tt.convert_config(tiny_config()).update_from_config(config=TrainerConfig())
+
+
+def test_rejects_document_masks():
+    model = converted_model(stock_model(tiny_config()))
+    with pytest.raises(NotImplementedError, match="attention masks"):
+        model(torch.zeros(1, 4, dtype=torch.long), attention_masks=object())
+
+
+def _fsdp_step(rank, world, stock_state, tokens):
+    """One forward/backward of the converted model through torchtitan's ``parallelize_llama`` (FSDP over
+    ``world`` ranks, full activation checkpointing); this rank's share of ``tokens``; the full gradients."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import parallel_dims as parallel_dims_module
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    parallel_dims_module.device_type = "cpu"  # torchtitan's device_type is "cuda" even on a CPU-only torch
+
+    parallelism = ParallelismConfig(data_parallel_shard_degree=world, spmd_backend="partial_dtensor")
+    parallel_dims = ParallelDims.from_config(parallelism, world)
+    parallel_dims.build_mesh()
+    model = tt.convert_config(tiny_config()).build()
+    model.init_states()
+    model.load_state_dict(stock_state, strict=True)
+    llama3.parallelize_llama(model, parallel_dims=parallel_dims,
+                             training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
+                             compile_config=CompileConfig(enable=False), ac_config=FullAC.Config(), dump_folder="")
+    for module in model.modules():  # torchtitan divides by the global token count itself (gradient divide factor
+        if isinstance(module, FSDPModule):  # 1), which gloo runs as a plain sum, having no PREMUL_SUM
+            module.set_force_sum_reduction_for_comms(True)
+    rows = tokens.shape[0] // world
+    with codagen.use_backend("reference"):
+        (loss(model, tokens[rank * rows:(rank + 1) * rows]) / world).backward()
+    grads = {name.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()
+             for name, p in model.named_parameters()}
+    placements = {p.grad.placements for p in model.parameters()}
+    tt._to_torchtitan_layout(model, grads, "", None)
+    state = {name: t.full_tensor() for name, t in model.state_dict().items()}
+    return grads, placements, state
+
+
+def test_fsdp_through_torchtitan_parallelize():
+    """Two gloo ranks under torchtitan's own FSDP2 + activation-checkpointing steps: every gradient equals the
+    stock model's on the whole batch, and the sharded state dict has torchtitan's names and values."""
+    stock = stock_model(tiny_config())
+    tokens = torch.randint(0, VOCAB, (2 * BATCH, SEQ + 1))
+    loss(stock, tokens).backward()
+    grads, placements, state = run_distributed(2, _fsdp_step, stock.state_dict(), tokens)
+    want = state_dict_of_grads(stock)
+    assert set(grads) == set(want)
+    for name, g in want.items():
+        assert rel_err(grads[name], g) < 1e-4, name
+    assert placements == {(torch.distributed.tensor.Shard(0),)}
+    for name, t in stock.state_dict().items():
+        assert torch.equal(state[name], t), name
