@@ -13,13 +13,13 @@ import codagen
 from .conftest import run_distributed
 
 torchtitan = pytest.importorskip("torchtitan", reason="torchtitan (0.3) is not installed: pip install torchtitan")
-from torchtitan.config.override import _REGISTRY, derive  # noqa: E402
+from torchtitan.config.override import derive  # noqa: E402
 from torchtitan.models import llama3  # noqa: E402
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.config_utils import get_attention_config  # noqa: E402
 
-from codagen.integrations import torchtitan as tt  # noqa: E402
+from codagen.integrations.torchtitan import model as tt  # noqa: E402
 
 DIM, LAYERS, HEADS, KV_HEADS, HIDDEN, VOCAB, BATCH, SEQ = 64, 2, 4, 2, 128, 128, 2, 16
 
@@ -75,7 +75,7 @@ def state_dict_of_grads(stock) -> dict[str, torch.Tensor]:
     """The stock model's gradients in its state-dict layout (its fused ``wqkv`` split by its own hook)."""
     holder = copy.deepcopy(stock)
     for p, q in zip(holder.parameters(), stock.parameters(), strict=True):
-        p.data = q.grad
+        p.data = q.grad if q.grad is not None else torch.zeros_like(q)
     return holder.state_dict()
 
 
@@ -99,16 +99,34 @@ def test_converted_model_trains_like_torchtitan():
         assert rel_err(grads[name], g) < 1e-4, name
 
 
-def test_override_rewrites_the_config():
-    """``--override.imports codagen.integrations.torchtitan.codagen_llama3`` names a registered override that
-    turns the model config and every block config into codagen's."""
-    entry = _REGISTRY["codagen.integrations.torchtitan.codagen_llama3"]
-    converted = entry.factory(tiny_config())
-    assert type(converted) is tt.CodagenLlama3Model.Config
-    assert all(type(layer) is tt.CodagenBlock.Config for layer in converted.layers)
+def test_converter_rewrites_the_config():
+    """``llama3.model_registry(flavor, converters=[CodagenConverter.Config()])`` gives codagen's model and block
+    configs, with causal SDPA in place of torchtitan's flex attention (so the trainer builds no masks)."""
+    spec = llama3.model_registry("debugmodel", converters=[tt.CodagenConverter.Config()])
+    assert type(spec.model) is tt.CodagenLlama3Model.Config
+    assert all(type(layer) is tt.CodagenBlock.Config for layer in spec.model.layers)
     assert all(isinstance(layer.attention.inner_attention, ScaledDotProductAttention.Config)
-               for layer in converted.layers)
+               for layer in spec.model.layers)
     assert isinstance(tiny_config().layers[0].attention.inner_attention, type(get_attention_config("flex")))
+
+
+def test_chunked_loss_hidden_states():
+    """With ``_skip_lm_head`` (torchtitan's ChunkedLossWrapper) the model returns the final norm's output."""
+    stock = stock_model(tiny_config())
+    model = converted_model(stock)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    weights = torch.randn(BATCH, SEQ, DIM)
+    stock._skip_lm_head = model._skip_lm_head = True
+    want = stock(tokens)
+    (want * weights).sum().backward()
+    with codagen.use_backend("reference"):
+        got = model(tokens)
+        (got * weights).sum().backward()
+    assert rel_err(got, want) < 1e-4
+    grads, want_grads = torchtitan_grads(model), state_dict_of_grads(stock)
+    assert grads.pop("lm_head.weight") is None
+    for name, g in grads.items():
+        assert rel_err(g, want_grads[name]) < 1e-4, name
 
 
 def test_state_dict_round_trip_in_torchtitan_names():

@@ -1,11 +1,20 @@
 """torchtitan's Llama 3 with codagen's fused blocks, under torchtitan's own parallelize steps.
 
-Activate it in a torchtitan 0.3 run with ``--override.imports codagen.integrations.torchtitan.codagen_llama3``:
-the override replaces the model config (a ``Llama3Model.Config``) by :class:`CodagenLlama3Model.Config` and
-each ``Llama3TransformerBlock.Config`` by :class:`CodagenBlock.Config`, keeping every size, RoPE setting and
+Run torchtitan 0.3's trainer on this module as its config registry::
+
+    torchrun --nproc_per_node 8 -m torchtitan.train --module codagen.integrations.torchtitan --config llama3_8b
+
+(``llama3_8b``, ``llama3_70b``, ``llama3_debugmodel``, ``llama3_debugmodel_ce_loss``: torchtitan's configs of
+those names, converted; the usual command-line flags apply on top), or convert a model spec in a config registry
+of your own with ``llama3.model_registry(flavor, converters=[CodagenConverter.Config()])`` and set
+``parallelism.spmd_backend = "partial_dtensor"`` (:func:`.config_registry.codagen_trainer_config` does both).
+The conversion replaces the model config (a ``Llama3Model.Config``) by :class:`CodagenLlama3Model.Config` and each
+``Llama3TransformerBlock.Config`` by :class:`CodagenBlock.Config`, keeping every size, RoPE setting and
 parameter init. Each decoder block then runs CODA's regrouped unit (:func:`codagen.models.llama.decoder_layer`):
 norm + QKV + RoPE, attention, O-proj + residual + norm statistics, gate/up + SwiGLU + down + residual + the
-next norm's statistics, as custom ops with fake and autograd registrations.
+next norm's statistics, as custom ops with fake and autograd registrations. (torchtitan's
+``--override.imports`` does not fit: the trainer builds the model config it held before applying overrides, so
+an override of the root model config is not built; overrides of nested component configs are.)
 
 torchtitan's ``parallelize_llama`` runs unchanged on the converted model:
 
@@ -22,7 +31,7 @@ order codagen's QKV epilogue takes, so ``wqkv = [wq; wk; wv]`` needs no row perm
 ``feed_forward.w1``, ``attention_norm``, ``norm``, ...) through hooks on the root, so torchtitan's DCP
 checkpoints and its Hugging Face ``Llama3StateDictAdapter`` see the stock model's keys.
 
-It runs with ``--parallelism.spmd_backend partial_dtensor`` (FSDP2 and DTensor only where torchtitan adds
+It runs with ``parallelism.spmd_backend = "partial_dtensor"`` (FSDP2 and DTensor only where torchtitan adds
 them; the default ``spmd_types`` backend annotates every module with sharding specs, which the blocks do not
 declare). Not supported (each raises when configured): tensor / context / pipeline / expert parallelism, the
 ``spmd_types`` and ``full_dtensor`` backends, attention masks
@@ -33,20 +42,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torchtitan.config import override
 from torchtitan.config.override import derive
 from torchtitan.models.common.attention import GQAttention, QKVLinear, ScaledDotProductAttention
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.rope import ComplexRoPE
 from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.protocols.module import Module, ModuleDict
 
 from codagen import ops
 from codagen.models.fused_layers import _relayout as relayout
 from codagen.models.llama import AttentionSpec, BlockWeights, decoder_layer, module_stack
 
-__all__ = ["CodagenBlock", "CodagenLlama3Model", "LayerNorms", "codagen_llama3", "convert_config"]
+__all__ = ["CodagenBlock", "CodagenConverter", "CodagenLlama3Model", "LayerNorms", "convert_config"]
 
 
 def _qkv_config(attention: GQAttention.Config) -> Linear.Config:
@@ -168,8 +178,8 @@ class CodagenLlama3Model(Llama3Model):
         x, normed, rstd = module_stack(x, list(self.layers.values()), [n.attention_norm.weight for n in norms],
                                        [n.ffn_norm.weight for n in norms], self.final_norm.weight, self.eps, spec,
                                        positions.reshape(-1).float(), self.frequencies())
-        if self._skip_lm_head:
-            raise NotImplementedError("CodagenLlama3Model: a chunked loss (skipping the LM head) is not supported")
+        if self._skip_lm_head:  # torchtitan's ChunkedLossWrapper applies the LM head itself, chunk by chunk
+            return F.rms_norm(x, (x.shape[1],), self.final_norm.weight.to(x.dtype), self.eps).view(batch, seq, -1)
         logits = ops.rms_linear(x, normed, rstd, self.final_norm.weight.to(x.dtype), self.lm_head.weight)
         return logits.view(batch, seq, -1)
 
@@ -227,8 +237,15 @@ def convert_config(config: Llama3Model.Config) -> CodagenLlama3Model.Config:
     return derive(config, CodagenLlama3Model.Config, layers=layers)
 
 
-@override(target=Llama3Model.Config, exact=True,
-          description="codagen: CODA's fused decoder blocks (codagen.integrations.torchtitan)")
-def codagen_llama3(config: Llama3Model.Config) -> CodagenLlama3Model.Config:
-    """``--override.imports codagen.integrations.torchtitan.codagen_llama3``: :func:`convert_config`."""
-    return convert_config(config)
+class CodagenConverter(ModelConfigConverter):
+    """torchtitan model converter: ``llama3.model_registry(flavor, converters=[CodagenConverter.Config()])``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ModelConfigConverter.Config):
+        pass
+
+    def __init__(self, config: Config):
+        self.config = config
+
+    def convert(self, model_config: Llama3Model.Config) -> CodagenLlama3Model.Config:
+        return convert_config(model_config)
