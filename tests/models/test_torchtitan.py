@@ -216,3 +216,27 @@ def test_fsdp_through_torchtitan_parallelize():
     assert placements == {(torch.distributed.tensor.Shard(0),)}
     for name, t in stock.state_dict().items():
         assert torch.equal(state[name], t), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_on_gpu_two_x_rule(monkeypatch):
+    """On the GPU (Triton backend, bf16): the converted model's loss and gradients against the stock model in
+    float64 err at most twice as much as the stock model in bf16 (+1e-6)."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    stock = stock_model(tiny_config()).cuda()
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), device="cuda")
+    runs = {"float64": copy.deepcopy(stock).double(), "torchtitan_bf16": copy.deepcopy(stock).bfloat16(),
+            "codagen_bf16": converted_model(stock).cuda().bfloat16()}
+    results = {}
+    for name, model in runs.items():
+        with codagen.use_backend("triton" if name == "codagen_bf16" else "reference"):
+            value = loss(model, tokens)
+            value.backward()
+        grads = torchtitan_grads(model) if name == "codagen_bf16" else state_dict_of_grads(model)
+        results[name] = {"loss": value.detach().double(), **{k: g.double() for k, g in grads.items()}}
+    exact = results.pop("float64")
+    assert rel_err(results["codagen_bf16"].pop("loss"), exact.pop("loss")) <= 2 ** -8
+    for key, want in exact.items():
+        ours, theirs = rel_err(results["codagen_bf16"][key], want), rel_err(results["torchtitan_bf16"][key], want)
+        assert ours <= 2 * theirs + 1e-6, f"{key}: codagen {ours:.2e} vs torchtitan bf16 {theirs:.2e}"
