@@ -54,6 +54,7 @@ def stock_model(config) -> torch.nn.Module:
 
 def converted_model(stock) -> tt.CodagenLlama3Model:
     model = tt.convert_config(tiny_config()).build()
+    model.verify_module_protocol()  # torchtitan's trainer checks every submodule is a torchtitan Module
     model.init_states()
     model.load_state_dict(stock.state_dict(), strict=True)
     return model
