@@ -32,6 +32,8 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torchtitan as torchtitan_package
+import triton
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.metrics import MetricsProcessor
@@ -142,9 +144,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the medians (compile, autotune)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    import torchtitan as torchtitan_package
-    import triton
-
     results = {}
     for name in ("torchtitan", "codagen"):
         rows = [row for row in run(name, args.steps) if row[0] > args.warmup]

@@ -169,7 +169,7 @@ def test_rejects_document_masks():
         model(torch.zeros(1, 4, dtype=torch.long), attention_masks=object())
 
 
-def _fsdp_step(rank, world, stock_state, tokens):
+def _fsdp_step(rank, world, stock_state, tokens, compile_backend):
     """One forward/backward of the converted model through torchtitan's ``parallelize_llama`` (FSDP over
     ``world`` ranks, full activation checkpointing); this rank's share of ``tokens``; the full gradients."""
     from torch.distributed.fsdp import FSDPModule
@@ -186,9 +186,12 @@ def _fsdp_step(rank, world, stock_state, tokens):
     model = tt.convert_config(tiny_config()).build()
     model.init_states()
     model.load_state_dict(stock_state, strict=True)
+    compile_config = CompileConfig(enable=compile_backend is not None, backend=compile_backend or "inductor")
     llama3.parallelize_llama(model, parallel_dims=parallel_dims,
                              training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
-                             compile_config=CompileConfig(enable=False), ac_config=FullAC.Config(), dump_folder="")
+                             compile_config=compile_config, ac_config=FullAC.Config(), dump_folder="")
+    compiled = [getattr(block, "_compiled_call_impl", None) is not None for block in model.layers.values()]
+    assert compiled == [compile_backend is not None] * LAYERS
     for module in model.modules():  # torchtitan divides by the global token count itself (gradient divide factor
         if isinstance(module, FSDPModule):  # 1), which gloo runs as a plain sum, having no PREMUL_SUM
             module.set_force_sum_reduction_for_comms(True)
@@ -203,13 +206,15 @@ def _fsdp_step(rank, world, stock_state, tokens):
     return grads, placements, state
 
 
-def test_fsdp_through_torchtitan_parallelize():
-    """Two gloo ranks under torchtitan's own FSDP2 + activation-checkpointing steps: every gradient equals the
-    stock model's on the whole batch, and the sharded state dict has torchtitan's names and values."""
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
+def test_fsdp_through_torchtitan_parallelize(compile_backend):
+    """Two gloo ranks under torchtitan's own FSDP2 + activation-checkpointing (+ per-block ``torch.compile``,
+    ``fullgraph=True``) steps: every gradient equals the stock model's on the whole batch, and the sharded state
+    dict has torchtitan's names and values."""
     stock = stock_model(tiny_config())
     tokens = torch.randint(0, VOCAB, (2 * BATCH, SEQ + 1))
     loss(stock, tokens).backward()
-    grads, placements, state = run_distributed(2, _fsdp_step, stock.state_dict(), tokens)
+    grads, placements, state = run_distributed(2, _fsdp_step, stock.state_dict(), tokens, compile_backend)
     want = state_dict_of_grads(stock)
     assert set(grads) == set(want)
     for name, g in want.items():
