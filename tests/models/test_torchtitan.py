@@ -14,8 +14,8 @@ from .conftest import run_distributed
 
 torchtitan = pytest.importorskip("torchtitan", reason="torchtitan (0.3) is not installed: pip install torchtitan")
 from torchtitan.config.override import derive  # noqa: E402
-from torchtitan.models import llama3  # noqa: E402
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
+from torchtitan.models import llama3, qwen3  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.config_utils import get_attention_config  # noqa: E402
 
@@ -37,6 +37,21 @@ def tiny_config() -> llama3.Llama3Model.Config:
         layers=layers)
 
 
+def tiny_qwen3_config() -> qwen3.Qwen3Model.Config:
+    """torchtitan's dense Qwen3 config at tiny sizes: QK-norm, half-split RoPE, head_dim 32 != dim / heads."""
+    head_dim = 32
+    layers = qwen3._build_qwen3_layers(
+        n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=head_dim, hidden_dim=HIDDEN,
+        attn_backend="flex", rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=SEQ, theta=1000000.0))
+    return qwen3.Qwen3Model.Config(
+        dim=DIM, vocab_size=VOCAB, norm=qwen3._qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT), layers=layers)
+
+
+CONFIGS = {"llama3": tiny_config, "qwen3": tiny_qwen3_config}
+
+
 def stock_model(config) -> torch.nn.Module:
     """The unconverted model with causal SDPA (torchtitan's flex attention has no backward on the CPU)."""
     layers = [derive(layer, type(layer), attention=derive(layer.attention, type(layer.attention),
@@ -52,8 +67,8 @@ def stock_model(config) -> torch.nn.Module:
     return model
 
 
-def converted_model(stock) -> tt.CodagenLlama3Model:
-    model = tt.convert_config(tiny_config()).build()
+def converted_model(stock, config=None):
+    model = tt.convert_config(config or tiny_config()).build()
     model.verify_module_protocol()  # torchtitan's trainer checks every submodule is a torchtitan Module
     model.init_states()
     model.load_state_dict(stock.state_dict(), strict=True)
@@ -84,9 +99,10 @@ def rel_err(got, want):
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def test_converted_model_trains_like_torchtitan():
-    stock = stock_model(tiny_config())
-    model = converted_model(stock)
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_converted_model_trains_like_torchtitan(kind):
+    stock = stock_model(CONFIGS[kind]())
+    model = converted_model(stock, CONFIGS[kind]())
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
     want = loss(stock, tokens)
     want.backward()
@@ -130,20 +146,21 @@ def test_chunked_loss_hidden_states():
         assert rel_err(g, want_grads[name]) < 1e-4, name
 
 
-def test_state_dict_round_trip_in_torchtitan_names():
-    stock = stock_model(tiny_config())
-    model = converted_model(stock)
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_state_dict_round_trip_in_torchtitan_names(kind):
+    stock = stock_model(CONFIGS[kind]())
+    model = converted_model(stock, CONFIGS[kind]())
     saved = model.state_dict()
     want = stock.state_dict()
     assert list(saved) == list(want) or set(saved) == set(want)
     for name, t in want.items():
         assert torch.equal(saved[name], t), name
-    fresh = tt.convert_config(tiny_config()).build()
+    fresh = tt.convert_config(CONFIGS[kind]()).build()
     fresh.init_states()
     fresh.load_state_dict(copy.deepcopy(saved), strict=True)
     for (name, p), (_, q) in zip(fresh.named_parameters(), model.named_parameters(), strict=True):
         assert torch.equal(p, q), name
-    restored = stock_model(tiny_config())
+    restored = stock_model(CONFIGS[kind]())
     with torch.no_grad():
         for p in restored.parameters():
             p.zero_()
@@ -169,7 +186,7 @@ def test_rejects_document_masks():
         model(torch.zeros(1, 4, dtype=torch.long), attention_masks=object())
 
 
-def _fsdp_step(rank, world, stock_state, tokens, compile_backend):
+def _fsdp_step(rank, world, kind, stock_state, tokens, compile_backend):
     """One forward/backward of the converted model through torchtitan's ``parallelize_llama`` (FSDP over
     ``world`` ranks, full activation checkpointing); this rank's share of ``tokens``; the full gradients."""
     from torch.distributed.fsdp import FSDPModule
@@ -183,13 +200,14 @@ def _fsdp_step(rank, world, stock_state, tokens, compile_backend):
     parallelism = ParallelismConfig(data_parallel_shard_degree=world, spmd_backend="partial_dtensor")
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()
-    model = tt.convert_config(tiny_config()).build()
+    model = tt.convert_config(CONFIGS[kind]()).build()
     model.init_states()
     model.load_state_dict(stock_state, strict=True)
     compile_config = CompileConfig(enable=compile_backend is not None, backend=compile_backend or "inductor")
-    llama3.parallelize_llama(model, parallel_dims=parallel_dims,
-                             training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
-                             compile_config=compile_config, ac_config=FullAC.Config(), dump_folder="")
+    parallelize = {"llama3": llama3.parallelize_llama, "qwen3": qwen3.parallelize_qwen3}[kind]
+    parallelize(model, parallel_dims=parallel_dims,
+                training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
+                compile_config=compile_config, ac_config=FullAC.Config(), dump_folder="")
     compiled = [getattr(block, "_compiled_call_impl", None) is not None for block in model.layers.values()]
     assert compiled == [compile_backend is not None] * LAYERS
     for module in model.modules():  # torchtitan divides by the global token count itself (gradient divide factor
@@ -206,15 +224,15 @@ def _fsdp_step(rank, world, stock_state, tokens, compile_backend):
     return grads, placements, state
 
 
-@pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
-def test_fsdp_through_torchtitan_parallelize(compile_backend):
+@pytest.mark.parametrize("kind, compile_backend", [("llama3", None), ("llama3", "aot_eager"), ("qwen3", None)])
+def test_fsdp_through_torchtitan_parallelize(kind, compile_backend):
     """Two gloo ranks under torchtitan's own FSDP2 + activation-checkpointing (+ per-block ``torch.compile``,
     ``fullgraph=True``) steps: every gradient equals the stock model's on the whole batch, and the sharded state
     dict has torchtitan's names and values."""
-    stock = stock_model(tiny_config())
+    stock = stock_model(CONFIGS[kind]())
     tokens = torch.randint(0, VOCAB, (2 * BATCH, SEQ + 1))
     loss(stock, tokens).backward()
-    grads, placements, state = run_distributed(2, _fsdp_step, stock.state_dict(), tokens, compile_backend)
+    grads, placements, state = run_distributed(2, _fsdp_step, kind, stock.state_dict(), tokens, compile_backend)
     want = state_dict_of_grads(stock)
     assert set(grads) == set(want)
     for name, g in want.items():
