@@ -5,17 +5,17 @@ Run torchtitan 0.3's trainer on this module as its config registry::
     torchrun --nproc_per_node 8 -m torchtitan.train --module codagen.integrations.torchtitan --config llama3_8b
 
 (``llama3_8b``, ``llama3_70b``, ``llama3_debugmodel``, ``llama3_debugmodel_ce_loss``, ``qwen3_0_6b``,
-``qwen3_1_7b``, ``qwen3_14b``, ``qwen3_32b``, ``qwen3_debugmodel``: torchtitan's configs of those names,
-converted; the usual command-line flags apply on top), or convert a model spec in a config registry
-of your own with ``llama3.model_registry(flavor, converters=[CodagenConverter.Config()])`` and set
-``parallelism.spmd_backend = "partial_dtensor"`` (:func:`.config_registry.codagen_trainer_config` does both).
-The conversion replaces the model config (a ``Llama3Model.Config`` / ``Qwen3Model.Config``) by
-:class:`CodagenLlama3Model.Config` / :class:`CodagenQwen3Model.Config` and each block config by
-:class:`CodagenBlock.Config`, keeping every size, RoPE setting and parameter init. Each decoder block then
-runs CODA's regrouped unit (:func:`codagen.models.llama.decoder_layer`): norm + QKV + RoPE, attention, O-proj + residual + norm statistics, gate/up + SwiGLU + down + residual + the
-next norm's statistics, as custom ops with fake and autograd registrations. (torchtitan's
-``--override.imports`` does not fit: the trainer builds the model config it held before applying overrides, so
-an override of the root model config is not built; overrides of nested component configs are.)
+``qwen3_1_7b``, ``qwen3_14b``, ``qwen3_32b``, ``qwen3_debugmodel``: torchtitan's configs of those names, converted;
+the usual command-line flags apply on top), or convert a model spec in a config registry of your own with
+``llama3.model_registry(flavor, converters=[CodagenConverter.Config()])`` and set ``parallelism.spmd_backend =
+"partial_dtensor"`` (:func:`.config_registry.codagen_trainer_config` does both). The conversion replaces the model
+config (a ``Llama3Model.Config`` / ``Qwen3Model.Config``) by :class:`CodagenLlama3Model.Config` /
+:class:`CodagenQwen3Model.Config` and each block config by :class:`CodagenBlock.Config`, keeping every size, RoPE
+setting and parameter init. Each decoder block then runs CODA's regrouped unit
+(:func:`codagen.models.llama.decoder_layer`): norm + QKV + RoPE, attention, O-proj + residual + norm statistics,
+gate/up + SwiGLU + down + residual + the next norm's statistics, as custom ops with fake and autograd registrations.
+(torchtitan's ``--override.imports`` does not fit: the trainer builds the model config it held before applying
+overrides, so an override of the root model config is not built; overrides of nested component configs are.)
 
 torchtitan's ``parallelize_llama`` / ``parallelize_qwen3`` run unchanged on the converted model:
 
@@ -27,11 +27,12 @@ torchtitan's ``parallelize_llama`` / ``parallelize_qwen3`` run unchanged on the 
   (``docs/sharding.md``, "The units").
 
 Layouts. ``wqkv = [wq; wk; wv]``, ``w13`` interleaves ``w1`` (gate) and ``w3`` (up) rows. Llama 3's RoPE
-(``ComplexRoPE``) rotates adjacent channel pairs ``(2i, 2i + 1)``, the pair order codagen's QKV epilogue takes,
-so its Q/K rows stay as they are; Qwen3's (``CosSinRoPE``) rotates Hugging Face's half-split pairs
-``(i, i + hd/2)``, so its Q/K rows and QK-norm weights are permuted to adjacent pairs (``ops.layouts``).
-State dicts keep torchtitan's names and layouts (``attention.qkv_linear.wq``, ``feed_forward.w1``, ``attention_norm``, ``norm``, ...) through hooks on the root, so torchtitan's DCP
-checkpoints and its Hugging Face state-dict adapters see the stock model's keys.
+(``ComplexRoPE``) rotates adjacent channel pairs ``(2i, 2i + 1)``, the pair order codagen's QKV epilogue takes, so
+its Q/K rows stay as they are; Qwen3's (``CosSinRoPE``) rotates Hugging Face's half-split pairs ``(i, i + hd/2)``,
+so its Q/K rows and QK-norm weights are permuted to adjacent pairs (``ops.layouts``). State dicts keep torchtitan's
+names and layouts (``attention.qkv_linear.wq``, ``feed_forward.w1``, ``attention_norm``, ``norm``, ...) through
+hooks on the root, so torchtitan's DCP checkpoints and its Hugging Face state-dict adapters see the stock model's
+keys.
 
 It runs with ``parallelism.spmd_backend = "partial_dtensor"`` (FSDP2 and DTensor only where torchtitan adds
 them; the default ``spmd_types`` backend annotates every module with sharding specs, which the blocks do not
