@@ -16,7 +16,8 @@ This file is a torchtitan config registry (``--config torchtitan`` / ``--config 
 runs ``torchrun --nproc-per-node 1 -m torchtitan.train --module bench.torchtitan_step --config NAME`` for both
 (from the repository root), reads torchtitan's own per-step log line (``tps``, ``memory`` = peak reserved GiB),
 and writes ``bench/results/<date>-torchtitan-step.json``: per model the median tps and the peak memory over the
-steps after ``--warmup``, with the GPU, the versions and the shapes.
+steps after ``--warmup``, with the GPU, the versions and the shapes. The codagen run takes the shipped Triton
+tuning (``CODAGEN_TRITON_AUTOTUNE=0`` unless set).
 """
 from __future__ import annotations
 
@@ -127,6 +128,7 @@ def run(name: str, steps: int) -> list[tuple[int, float, float]]:
     command = ["torchrun", "--standalone", "--nproc-per-node", "1", "-m", "torchtitan.train", "--module",
                "bench.torchtitan_step", "--config", name, "--training.steps", str(steps)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    env.setdefault("CODAGEN_TRITON_AUTOTUNE", "0")  # the shipped tuning, no minutes of autotuning in the run
     print(" ".join(command), flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     log = _ANSI.sub("", result.stdout + result.stderr)
