@@ -122,7 +122,7 @@ def fuse_layers(model: nn.Module, sliding_windows: list[int | None]) -> None:
 
 
 # --- state-dict hooks: Hugging Face names and layouts in, out ------------------------------------------
-def _relayout(fn, *tensors: torch.Tensor) -> list[torch.Tensor]:
+def relayout(fn, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """``fn(*tensors)`` (a list of tensors) on the full values; sharded inputs give outputs sharded like the first."""
     if not isinstance(tensors[0], DTensor):
         return fn(*tensors)
@@ -138,10 +138,10 @@ def _to_hf_layout(layer: nn.Module, state_dict: dict, prefix: str, local_metadat
     heads = (block.num_heads, block.num_kv_heads, block.head_dim)
     for kind in ("weight", "bias"):
         if f + f"qkv_proj.{kind}" in state_dict:
-            parts = _relayout(lambda t: list(split_qkv(qkv_from_rank_major(t, *heads, block.qkv_groups), *heads)),
+            parts = relayout(lambda t: list(split_qkv(qkv_from_rank_major(t, *heads, block.qkv_groups), *heads)),
                               state_dict.pop(f + f"qkv_proj.{kind}"))
             state_dict.update({a + f"{n}.{kind}": t for n, t in zip(_ATTENTION, parts)})
-    gate, up = _relayout(lambda t: list(ops.split_gate_up(t)), state_dict.pop(f + "gate_up_proj.weight"))
+    gate, up = relayout(lambda t: list(ops.split_gate_up(t)), state_dict.pop(f + "gate_up_proj.weight"))
     state_dict.update({m + "gate_proj.weight": gate, m + "up_proj.weight": up})
     for key in [key for key in state_dict if key.startswith(f)]:
         name = key[len(f):]
@@ -156,11 +156,11 @@ def _from_hf_layout(layer: nn.Module, state_dict: dict, prefix: str, local_metad
         keys = [a + f"{n}.{kind}" for n in _ATTENTION]
         if all(key in state_dict for key in keys):
             heads = (block.num_heads, block.num_kv_heads, block.head_dim)
-            (qkv,) = _relayout(lambda *t: [qkv_rank_major(fuse_qkv(*t, block.head_dim), *heads, block.qkv_groups)],
+            (qkv,) = relayout(lambda *t: [qkv_rank_major(fuse_qkv(*t, block.head_dim), *heads, block.qkv_groups)],
                                *(state_dict.pop(key) for key in keys))
             state_dict[f + f"qkv_proj.{kind}"] = qkv
     if m + "gate_proj.weight" in state_dict and m + "up_proj.weight" in state_dict:
-        (gate_up,) = _relayout(lambda g, u: [ops.interleave_gate_up(g, u)], state_dict.pop(m + "gate_proj.weight"),
+        (gate_up,) = relayout(lambda g, u: [ops.interleave_gate_up(g, u)], state_dict.pop(m + "gate_proj.weight"),
                                state_dict.pop(m + "up_proj.weight"))
         state_dict[f + "gate_up_proj.weight"] = gate_up
     for key in [key for key in state_dict if key.startswith((a, m))]:

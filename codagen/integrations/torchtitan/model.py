@@ -1,0 +1,306 @@
+"""torchtitan's Llama 3 and dense Qwen3 with codagen's fused blocks, under torchtitan's own parallelize steps.
+
+Run torchtitan 0.3's trainer on this module as its config registry::
+
+    torchrun --nproc_per_node 8 -m torchtitan.train --module codagen.integrations.torchtitan --config llama3_8b
+
+(``llama3_8b``, ``llama3_70b``, ``llama3_debugmodel``, ``llama3_debugmodel_ce_loss``, ``qwen3_0_6b``,
+``qwen3_1_7b``, ``qwen3_14b``, ``qwen3_32b``, ``qwen3_debugmodel``: torchtitan's configs of those names, converted;
+the usual command-line flags apply on top), or convert a model spec in a config registry of your own with
+``llama3.model_registry(flavor, converters=[CodagenConverter.Config()])`` and set ``parallelism.spmd_backend =
+"partial_dtensor"`` (:func:`.config_registry.codagen_trainer_config` does both). The conversion replaces the model
+config (a ``Llama3Model.Config`` / ``Qwen3Model.Config``) by :class:`CodagenLlama3Model.Config` /
+:class:`CodagenQwen3Model.Config` and each block config by :class:`CodagenBlock.Config`, keeping every size, RoPE
+setting and parameter init. Each decoder block then runs CODA's regrouped unit
+(:func:`codagen.models.llama.decoder_layer`): norm + QKV + RoPE, attention, O-proj + residual + norm statistics,
+gate/up + SwiGLU + down + residual + the next norm's statistics, as custom ops with fake and autograd registrations.
+(torchtitan's ``--override.imports`` does not fit: the trainer builds the model config it held before applying
+overrides, so an override of the root model config is not built; overrides of nested component configs are.)
+
+torchtitan's ``parallelize_llama`` / ``parallelize_qwen3`` run unchanged on the converted model:
+
+- activation checkpointing and ``torch.compile`` wrap each ``model.layers[i]``, a :class:`CodagenBlock`;
+- ``apply_fsdp_to_decoder`` makes one FSDP2 unit per block (its GEMM weights), one for ``tok_embeddings`` and
+  the root. Block ``i``'s down-projection epilogue applies block ``i + 1``'s input norm, so the RMSNorm weights
+  are arguments of the blocks and live in the root (``block_norms``, ``final_norm``): the model has no
+  ``norm`` child, which makes torchtitan leave the final norm and the LM head in the root unit
+  (``docs/sharding.md``, "The units").
+
+Layouts. ``wqkv = [wq; wk; wv]``, ``w13`` interleaves ``w1`` (gate) and ``w3`` (up) rows. Llama 3's RoPE
+(``ComplexRoPE``) rotates adjacent channel pairs ``(2i, 2i + 1)``, the pair order codagen's QKV epilogue takes, so
+its Q/K rows stay as they are; Qwen3's (``CosSinRoPE``) rotates Hugging Face's half-split pairs ``(i, i + hd/2)``,
+so its Q/K rows and QK-norm weights are permuted to adjacent pairs (``ops.layouts``). State dicts keep torchtitan's
+names and layouts (``attention.qkv_linear.wq``, ``feed_forward.w1``, ``attention_norm``, ``norm``, ...) through
+hooks on the root, so torchtitan's DCP checkpoints and its Hugging Face state-dict adapters see the stock model's
+keys.
+
+It runs with ``parallelism.spmd_backend = "partial_dtensor"`` (FSDP2 and DTensor only where torchtitan adds
+them; the default ``spmd_types`` backend annotates every module with sharding specs, which the blocks do not
+declare). Not supported (each raises when configured): tensor / context / pipeline / expert parallelism, the
+``spmd_types`` and ``full_dtensor`` backends, attention masks (document masking of packed sequences: the blocks
+run causal SDPA over each sequence), MoE blocks, biases.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtitan.config.override import derive
+from torchtitan.models.common.attention import GQAttention, QKVLinear, ScaledDotProductAttention
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
+from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.protocols.model import ModelConfigConverter
+from torchtitan.protocols.module import Module, ModuleDict
+
+from codagen import ops
+from codagen.models.fused_layers import relayout
+from codagen.models.llama import AttentionSpec, BlockWeights, decoder_layer, module_stack
+
+__all__ = ["CodagenBlock", "CodagenConverter", "CodagenLlama3Model", "CodagenQwen3Model", "LayerNorms",
+           "convert_config"]
+
+
+def _qkv_config(attention: GQAttention.Config) -> Linear.Config:
+    """One ``Linear.Config`` for ``[wq; wk; wv]``, initialized like torchtitan's Q/K/V projection."""
+    n_kv = attention.n_kv_heads or attention.n_heads
+    head_dim = attention.head_dim or attention.dim // attention.n_heads
+    qkv = attention.qkv_linear
+    source = qkv.wq if isinstance(qkv, QKVLinear.Config) else qkv.wqkv
+    if source.bias:
+        raise NotImplementedError("codagen.integrations.torchtitan: a QKV bias is not supported")
+    return Linear.Config(in_features=attention.dim, out_features=(attention.n_heads + 2 * n_kv) * head_dim,
+                         param_init=source.param_init)
+
+
+class CodagenBlock(Module):
+    """One decoder block's GEMM weights in codagen's fused layout; ``forward`` runs CODA's regrouped block.
+
+    ``wqkv`` [(h + 2 kv) hd, d] holds ``[wq; wk; wv]`` (torchtitan's pair order), ``wo`` the O-proj, ``w13``
+    [2 f, d] the interleaved ``w1``/``w3`` rows, ``w2`` the down-proj. ``w13`` takes ``w1``'s init for all its rows
+    (torchtitan draws ``w3`` with the depth-scaled std of ``w2``).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Llama3TransformerBlock.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__()
+        attention, ffn = config.attention, config.feed_forward
+        if not isinstance(attention, GQAttention.Config) or ffn is None or config.moe is not None:
+            raise NotImplementedError("codagen.integrations.torchtitan: a block must have GQA attention and a "
+                                      f"dense feed-forward, got {type(attention).__name__} / moe={config.moe}")
+        if not isinstance(attention.rope, (ComplexRoPE.Config, CosSinRoPE.Config)):
+            raise NotImplementedError("codagen.integrations.torchtitan: RoPE must be ComplexRoPE or CosSinRoPE, got "
+                                      f"{type(attention.rope).__name__}")
+        if any(linear.bias for linear in (attention.wo, ffn.w1, ffn.w2, ffn.w3)):
+            raise NotImplementedError("codagen.integrations.torchtitan: biases are not supported")
+        self.wqkv = _qkv_config(attention).build()
+        self.wo = attention.wo.build()
+        self.w13 = Linear.Config(in_features=ffn.w1.in_features, out_features=2 * ffn.w1.out_features,
+                                 param_init=ffn.w1.param_init).build()
+        self.w2 = ffn.w2.build()
+        # QK-norm (Qwen3): per-head RMSNorm weights [head_dim], in pair order, as each Q/K head's rows of wqkv
+        self.q_norm, self.k_norm = ((attention.qk_norm.build(), attention.qk_norm.build())
+                                    if attention.qk_norm is not None else (None, None))
+
+    def forward(self, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, attn_norm: torch.Tensor,
+                mlp_norm: torch.Tensor, next_norm: torch.Tensor, eps: float, spec: AttentionSpec,
+                positions: torch.Tensor, frequencies: torch.Tensor):
+        """``(x, normed, rstd)`` of ``next_norm`` after this block, on token rows ``[B * S, d]``."""
+        dtype = x.dtype
+        q_norm, k_norm = (None if norm is None else norm.weight.to(dtype) for norm in (self.q_norm, self.k_norm))
+        blk = BlockWeights(attn_norm=attn_norm.to(dtype), qkv=self.wqkv.weight, o=self.wo.weight,
+                           mlp_norm=mlp_norm.to(dtype), gate_up=self.w13.weight, down=self.w2.weight,
+                           q_norm=q_norm, k_norm=k_norm)
+        return decoder_layer(x, normed, rstd, blk, next_norm.to(dtype), eps, spec, positions, frequencies)
+
+
+class LayerNorms(Module):
+    """A decoder layer's two RMSNorms, kept by the root: two blocks read each of them."""
+
+    def __init__(self, attention_norm: nn.Module, ffn_norm: nn.Module):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = attention_norm, ffn_norm
+
+
+def _check_parallelism(parallelism) -> None:
+    """Refuse the parallelisms the blocks do not implement (a model config's ``update_from_config``)."""
+    if parallelism.spmd_backend != "partial_dtensor":
+        raise NotImplementedError("codagen.integrations.torchtitan: parallelism.spmd_backend must be "
+                                  f"'partial_dtensor' (FSDP2 on plain modules), got {parallelism.spmd_backend!r}")
+    for name in ("tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree",
+                 "expert_parallel_degree"):
+        if getattr(parallelism, name, 1) != 1:
+            raise NotImplementedError(f"codagen.integrations.torchtitan: parallelism.{name} must be 1, "
+                                      f"got {getattr(parallelism, name)}")
+
+
+class _CodagenDecoder:
+    """A torchtitan ``Decoder`` whose ``layers`` are :class:`CodagenBlock` s (mixed in before the model class);
+    ``forward(tokens, positions=None)`` returns the logits ``[B, S, vocab]`` (the final norm applied in the LM
+    head GEMM, ``ops.rms_linear``)."""
+
+    def __init__(self, config: Decoder.Config):
+        super().__init__(config)
+        attention = config.layers[0].attention
+        self.n_heads, self.n_kv_heads = attention.n_heads, attention.n_kv_heads or attention.n_heads
+        self.head_dim = attention.head_dim or config.dim // attention.n_heads
+        self.rope = attention.rope.build()
+        # torchtitan's CosSinRoPE rotates Hugging Face's half-split pairs (i, i + hd/2): the state-dict hooks
+        # permute Q/K rows (and QK-norm weights) to adjacent pairs; ComplexRoPE's pairs are adjacent already
+        self.half_split = isinstance(attention.rope, CosSinRoPE.Config)
+        self.block_norms = ModuleDict({str(i): LayerNorms(layer_config.attention_norm.build(),
+                                                          layer_config.ffn_norm.build())
+                                       for i, layer_config in enumerate(config.layers)})
+        # no ``norm`` child: torchtitan's apply_fsdp_to_decoder then keeps the final norm and the LM head in the
+        # root unit, with the block norms, which the last block's epilogue and the head read
+        self.final_norm, self.norm = self.norm, None
+        norms = [self.final_norm, *(n for pair in self.block_norms.values() for n in pair.children()),
+                 *(n for block in self.layers.values() for n in (block.q_norm, block.k_norm) if n is not None)]
+        eps = {norm.eps for norm in norms}
+        if len(eps) != 1 or None in eps:
+            raise NotImplementedError(f"codagen.integrations.torchtitan: the RMSNorms must share one eps, got {eps}")
+        self.eps = eps.pop()
+        self.register_state_dict_post_hook(_to_torchtitan_layout)
+        self.register_load_state_dict_pre_hook(_from_torchtitan_layout)
+
+    def frequencies(self) -> torch.Tensor:
+        """The QKV epilogue's per-pair frequencies, read off row 1 of torchtitan's RoPE cache (``exp(i inv_freq)``,
+        or ``[cos | cos | sin | sin]`` of ``inv_freq``), so every RoPE scaling torchtitan computes carries over."""
+        row, half = self.rope.cache[1], self.head_dim // 2
+        inv_freq = torch.atan2(row[self.head_dim:][:half], row[:half]) if self.half_split else torch.angle(row)
+        return ops.rope_frequencies(self.n_heads, self.n_kv_heads, self.head_dim, inv_freq=inv_freq)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                attention_masks=None) -> torch.Tensor:
+        if attention_masks is not None:
+            raise NotImplementedError("codagen.integrations.torchtitan: attention masks (document masking) are not "
+                                      "supported; the blocks run causal attention over each sequence")
+        batch, seq = tokens.shape
+        if positions is None:
+            positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
+        x = self.tok_embeddings(tokens).reshape(batch * seq, -1)
+        spec = AttentionSpec(batch, seq, self.n_heads, self.n_kv_heads, self.head_dim)
+        norms = list(self.block_norms.values())
+        x, normed, rstd = module_stack(x, list(self.layers.values()), [n.attention_norm.weight for n in norms],
+                                       [n.ffn_norm.weight for n in norms], self.final_norm.weight, self.eps, spec,
+                                       positions.reshape(-1).float(), self.frequencies())
+        if self._skip_lm_head:  # torchtitan's ChunkedLossWrapper applies the LM head itself, chunk by chunk
+            return F.rms_norm(x, (x.shape[1],), self.final_norm.weight.to(x.dtype), self.eps).view(batch, seq, -1)
+        logits = ops.rms_linear(x, normed, rstd, self.final_norm.weight.to(x.dtype), self.lm_head.weight)
+        return logits.view(batch, seq, -1)
+
+
+
+
+class CodagenLlama3Model(_CodagenDecoder, Llama3Model):
+    """torchtitan's ``Llama3Model`` with codagen's blocks (:class:`_CodagenDecoder`)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Llama3Model.Config):
+        def update_from_config(self, *, config, **kwargs) -> None:
+            _check_parallelism(config.parallelism)
+            Llama3Model.Config.update_from_config(self, config=config, **kwargs)
+
+
+class CodagenQwen3Model(_CodagenDecoder, Qwen3Model):
+    """torchtitan's dense ``Qwen3Model`` (QK-norm, half-split RoPE) with codagen's blocks (:class:`_CodagenDecoder`)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Qwen3Model.Config):
+        def update_from_config(self, *, config, **kwargs) -> None:
+            _check_parallelism(config.parallelism)
+            Qwen3Model.Config.update_from_config(self, config=config, **kwargs)
+
+
+# --- state dicts in torchtitan's names and layouts -------------------------------------------------------
+def _to_torchtitan_layout(model: _CodagenDecoder, state_dict: dict, prefix: str, local_metadata) -> None:
+    def pair_order(t, inverse=False):
+        if not model.half_split:
+            return t
+        return (ops.rope_half_split_from_pairs if inverse else ops.rope_pairs_from_half_split)(t, model.head_dim)
+    rows = (model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim, model.n_kv_heads * model.head_dim)
+    state_dict[prefix + "norm.weight"] = state_dict.pop(prefix + "final_norm.weight")
+    for i in model.layers:
+        layer = f"{prefix}layers.{i}."
+        for name in ("attention_norm", "ffn_norm"):
+            state_dict[f"{layer}{name}.weight"] = state_dict.pop(f"{prefix}block_norms.{i}.{name}.weight")
+        q, k, v = relayout(lambda t: [pair_order(part, inverse=True) if n < 2 else part
+                                      for n, part in enumerate(t.split(rows))], state_dict.pop(layer + "wqkv.weight"))
+        for norm in ("q_norm", "k_norm"):
+            if f"{layer}{norm}.weight" in state_dict:
+                (state_dict[f"{layer}attention.{norm}.weight"],) = relayout(
+                    lambda t: [pair_order(t, inverse=True)], state_dict.pop(f"{layer}{norm}.weight"))
+        w1, w3 = relayout(lambda t: list(ops.split_gate_up(t)), state_dict.pop(layer + "w13.weight"))
+        state_dict.update({layer + "attention.qkv_linear.wq.weight": q, layer + "attention.qkv_linear.wk.weight": k,
+                           layer + "attention.qkv_linear.wv.weight": v,
+                           layer + "attention.wo.weight": state_dict.pop(layer + "wo.weight"),
+                           layer + "feed_forward.w1.weight": w1, layer + "feed_forward.w3.weight": w3,
+                           layer + "feed_forward.w2.weight": state_dict.pop(layer + "w2.weight")})
+
+
+def _from_torchtitan_layout(model: _CodagenDecoder, state_dict: dict, prefix: str, local_metadata, strict,
+                            missing_keys, unexpected_keys, error_msgs) -> None:
+    def pair_order(t):
+        return ops.rope_pairs_from_half_split(t, model.head_dim) if model.half_split else t
+    if prefix + "norm.weight" in state_dict:
+        state_dict[prefix + "final_norm.weight"] = state_dict.pop(prefix + "norm.weight")
+    for i in model.layers:
+        layer = f"{prefix}layers.{i}."
+        for name in ("attention_norm", "ffn_norm"):
+            if f"{layer}{name}.weight" in state_dict:
+                state_dict[f"{prefix}block_norms.{i}.{name}.weight"] = state_dict.pop(f"{layer}{name}.weight")
+        qkv_keys = [layer + f"attention.qkv_linear.{n}.weight" for n in ("wq", "wk", "wv")]
+        if all(key in state_dict for key in qkv_keys):
+            (state_dict[layer + "wqkv.weight"],) = relayout(
+                lambda q, k, v: [torch.cat((pair_order(q), pair_order(k), v))],
+                *(state_dict.pop(key) for key in qkv_keys))
+        for norm in ("q_norm", "k_norm"):
+            if f"{layer}attention.{norm}.weight" in state_dict:
+                (state_dict[f"{layer}{norm}.weight"],) = relayout(lambda t: [pair_order(t)],
+                                                                 state_dict.pop(f"{layer}attention.{norm}.weight"))
+        ffn = layer + "feed_forward."
+        if ffn + "w1.weight" in state_dict and ffn + "w3.weight" in state_dict:
+            (state_dict[layer + "w13.weight"],) = relayout(lambda g, u: [ops.interleave_gate_up(g, u)],
+                                                          state_dict.pop(ffn + "w1.weight"),
+                                                          state_dict.pop(ffn + "w3.weight"))
+        for ours, theirs in (("wo", "attention.wo"), ("w2", "feed_forward.w2")):
+            if f"{layer}{theirs}.weight" in state_dict:
+                state_dict[f"{layer}{ours}.weight"] = state_dict.pop(f"{layer}{theirs}.weight")
+
+
+# --- the config rewrite ----------------------------------------------------------------------------------
+_CONVERTED = {Llama3Model.Config: CodagenLlama3Model.Config, Qwen3Model.Config: CodagenQwen3Model.Config}
+
+
+def convert_config(config: Llama3Model.Config | Qwen3Model.Config) -> Decoder.Config:
+    """:class:`CodagenLlama3Model.Config` (:class:`CodagenQwen3Model.Config`) with ``config``'s fields; its blocks
+    :class:`CodagenBlock.Config` s whose attention runs causal SDPA (so torchtitan's trainer builds no masks)."""
+    if type(config) not in _CONVERTED:
+        raise TypeError("convert_config: config must be a torchtitan Llama3Model.Config or Qwen3Model.Config, got "
+                        f"{type(config).__name__}")
+    layers = []
+    for layer in config.layers:
+        attention = derive(layer.attention, type(layer.attention), inner_attention=ScaledDotProductAttention.Config())
+        layers.append(derive(layer, CodagenBlock.Config, attention=attention))
+    return derive(config, _CONVERTED[type(config)], layers=layers)
+
+
+class CodagenConverter(ModelConfigConverter):
+    """torchtitan model converter: ``llama3.model_registry(flavor, converters=[CodagenConverter.Config()])``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ModelConfigConverter.Config):
+        pass
+
+    def __init__(self, config: Config):
+        self.config = config
+
+    def convert(self, model_config: Llama3Model.Config | Qwen3Model.Config) -> Decoder.Config:
+        return convert_config(model_config)
