@@ -85,6 +85,17 @@ class _RmsGateUpSwiglu(torch.autograd.Function):
         return named
 
 
+def _checked_gate_up_inputs(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor,
+                            gate_up_weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The checks both gate/up entry points make of the MLP's input, its norm and the gate/up weight."""
+    x = check.activation("x", x)
+    d = x.shape[1]
+    return (x, check.normed("normed", normed, x), check.rstd("rstd", rstd, x),
+            check.vector("norm_weight", norm_weight, d, "[features]", x),
+            check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, features]", x,
+                         even_rows=True))
+
+
 def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, *,
                        low_rank: LowRank | None = None) -> Tensor:
     """F2: ``act = swiglu(RMSNorm(x) @ gate_up_weight^T)``, rows of ``gate_up_weight`` interleaved ``g0, u0, ...``.
@@ -98,13 +109,9 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
     ``low_rank``: as in :func:`rms_qkv_rope` (``b``'s rows interleaved like ``gate_up_weight``'s).
     Saved: ``preact``, ``x``, ``rstd``.
     """
-    x = check.activation("x", x)
+    x, normed, rstd, norm_weight, gate_up_weight = _checked_gate_up_inputs(x, normed, rstd, norm_weight,
+                                                                           gate_up_weight)
     d = x.shape[1]
-    normed = check.normed("normed", normed, x)
-    rstd = check.rstd("rstd", rstd, x)
-    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
-    gate_up_weight = check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, features]", x,
-                                  even_rows=True)
     low_rank = check.low_rank("low_rank", low_rank, d, gate_up_weight.shape[0], x)
     return _RmsGateUpSwiglu.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight,
                                   *lora_args(low_rank))
@@ -237,13 +244,9 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     a)``. A weight that requires no gradient gets no weight-gradient GEMM (B5, B7).
     Saved: ``preact`` (until B4 has run), ``x``, ``rstd``; ``act`` and ``n = RMSNorm(x)`` are recomputed.
     """
-    x = check.activation("x", x)
+    x, normed, rstd, norm_weight, gate_up_weight = _checked_gate_up_inputs(x, normed, rstd, norm_weight,
+                                                                           gate_up_weight)
     d = x.shape[1]
-    normed = check.normed("normed", normed, x)
-    rstd = check.rstd("rstd", rstd, x)
-    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
-    gate_up_weight = check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, features]", x,
-                                  even_rows=True)
     ffn = gate_up_weight.shape[0] // 2
     if ffn % 2:  # the down-projection's backward epilogue works on (gate, up) pairs of a width-ffn tile
         raise ValueError(f"gate_up_weight: expected 2 * ffn rows with an even ffn, got shape "
