@@ -7,6 +7,7 @@ import torch
 # Every output a backend allocates starts as NaN, so an element a kernel forgets to write fails a test.
 os.environ["CODAGEN_POISON_OUTPUTS"] = "1"
 from codagen.epilogue.bind import set_poison_outputs  # noqa: E402
+from codagen.epilogue.ir import ColPartial, Program, RowPartial  # noqa: E402
 
 set_poison_outputs(True)
 
@@ -37,3 +38,16 @@ def pytest_runtest_makereport(item, call):
         seeds = [v for k, v in item.user_properties if k == "seed"]
         if seeds:
             report.sections.append(("seed", f"torch.manual_seed({seeds[0]}) reproduces this test's inputs"))
+
+
+def finished(program: Program, outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A program's outputs as float64, partials reduced over their tile axis (any tile count)."""
+    done = {}
+    for o in program.outputs:
+        v = outs[o.name].double()
+        if isinstance(o, RowPartial):
+            v = v.sum(-1) if o.reduction == "sum" else torch.logsumexp(v, -1)
+        elif isinstance(o, ColPartial):
+            v = v.sum(0)
+        done[o.name] = v
+    return done

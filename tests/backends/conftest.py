@@ -11,7 +11,9 @@ from codagen.backends.reference import ReferenceBackend
 from codagen.backends.triton import TritonBackend
 from codagen.bench.kernels import eager_epilogue, gemm, random_inputs
 from codagen.epilogue.bind import bind
-from codagen.epilogue.ir import ColPartial, Program, RowPartial, Store
+from codagen.epilogue.ir import Program, Store
+
+from ..conftest import finished
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,19 +22,6 @@ def kernel_cache_dir():
     with tempfile.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
         mp.setenv("CODAGEN_CACHE_DIR", d)
         yield d
-
-
-def _finish(program: Program, outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Outputs with partials reduced over their tile axis (any tile count), as float64."""
-    done = {}
-    for o in program.outputs:
-        v = outs[o.name].double()
-        if isinstance(o, RowPartial):
-            v = v.sum(-1) if o.reduction == "sum" else torch.logsumexp(v, -1)
-        elif isinstance(o, ColPartial):
-            v = v.sum(0)
-        done[o.name] = v.reshape(-1) if not isinstance(o, Store) else v
-    return done
 
 
 def _clone(tensors):
@@ -54,10 +43,10 @@ def _check(program: Program, m: int, n: int, k: int, dtype: torch.dtype, device=
     # exact: float64 all the way, stores not rounded to their dtypes
     unrounded = Program(program.name, program.gemm, tuple(
         Store(o.name, o.value, "input", o.accumulate) if isinstance(o, Store) else o for o in program.outputs))
-    exact = _finish(program, ReferenceBackend().run(bind(unrounded, a.double(), b.double(), up)))
+    exact = finished(program, ReferenceBackend().run(bind(unrounded, a.double(), b.double(), up)))
     lowp_tensors = _clone(tensors)
-    lowp = _finish(program, eager_epilogue(program, gemm(program, a, b), lowp_tensors))
-    got = _finish(program, outs)
+    lowp = finished(program, eager_epilogue(program, gemm(program, a, b), lowp_tensors))
+    got = finished(program, outs)
     for o in program.outputs:
         g, e, lo = got[o.name], exact[o.name], lowp[o.name]
         assert g.shape == e.shape, f"{o.name}: shape {tuple(g.shape)} != {tuple(e.shape)}"

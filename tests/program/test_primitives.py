@@ -19,7 +19,9 @@ from codagen.backends.triton import TritonBackend, load_kernel, pingpong
 from codagen.bench.kernels import eager_epilogue, gemm, random_inputs
 from codagen.epilogue import primitives
 from codagen.epilogue.bind import bind
-from codagen.epilogue.ir import PRIMITIVES, ColPartial, Gemm, Program, RowPartial
+from codagen.epilogue.ir import PRIMITIVES, Gemm, Program
+
+from ..conftest import finished
 
 EXAMPLES = {f"{cls.__name__}-{example.program.name}": example
             for cls in PRIMITIVES.values() for example in cls.examples()}
@@ -36,19 +38,6 @@ def kernel_cache_dir(tmp_path_factory):
 
 def relaid(program: Program, gemm: Gemm) -> Program:
     return Program(program.name, gemm, program.outputs, doc=program.doc)
-
-
-def finished(program: Program, outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Outputs as float64, partials reduced over their tile axis."""
-    done = {}
-    for o in program.outputs:
-        v = outs[o.name].double()
-        if isinstance(o, RowPartial):
-            v = v.sum(-1) if o.reduction == "sum" else torch.logsumexp(v, -1)
-        elif isinstance(o, ColPartial):
-            v = v.sum(0)
-        done[o.name] = v
-    return done
 
 
 def oracle(example, program: Program, a, b, tensors) -> dict[str, torch.Tensor]:
