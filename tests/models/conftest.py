@@ -125,6 +125,24 @@ def two_x_rule(model, inputs, codagen_bf16):
         assert ours <= 2 * theirs + 1e-6, f"{key}: codagen {ours:.2e} vs transformers bf16 {theirs:.2e}"
 
 
+def assert_sharded_two_x_rule(got: dict, model, batch: dict, device="cuda"):
+    """The 2x rule for a sharded run's ``got = {"loss", "grads": {name: full gradient}}`` (gradients in the
+    unpatched model's names): each gradient's relative error to a float64 run of ``model`` on ``batch`` is at
+    most twice that of transformers with bf16 parameters (+1e-6), the loss within bf16 rounding (2^-8)."""
+    def rel_norm(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    results = {}
+    for name, dtype in (("float64", torch.float64), ("bf16", torch.bfloat16)):
+        m = copy.deepcopy(model).to(device, dtype)
+        loss = m(**{k: v.to(device) for k, v in batch.items()}).loss
+        loss.backward()
+        results[name] = {"loss": loss.detach().cpu(), **{n: p.grad.cpu() for n, p in m.named_parameters()}}
+    exact, theirs = results["float64"], results["bf16"]
+    assert rel_norm(got["loss"], exact["loss"]) <= 2 ** -8
+    for name, g in got["grads"].items():
+        assert rel_norm(g, exact[name]) <= 2 * rel_norm(theirs[name], exact[name]) + 1e-6, name
+
+
 def padded_inputs(side: str, batch=3, seq=14, vocab=67):
     """Rows of ragged lengths (the longest unpadded) padded on ``side``; labels -100 on the pads."""
     inputs = lm_inputs(batch=batch, seq=seq, vocab=vocab, ignore=False)

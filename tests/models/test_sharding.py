@@ -35,6 +35,7 @@ from .conftest import (  # noqa: E402
     VARIANTS,
     VOCAB,
     assert_same,
+    assert_sharded_two_x_rule,
     build,
     build_model,
     enable_checkpointing,
@@ -282,15 +283,4 @@ def test_gpu_fully_shard_bf16_two_x_rule(family, monkeypatch, tmp_path):
                        nprocs=world, start_method="spawn")
     got = torch.load(out)
 
-    def rel(a, b):
-        return ((a.double() - b.double()).norm() / b.double().norm()).item()
-    results = {}
-    for name, dtype in (("float64", torch.float64), ("bf16", torch.bfloat16)):
-        m = copy.deepcopy(model).to("cuda", dtype)
-        loss = m(**{k: v.cuda() for k, v in batch.items()}).loss
-        loss.backward()
-        results[name] = {"loss": loss.detach().cpu(), **{n: p.grad.cpu() for n, p in m.named_parameters()}}
-    exact, theirs = results["float64"], results["bf16"]
-    assert rel(got["loss"], exact["loss"]) <= 2 ** -8
-    for name, g in got["grads"].items():
-        assert rel(g, exact[name]) <= 2 * rel(theirs[name], exact[name]) + 1e-6, name
+    assert_sharded_two_x_rule(got, model, batch)

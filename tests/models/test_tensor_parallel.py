@@ -4,8 +4,6 @@ gloo CPU processes, with and without sequence parallelism, against one unpatched
 block and their bytes."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +14,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from codagen.models import fused_layers, sharding
 
-from .conftest import VARIANTS, assert_same, build, lm_batch, reference_training, rel_err, run_distributed
+from .conftest import (
+    VARIANTS,
+    assert_same,
+    assert_sharded_two_x_rule,
+    build,
+    lm_batch,
+    reference_training,
+    rel_err,
+    run_distributed,
+)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -186,15 +193,4 @@ def test_gpu_tensor_parallel_bf16_two_x_rule(family, sequence_parallel, monkeypa
                        nprocs=2, start_method="spawn")
     got = torch.load(out)
 
-    def rel(a, b):
-        return ((a.double() - b.double()).norm() / b.double().norm()).item()
-    results = {}
-    for name, dtype in (("float64", torch.float64), ("bf16", torch.bfloat16)):
-        m = copy.deepcopy(model).to("cuda", dtype)
-        loss = m(**{k: v.cuda() for k, v in batch.items()}).loss
-        loss.backward()
-        results[name] = {"loss": loss.detach().cpu(), **{n: p.grad.cpu() for n, p in m.named_parameters()}}
-    exact, theirs = results["float64"], results["bf16"]
-    assert rel(got["loss"], exact["loss"]) <= 2 ** -8
-    for name, g in got["grads"].items():
-        assert rel(g, exact[name]) <= 2 * rel(theirs[name], exact[name]) + 1e-6, name
+    assert_sharded_two_x_rule(got, model, batch)
