@@ -223,3 +223,30 @@ def test_gpu_unseen_shape_runs_untimed_choice_correctly(check, name, monkeypatch
     backend = TritonBackend()
     check(library.PROGRAMS[name](), 3000, 1536, 1024, torch.bfloat16, device="cuda", backend=backend)
     assert set(backend.choices.values()) <= {"nearest", "layout", "heuristic"} and backend.choices
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_compiles_the_persistent_candidates_ahead_once(monkeypatch, tmp_path):
+    """Timing an unseen key compiles its persistent candidates at once, in worker threads, before the
+    first is timed (``TritonBackend._compile_ahead``): each is compiled once, as a warm-up, and timing
+    compiles only the ping-pong candidates."""
+    import triton
+
+    from codagen.backends.triton import modules
+    from codagen.bench.kernels import random_inputs
+    monkeypatch.setenv("CODAGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(modules, "_modules", {})  # fresh kernel objects: nothing compiled in this process
+    compiles = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda **hook: compiles.append((hook["key"], hook["is_manual_warmup"])))
+    backend = TritonBackend(autotune=True, verbose=False)
+    program = library.residual_rms_stats()
+    bound = bind(program, *random_inputs(program, 3000, 1536, 1024, torch.bfloat16, "cuda"))
+    backend.run(bound)
+    torch.cuda.synchronize()
+    pool = backend._candidates(bound, backend._prepare(bound, False, 9))
+    persistent = [cfg for cfg in pool if cfg.schedule != "pingpong"]
+    ahead = [key for key, warmup in compiles if warmup]
+    assert len(persistent) > 1 and list(backend.choices.values()) == ["timed"]
+    assert len(ahead) == len(set(ahead)) == len(persistent)
+    assert sum(not warmup for _, warmup in compiles) == len(pool) - len(persistent)

@@ -10,6 +10,7 @@ import functools
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -171,11 +172,7 @@ class TritonBackend:
             pingpong.launch(launch.pingpong(program), bound, outs, cfg.sub_n, slots, _num_sms(bound.device))
             self.launches += 1
             return
-        low_rank = program.gemm.low_rank
-        args = [bound.a, bound.b] + ([bound.tensors["a2"], bound.tensors["b2"]] if low_rank else [])
-        args += [bound.tensors[name] for name in program.inputs]
-        args += [outs[o.name] for o in program.outputs]
-        args += [launch.m, launch.n, launch.k] + ([bound.r] if low_rank else [])
+        args = _persistent_arguments(bound, launch, outs)
         grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
         if launch.interpret:
             with interpreting():
@@ -184,6 +181,34 @@ class TritonBackend:
             _set_allocator()
             launch.kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.launches += 1
+
+    def _compile_ahead(self, bound: BoundProgram, launch: _Launch, pool: list[KernelConfig]) -> None:
+        """Compile the persistent kernel of every config in ``pool`` at once, in worker threads (Triton's
+        compiler releases the GIL, and ``ptxas`` is a process of its own), so that timing them one after
+        the other finds them compiled. Compilation specializes on dtypes, 16-byte alignment and the ints,
+        not on addresses: the outputs are passed as their dtypes (Triton's ``warmup`` takes a dtype for a
+        tensor), nothing is allocated. A config that fails here fails again, and is handled, when timed."""
+        calls = []
+        for cfg in pool:
+            if cfg.schedule == "pingpong":  # its host-side descriptors need the outputs: compiled when timed
+                continue
+            outs = {name: bound.tensors[name] if shape is None else dtype
+                    for name, shape, dtype in bound.output_specs(cfg.block_m, cfg.block_n)}
+            grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
+            calls.append(functools.partial(launch.kernel.warmup, *_persistent_arguments(bound, launch, outs),
+                                           grid=grid, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        if len(calls) < 2:
+            return
+
+        def compile_one(call):
+            try:
+                with on_device(bound.device):  # a worker thread starts on the default device
+                    call()
+            except Exception:  # noqa: BLE001 - reported by the timing run of the same config
+                pass
+        compile_one(calls[0])  # the first compile of a kernel sets up its binder: not from two threads at once
+        with ThreadPoolExecutor(max_workers=min(len(calls) - 1, os.cpu_count() or 1)) as workers:
+            list(workers.map(compile_one, calls[1:]))
 
     def _meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple[int], dict]:
         """``(grid, constexpr arguments)`` of a persistent launch of ``cfg``, kept in ``launch.metas``:
@@ -322,6 +347,7 @@ class TritonBackend:
         announced = False
         timings: dict[str, float] = {}
         best, best_ms = None, float("inf")
+        self._compile_ahead(bound, launch, pool)
         for i, cfg in enumerate(pool):
             run = self._trial(bound, launch, cfg)
             try:
@@ -355,6 +381,16 @@ class TritonBackend:
         ``OutOfResources`` for a candidate that does not fit)."""
         run()
         return triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
+
+
+def _persistent_arguments(bound: BoundProgram, launch: _Launch, outs: dict) -> list:
+    """The persistent kernel's positional arguments: operands, the low-rank pair, inputs, outputs, sizes."""
+    program = bound.program
+    low_rank = program.gemm.low_rank
+    args = [bound.a, bound.b] + ([bound.tensors["a2"], bound.tensors["b2"]] if low_rank else [])
+    args += [bound.tensors[name] for name in program.inputs]
+    args += [outs[o.name] for o in program.outputs]
+    return args + [launch.m, launch.n, launch.k] + ([bound.r] if low_rank else [])
 
 
 def _env_flag(name: str) -> bool:
