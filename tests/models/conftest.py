@@ -203,7 +203,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def is_native(model) -> bool:
-    return isinstance(model, Llama)
+    return isinstance(getattr(model, "_orig_mod", model), Llama)  # a torch.compile wrapper's model too
 
 
 def loss_of(model, batch, rows=slice(None)):
@@ -232,11 +232,19 @@ def gathered_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def sharded_training(rank, world, model, batch, mp_policy=None):
+def sharded_training(rank, world, model, batch, mp_policy=None, compiled=None):
     """Two steps of AdamW on the sharded ``model``, this rank's rows of ``batch``: losses (averaged over the
-    ranks), the first step's gradients, the parameters' and gradients' dtypes, the dtypes the blocks compute in."""
+    ranks), the first step's gradients, the parameters' and gradients' dtypes, the dtypes the blocks compute in,
+    and Dynamo's frame and graph-break counters. ``compiled``: ``"blocks"`` compiles each sharded block
+    (torchtitan's recipe), ``"model"`` the whole sharded model (``torch.compile``, ``aot_eager``)."""
+    from torch._dynamo.utils import counters
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     sharding.fully_shard(model, **kwargs)
+    counters.clear()
+    if compiled == "blocks":
+        for block in sharding.blocks_of(model):
+            block.compile(backend="aot_eager")
+    run = torch.compile(model, backend="aot_eager") if compiled == "model" else model
     compute_dtypes = set()  # what each block's forward sees: its input and its (unsharded) QKV weight
     for block in sharding.blocks_of(model):
         block.register_forward_pre_hook(lambda block, args: compute_dtypes.update(
@@ -245,7 +253,7 @@ def sharded_training(rank, world, model, batch, mp_policy=None):
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     losses = []
     for step in range(2):
-        loss = loss_of(model, batch, rows)
+        loss = loss_of(run, batch, rows)
         loss.backward()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
@@ -255,7 +263,8 @@ def sharded_training(rank, world, model, batch, mp_policy=None):
             dtypes = {p.grad.dtype for p in model.parameters()} | {p.dtype for p in model.parameters()}
         optimizer.step()
         optimizer.zero_grad()
-    return {"losses": losses, "grads": grads, "dtypes": dtypes, "compute_dtypes": compute_dtypes}
+    return {"losses": losses, "grads": grads, "dtypes": dtypes, "compute_dtypes": compute_dtypes,
+            "frames": dict(counters["frames"]), "graph_breaks": dict(counters["graph_break"])}
 
 
 def reference_training(model, batch):

@@ -64,6 +64,18 @@ def test_fully_shard_matches_one_unsharded_process(family, world):
     assert got["dtypes"] == got["compute_dtypes"] == {torch.float32}
 
 
+@pytest.mark.parametrize("compiled", ["blocks", "model"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "native"])
+def test_compiled_sharded_model_matches_one_unsharded_process(family, compiled):
+    """``torch.compile`` (``aot_eager``) of each sharded block, as torchtitan does, or of the whole sharded model:
+    the same loss, gradients and AdamW step as one unsharded process."""
+    model, batch = build_model(family), lm_batch()
+    want = reference_training(model, batch)
+    got = run_distributed(2, sharded_training, model, batch, None, compiled)
+    assert got["frames"].get("ok", 0) >= 1, f"nothing was compiled: {got['frames']}"
+    assert_same(got, want)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "native"])
 def test_mixed_precision_bf16_params_fp32_reduce(family):
     """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the blocks run in bf16 (reference backend

@@ -37,20 +37,24 @@ def tp_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _tp_training(rank, world, model, batch, sequence_parallel):
-    """Two AdamW steps of the tensor-parallel model; every rank sees the whole batch."""
+def _tp_training(rank, world, model, batch, sequence_parallel, compiled=False):
+    """Two AdamW steps of the tensor-parallel model; every rank sees the whole batch. ``compiled``: through
+    ``torch.compile(model, backend="aot_eager")``; the result then holds Dynamo's frame counter."""
+    from torch._dynamo.utils import counters
     sharding.parallelize(model, init_device_mesh("cpu", (world,)), sequence_parallel=sequence_parallel)
+    counters.clear()
+    run = torch.compile(model, backend="aot_eager") if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(2):
-        loss = model(**batch).loss
+        loss = run(**batch).loss
         loss.backward()
         losses.append(loss.detach().clone())
         if step == 0:
             grads = tp_grads(model)
         optimizer.step()
         optimizer.zero_grad()
-    return {"losses": losses, "grads": grads}
+    return {"losses": losses, "grads": grads, "frames": dict(counters["frames"])}
 
 
 @pytest.mark.parametrize(("family", "sequence_parallel"), [("llama", False), ("llama", True), ("qwen3", False),
@@ -61,6 +65,16 @@ def test_tensor_parallel_matches_one_unsharded_process(family, sequence_parallel
     model, batch = build(family, **overrides), lm_batch()
     want = reference_training(model, batch)
     got = run_distributed(2, _tp_training, model, batch, sequence_parallel)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize(("family", "sequence_parallel"), [("llama", False), ("qwen3", True)])
+def test_compiled_tensor_parallel_model_matches_one_unsharded_process(family, sequence_parallel):
+    """``torch.compile`` (``aot_eager``) of the tensor-parallel model: the same loss, gradients and AdamW step."""
+    model, batch = build(family), lm_batch()
+    want = reference_training(model, batch)
+    got = run_distributed(2, _tp_training, model, batch, sequence_parallel, True)
+    assert got["frames"].get("ok", 0) >= 1, f"nothing was compiled: {got['frames']}"
     assert_same(got, want)
 
 
