@@ -20,8 +20,9 @@ a model sharded before its parameters are fused, ``fully_shard`` on a decoder la
 sharded inside the unit that the previous block also reads), KV caches on fused models.
 
 :func:`parallelize` shards each fused block's GEMM weights over a tensor-parallel mesh
-(:class:`FusedBlockParallel`; the computation is :mod:`codagen.models.tensor_parallel`). docs/sharding.md has
-both, with the collectives each runs.
+(:class:`FusedBlockParallel`; the computation is :mod:`codagen.models.tensor_parallel`); :func:`fully_shard` over
+the other dimension of a 2-D mesh then shards them further. docs/sharding.md has both, with the collectives each
+runs.
 """
 from __future__ import annotations
 
@@ -81,13 +82,22 @@ def fully_shard(model: nn.Module, *, mesh=None, reshard_after_forward: bool | in
     units take ``mp_policy`` with ``cast_forward_inputs=False``: a block's inputs come from the previous block
     already in the compute dtype, and its float32 ones (the RMSNorm ``rstd``, the RoPE frequencies) must stay
     float32. Each block's forward pre-hook issues the next block's all-gather (prefetch).
+
+    FSDP with tensor parallelism (a 2-D mesh): :func:`parallelize` over one dimension of the mesh first, then this
+    with ``mesh`` the other (data-parallel) dimension; FSDP shards the tensor-parallel shards further::
+
+        mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize(model, mesh["tp"], sequence_parallel=True)
+        fully_shard(model, mesh=mesh["dp"])
     """
     if not isinstance(model, Llama):
         fuse_parameters(model)
     blocks = blocks_of(model)
-    if any(getattr(block, "parallel", None) is not None for block in blocks):
-        raise NotImplementedError("codagen.models.sharding.fully_shard: a tensor-parallel model (FSDP on a 2-D mesh "
-                                  "with tensor parallelism is not supported yet)")
+    tp_mesh = next((block.parallel[0] for block in blocks if getattr(block, "parallel", None) is not None), None)
+    if tp_mesh is not None and (mesh is None or not _orthogonal(mesh, tp_mesh)):
+        raise ValueError("codagen.models.sharding.fully_shard: the model is tensor-parallel; give mesh= the "
+                         "data-parallel dimension of the 2-D mesh whose other dimension parallelize() took (e.g. "
+                         "mesh['dp'] of init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')))")
     block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     for block in blocks:
         torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=block_policy,
@@ -97,6 +107,12 @@ def fully_shard(model: nn.Module, *, mesh=None, reshard_after_forward: bool | in
     for block, following in zip(blocks, blocks[1:]):
         block.set_modules_to_forward_prefetch([following])
     return model
+
+
+def _orthogonal(mesh: DeviceMesh, other: DeviceMesh) -> bool:
+    """Whether two 1-D meshes are two dimensions of one 2-D mesh: their ranks meet in this rank alone."""
+    ranks, other_ranks = set(mesh.mesh.flatten().tolist()), set(other.mesh.flatten().tolist())
+    return mesh.ndim == 1 and len(ranks & other_ranks) == 1
 
 
 class FusedBlockParallel(ParallelStyle):

@@ -232,6 +232,15 @@ def gathered_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Every gradient, sharded ones gathered (``full_tensor()``, any mesh), under Hugging Face names and layouts."""
+    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+             for name, p in model.named_parameters()}
+    for i, layer in enumerate(model.model.layers):
+        fused_layers._to_hf_layout(layer, grads, f"model.layers.{i}.", None)
+    return grads
+
+
 def sharded_training(rank, world, model, batch, mp_policy=None, compiled=None):
     """Two steps of AdamW on the sharded ``model``, this rank's rows of ``batch``: losses (averaged over the
     ranks), the first step's gradients, the parameters' and gradients' dtypes, the dtypes the blocks compute in,

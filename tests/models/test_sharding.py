@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
@@ -39,6 +40,7 @@ from .conftest import (  # noqa: E402
     build,
     build_model,
     enable_checkpointing,
+    full_grads,
     gathered_grads,
     lm_batch,
     logits_of,
@@ -74,6 +76,50 @@ def test_compiled_sharded_model_matches_one_unsharded_process(family, compiled):
     got = run_distributed(2, sharded_training, model, batch, None, compiled)
     assert got["frames"].get("ok", 0) >= 1, f"nothing was compiled: {got['frames']}"
     assert_same(got, want)
+
+
+def _fsdp_tp_training(rank, world, model, fresh, batch, sequence_parallel, directory):
+    """FSDP over ``dp`` x TP over ``tp`` (2 x 2): two AdamW steps on this data-parallel rank's rows, then a
+    torch.distributed.checkpoint save and a load into ``fresh``, sharded the same way."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    for m in (model, fresh):
+        sharding.parallelize(m, mesh["tp"], sequence_parallel=sequence_parallel)
+        sharding.fully_shard(m, mesh=mesh["dp"])
+    dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
+    rows = slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(2):
+        loss = loss_of(model, batch, rows)
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=dp_group)
+        losses.append(mean / 2)
+        if step == 0:
+            grads = full_grads(model)
+        optimizer.step()
+        optimizer.zero_grad()
+    dcp.save(model.state_dict(), checkpoint_id=directory)
+    loaded = fresh.state_dict()
+    dcp.load(loaded, checkpoint_id=directory)
+    fresh.load_state_dict(loaded)
+    with torch.no_grad():
+        return {"losses": losses, "grads": grads, "logits": logits_of(model, batch),
+                "fresh_logits": logits_of(fresh, batch),
+                "placements": {str(p.placements) for p in model.parameters() if isinstance(p, DTensor)}}
+
+
+@pytest.mark.parametrize(("family", "sequence_parallel"), [("llama", False), ("llama", True), ("qwen3", True)])
+def test_fsdp_with_tensor_parallel_on_a_2d_mesh(family, sequence_parallel, tmp_path):
+    """``parallelize`` over ``mesh["tp"]``, then ``fully_shard`` over ``mesh["dp"]`` (4 processes): one unsharded
+    process's losses, gradients and AdamW step; the GEMM weights sharded on both dimensions; a distributed
+    checkpoint loads into a fresh 2-D model with the same outputs."""
+    model, fresh, batch = build(family), build(family), lm_batch()
+    want = reference_training(model, batch)
+    got = run_distributed(4, _fsdp_tp_training, model, fresh, batch, sequence_parallel, str(tmp_path / "checkpoint"))
+    assert_same(got, want)
+    assert any(placements.count("Shard") == 2 for placements in got["placements"]), got["placements"]
+    torch.testing.assert_close(got["fresh_logits"], got["logits"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "native"])

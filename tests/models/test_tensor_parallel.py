@@ -12,13 +12,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from codagen.models import fused_layers, sharding
+from codagen.models import sharding
 
 from .conftest import (
     VARIANTS,
     assert_same,
     assert_sharded_two_x_rule,
     build,
+    full_grads,
     lm_batch,
     reference_training,
     rel_err,
@@ -26,15 +27,6 @@ from .conftest import (
 )
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
-
-
-def tp_grads(model) -> dict[str, torch.Tensor]:
-    """Every gradient, sharded ones gathered, under Hugging Face names and layouts."""
-    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-             for name, p in model.named_parameters()}
-    for i, layer in enumerate(model.model.layers):
-        fused_layers._to_hf_layout(layer, grads, f"model.layers.{i}.", None)
-    return grads
 
 
 def _tp_training(rank, world, model, batch, sequence_parallel, compiled=False):
@@ -51,7 +43,7 @@ def _tp_training(rank, world, model, batch, sequence_parallel, compiled=False):
         loss.backward()
         losses.append(loss.detach().clone())
         if step == 0:
-            grads = tp_grads(model)
+            grads = full_grads(model)
         optimizer.step()
         optimizer.zero_grad()
     return {"losses": losses, "grads": grads, "frames": dict(counters["frames"])}
@@ -161,6 +153,7 @@ def _tp_refusals(rank, world):
     ids = torch.randint(0, 67, (1, 7))
     refused("tokens", lambda: model(input_ids=ids, labels=ids))
     refused("fsdp", lambda: sharding.fully_shard(model))
+    refused("fsdp on the tp mesh", lambda: sharding.fully_shard(model, mesh=mesh))
     return errors
 
 
@@ -168,7 +161,8 @@ def test_tensor_parallel_refusals():
     errors = run_distributed(2, _tp_refusals)
     assert "num_key_value_heads (1) must be a multiple of the tensor-parallel degree (2)" in errors["heads"]
     assert "batch * seq (7 tokens) to be a multiple of the tensor-parallel degree (2)" in errors["tokens"]
-    assert "FSDP on a 2-D mesh with tensor parallelism is not supported yet" in errors["fsdp"]
+    for case in ("fsdp", "fsdp on the tp mesh"):
+        assert "the model is tensor-parallel; give mesh= the data-parallel dimension" in errors[case]
 
 
 # --- GPU (two GPUs, NCCL, bf16 parameters, Triton kernels; CODAGEN_TRITON_AUTOTUNE=0) ------------------------
@@ -181,7 +175,7 @@ def _gpu_tp(rank, world, init, out, model, batch, sequence_parallel):
                              sequence_parallel=sequence_parallel)
         loss = model(**{k: v.cuda() for k, v in batch.items()}).loss
         loss.backward()
-        grads = {name: g.cpu() for name, g in tp_grads(model).items()}
+        grads = {name: g.cpu() for name, g in full_grads(model).items()}
         if rank == 0:
             torch.save({"loss": loss.detach().cpu(), "grads": grads}, out)
     finally:
