@@ -28,14 +28,16 @@ raises) and ``torch.distributed.set_timeout`` (torch 2.11's ``distributed_c10d._
 This file is a torchtitan config registry (``--config torchtitan_sdpa|torchtitan|codagen``), torchtitan's entry
 point (``--train``, below) and the runner::
 
-    python bench/torchtitan_step.py [--steps 30] [--warmup 10] [--out bench/results]
+    python bench/torchtitan_step.py [--steps 30] [--warmup 10] [--out bench/results] [--gpus 1] [--tp 1]
 
 runs ``torchrun --nproc-per-node 1 bench/torchtitan_step.py --train --module bench.torchtitan_step --config NAME``
 (torchtitan's ``torchtitan.train`` main with this file imported first) for each config, from the repository root,
 reads torchtitan's own per-step log line (``tps``, ``memory`` = peak reserved GiB),
-and writes ``bench/results/<date>-torchtitan-step.json``: per model the median tps and the peak memory over the
-steps after ``--warmup``, with the GPU, the versions and the shapes. The codagen run takes the shipped Triton
-tuning (``CODAGEN_TRITON_AUTOTUNE=0`` unless set).
+and writes ``bench/results/<date>-torchtitan-step.json`` (``-<gpus>gpu-fsdp<n>-tp<n>`` added on several GPUs):
+per model the median tps (rank 0's, per GPU) and the peak memory over the steps after ``--warmup``, with the
+GPU, the versions and the shapes. ``--gpus N --tp T`` runs FSDP over ``N / T`` ranks and tensor parallelism
+(with sequence parallelism) over ``T``: torchtitan's own TP plan for its model, codagen's for the converted one.
+The codagen run takes the shipped Triton tuning (``CODAGEN_TRITON_AUTOTUNE=0`` unless set).
 """
 from __future__ import annotations
 
@@ -183,11 +185,14 @@ _STEP_LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)\s*GiB.*?tps:\s*([\d
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def run(name: str, steps: int) -> list[tuple[int, float, float]]:
-    """``(step, peak reserved GiB, tps)`` of each step of torchtitan's log for the config ``name``; raises
+def run(name: str, steps: int, gpus: int = 1, tp: int = 1) -> list[tuple[int, float, float]]:
+    """``(step, peak reserved GiB, tps)`` of each step of torchtitan's log (rank 0's) for the config ``name`` on
+    ``gpus`` GPUs, tensor parallelism ``tp`` (with sequence parallelism) and FSDP over the rest; raises
     ``RuntimeError`` with the log's tail when the run fails."""
-    command = ["torchrun", "--standalone", "--nproc-per-node", "1", __file__, "--train", "--module",
-               "bench.torchtitan_step", "--config", name, "--training.steps", str(steps)]
+    command = ["torchrun", "--standalone", "--nproc-per-node", str(gpus), __file__, "--train", "--module",
+               "bench.torchtitan_step", "--config", name, "--training.steps", str(steps),
+               "--parallelism.data_parallel_shard_degree", str(gpus // tp),
+               "--parallelism.tensor_parallel_degree", str(tp)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     env.setdefault("CODAGEN_TRITON_AUTOTUNE", "0")  # the shipped tuning, no minutes of autotuning in the run
     print(" ".join(command), flush=True)
@@ -207,11 +212,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the medians (compile, autotune)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs (torchrun processes); FSDP over gpus / tp")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (with sequence parallelism)")
     args = parser.parse_args()
+    if args.gpus < 1 or args.tp < 1 or args.gpus % args.tp:
+        parser.error(f"--gpus ({args.gpus}) must be a positive multiple of --tp ({args.tp})")
     results = {}
     for name in args.configs:
         try:
-            rows = [row for row in run(name, args.steps) if row[0] > args.warmup]
+            rows = [row for row in run(name, args.steps, args.gpus, args.tp) if row[0] > args.warmup]
         except RuntimeError as error:  # recorded; the other configs still run
             print(error, flush=True)
             results[name] = {"error": str(error)[-2000:]}
@@ -225,12 +234,14 @@ def main() -> None:
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
               "torchtitan": getattr(torchtitan_package, "__version__", "?"),
               "shape": {"model": "Llama-3-8B dims", "layers": LAYERS, "seq_len": SEQ_LEN, "batch": 1,
-                        "dtype": "bf16 params, fp32 reduce", "compile": ["model", "loss"], "fsdp_degree": 1,
+                        "dtype": "bf16 params, fp32 reduce", "compile": ["model", "loss"], "gpus": args.gpus,
+                        "fsdp_degree": args.gpus // args.tp, "tp_degree": args.tp, "sequence_parallel": args.tp > 1,
                         "cuda_graphs": False,
                         "activation_checkpointing": None, "float8": False, "loss": "torchtitan ChunkedLossWrapper"},
               "warmup": args.warmup, "results": results, "speedups": speedups}
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{datetime.date.today().isoformat()}-torchtitan-step.json")
+    layout = "" if args.gpus == 1 else f"-{args.gpus}gpu-fsdp{args.gpus // args.tp}-tp{args.tp}"
+    path = os.path.join(args.out, f"{datetime.date.today().isoformat()}-torchtitan-step{layout}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {path}: " + ", ".join(f"{name} = {value:.3f}" for name, value in speedups.items()))

@@ -3,8 +3,8 @@
 # each under 9 minutes (every step has a time cap); every log and JSON goes to $OUT as soon as it exists:
 #   OUT=/some/dir bench/two_gpu.sh part1   # the GPU tests of sharding and TP, the convergence runs
 #   OUT=/some/dir bench/two_gpu.sh part2   # bench/sharded_step.py throughput: fsdp, tp, tp_sp
-#   OUT=/some/dir bench/two_gpu.sh part3   # bench/torchtitan_step.py (one GPU: FSDP degree 1; codagen's torchtitan
-#                                          # model refuses TP, and its FSDP 2 run is not scripted yet)
+#   OUT=/some/dir bench/two_gpu.sh part3   # bench/torchtitan_step.py on one GPU (FSDP degree 1)
+#   OUT=/some/dir bench/two_gpu.sh part4   # bench/torchtitan_step.py on two GPUs: FSDP 2, then TP 2 (+ SP)
 #   bench/two_gpu.sh table DIR...          # the table of the JSON files in DIR... (each part prints its own)
 # DRY_RUN=1 runs the same steps on two CPU processes (gloo, tiny shapes): a check of the script itself.
 # NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
@@ -65,6 +65,16 @@ sharded_step() {  # sharded_step MODE SECONDS: bench/sharded_step.py for MODE, a
   rmdir "$OUT/step-$1" 2>/dev/null
 }
 
+torchtitan_wheels() {  # torchtitan and its pure-Python needs, when carried as wheels (see the device README)
+  for wheels in .whl ../.whl; do
+    if ls $wheels/*.whl >/dev/null 2>&1; then
+      "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+        $wheels/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+      break
+    fi
+  done
+}
+
 part=${1:-}
 if [ "$part" = table ]; then
   shift
@@ -72,8 +82,8 @@ if [ "$part" = table ]; then
   exit
 fi
 case "$part" in
-  part1|part2|part3) ;;
-  *) echo "usage: bench/two_gpu.sh part1|part2|part3|table DIR..." >&2; exit 2;;
+  part1|part2|part3|part4) ;;
+  *) echo "usage: bench/two_gpu.sh part1|part2|part3|part4|table DIR..." >&2; exit 2;;
 esac
 mkdir -p "$OUT"
 if [ "${DRY_RUN:-0}" != 1 ]; then
@@ -98,19 +108,16 @@ case "$part" in
     sharded_step tp 140
     sharded_step tp_sp 140
     ;;
-  part3)  # torchtitan's trainer, codagen's model against torchtitan's
-    for wheels in .whl ../.whl; do  # torchtitan, when carried as a wheel (see the device README)
-      if ls $wheels/*.whl >/dev/null 2>&1; then
-        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-          $wheels/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
-        break
-      fi
-    done
-    if [ -f bench/torchtitan_step.py ]; then
-      step torchtitan_one_gpu 500 "$PYTHON" bench/torchtitan_step.py --steps 30 --warmup 10 --out "$OUT"
-    else
-      echo "bench/torchtitan_step.py is not in this tree: part3 runs nothing"
-    fi
+  part3)  # torchtitan's trainer on one GPU, codagen's model against torchtitan's
+    torchtitan_wheels
+    step torchtitan_one_gpu 500 "$PYTHON" bench/torchtitan_step.py --steps 30 --warmup 10 --out "$OUT"
+    ;;
+  part4)  # torchtitan's trainer on two GPUs: FSDP 2, then TP 2 with sequence parallelism (torchtitan's own TP plan)
+    torchtitan_wheels
+    step torchtitan_fsdp2 250 "$PYTHON" bench/torchtitan_step.py --gpus 2 --configs torchtitan_sdpa codagen \
+      --steps 30 --warmup 10 --out "$OUT"
+    step torchtitan_tp2 250 "$PYTHON" bench/torchtitan_step.py --gpus 2 --tp 2 --configs torchtitan_sdpa codagen \
+      --steps 30 --warmup 10 --out "$OUT"
     ;;
 esac
 printf '%s\n' "${STATUS[@]}" | tee "$OUT/status-$part.txt"

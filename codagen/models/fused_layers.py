@@ -19,8 +19,6 @@ with the same placements.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -79,13 +77,8 @@ class FusedBlock(nn.Module):
         blk = self.weights(attn_norm, mlp_norm, x.dtype)
         if self.parallel is None:
             return decoder_layer(x, normed, rstd, blk, next_norm.to(x.dtype), eps, spec, positions, frequencies)
-        mesh, sequence_parallel = self.parallel
-        ranks = mesh.size()
-        spec = dataclasses.replace(spec, num_heads=spec.num_heads // ranks, num_kv_heads=spec.num_kv_heads // ranks)
-        frequencies = ops.rope_frequencies(spec.num_heads, spec.num_kv_heads, self.head_dim,
-                                           inv_freq=frequencies[: self.head_dim // 2])
-        return tensor_parallel.parallel_block(blk, x, normed, rstd, next_norm.to(x.dtype), eps, spec, positions,
-                                              frequencies, mesh, sequence_parallel)
+        return tensor_parallel.rank_block(blk, x, normed, rstd, next_norm.to(x.dtype), eps, spec, positions,
+                                          frequencies, self.head_dim, *self.parallel)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: bool) -> nn.Linear:
@@ -175,10 +168,7 @@ def decoder_stack(x: torch.Tensor, layers, final_norm: torch.Tensor, eps: float,
     parallel = layers[0].fused.parallel if len(layers) else None
     sequence_parallel = parallel is not None and parallel[1]
     if sequence_parallel:
-        if x.shape[0] % parallel[0].size():
-            raise ValueError(f"codagen: sequence parallelism needs batch * seq ({x.shape[0]} tokens) to be a multiple "
-                             f"of the tensor-parallel degree ({parallel[0].size()})")
-        x = tensor_parallel.rows_of(x, parallel[0])
+        x = tensor_parallel.sequence_rows(x, parallel[0])
     x, normed, rstd = module_stack(x, [layer.fused for layer in layers],
                                    [layer.input_layernorm.weight for layer in layers],
                                    [layer.post_attention_layernorm.weight for layer in layers], final_norm, eps, spec,

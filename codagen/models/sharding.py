@@ -28,17 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from . import fused_layers, hf, lora
 from .llama import Llama
-from .tensor_parallel import qkv_rank_major
+from .tensor_parallel import shard_block_weights
 
 __all__ = ["fuse_parameters", "fully_shard", "blocks_of", "FusedBlockParallel", "parallelize"]
 
@@ -134,28 +132,10 @@ class FusedBlockParallel(ParallelStyle):
             raise ValueError(f"FusedBlockParallel: expected a 1-D device mesh, got {device_mesh.ndim} dimensions")
         if module.parallel is not None:
             raise ValueError("FusedBlockParallel: the block is tensor-parallel already")
-        ranks = device_mesh.size()
-        sizes = {"num_attention_heads": module.num_heads, "num_key_value_heads": module.num_kv_heads,
-                 "intermediate_size": module.gate_up_proj.weight.shape[0] // 2}
-        for name, size in sizes.items():
-            if size % ranks:
-                raise ValueError(f"FusedBlockParallel: {name} ({size}) must be a multiple of the tensor-parallel "
-                                 f"degree ({ranks})")
-        heads = (module.num_heads, module.num_kv_heads, module.head_dim)
-
-        def shard(linear: nn.Module, name: str, dim: int, layout=lambda t: t):
-            value = getattr(linear, name)
-            if value is not None:
-                setattr(linear, name, nn.Parameter(distribute_tensor(layout(value.detach()), device_mesh, [Shard(dim)],
-                                                                     src_data_rank=self.src_data_rank),
-                                                   requires_grad=value.requires_grad))
-        with torch.no_grad():
-            for name in ("weight", "bias"):
-                shard(module.qkv_proj, name, 0, lambda t: qkv_rank_major(t, *heads, ranks))
-            shard(module.gate_up_proj, "weight", 0)
-            shard(module.o_proj, "weight", 1)
-            shard(module.down_proj, "weight", 1)
-        module.parallel, module.qkv_groups = (device_mesh, self.sequence_parallel), ranks
+        shard_block_weights("FusedBlockParallel", module.qkv_proj, module.gate_up_proj, module.o_proj,
+                            module.down_proj, (module.num_heads, module.num_kv_heads, module.head_dim), device_mesh,
+                            self.src_data_rank)
+        module.parallel, module.qkv_groups = (device_mesh, self.sequence_parallel), device_mesh.size()
         return module
 
 

@@ -29,14 +29,16 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from codagen import ops
 
 from .llama import AttentionSpec, BlockWeights, attention, block_qkv
 
-__all__ = ["qkv_rank_major", "qkv_from_rank_major", "parallel_block", "rows_of", "all_rows"]
+__all__ = ["qkv_rank_major", "qkv_from_rank_major", "shard_block_weights", "rank_block", "parallel_block",
+           "sequence_rows", "rows_of", "all_rows"]
 
 
 def qkv_rank_major(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, ranks: int) -> torch.Tensor:
@@ -52,6 +54,53 @@ def qkv_from_rank_major(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, he
     sizes = (num_heads // ranks * head_dim, num_kv_heads // ranks * head_dim, num_kv_heads // ranks * head_dim)
     groups = [chunk.split(sizes) for chunk in qkv.chunk(ranks)]
     return torch.cat([torch.cat(parts) for parts in zip(*groups)])
+
+
+def shard_block_weights(who: str, qkv: nn.Module, gate_up: nn.Module, o: nn.Module, down: nn.Module,
+                        heads: tuple[int, int, int], mesh: DeviceMesh, src_data_rank: int | None = 0) -> None:
+    """Shard a block's GEMM weights over the 1-D ``mesh`` in place, as the module docstring lays them out: ``qkv``
+    (weight and bias, rank-major), ``gate_up`` by rows, ``o`` and ``down`` by columns. ``heads`` is
+    ``(num_heads, num_kv_heads, head_dim)``; every count must divide by the degree (``ValueError`` naming it,
+    with ``who`` the caller)."""
+    ranks = mesh.size()
+    sizes = {"num_attention_heads": heads[0], "num_key_value_heads": heads[1],
+             "intermediate_size": gate_up.weight.shape[0] // 2}
+    for name, size in sizes.items():
+        if size % ranks:
+            raise ValueError(f"{who}: {name} ({size}) must be a multiple of the tensor-parallel degree ({ranks})")
+
+    def shard(linear: nn.Module, name: str, dim: int, layout=lambda t: t):
+        value = getattr(linear, name)
+        if value is not None:
+            setattr(linear, name, nn.Parameter(distribute_tensor(layout(value.detach()), mesh, [Shard(dim)],
+                                                                 src_data_rank=src_data_rank),
+                                               requires_grad=value.requires_grad))
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            shard(qkv, name, 0, lambda t: qkv_rank_major(t, *heads, ranks))
+        shard(gate_up, "weight", 0)
+        shard(o, "weight", 1)
+        shard(down, "weight", 1)
+
+
+def rank_block(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, next_norm: torch.Tensor,
+               eps: float, spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor, head_dim: int,
+               mesh: DeviceMesh, sequence_parallel: bool):
+    """:func:`parallel_block` with the whole model's ``spec`` and ``frequencies``: narrowed to this rank's heads."""
+    ranks = mesh.size()
+    spec = dataclasses.replace(spec, num_heads=spec.num_heads // ranks, num_kv_heads=spec.num_kv_heads // ranks)
+    frequencies = ops.rope_frequencies(spec.num_heads, spec.num_kv_heads, head_dim,
+                                       inv_freq=frequencies[: head_dim // 2])
+    return parallel_block(blk, x, normed, rstd, next_norm, eps, spec, positions, frequencies, mesh, sequence_parallel)
+
+
+def sequence_rows(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's rows of the residual stream ``x`` (all tokens, the same on every rank) under sequence
+    parallelism; ``ValueError`` unless the token count divides by the degree."""
+    if x.shape[0] % mesh.size():
+        raise ValueError(f"codagen: sequence parallelism needs batch * seq ({x.shape[0]} tokens) to be a multiple "
+                         f"of the tensor-parallel degree ({mesh.size()})")
+    return rows_of(x, mesh)
 
 
 def _gradient_reduced(t: torch.Tensor | None, mesh: DeviceMesh) -> torch.Tensor | None:

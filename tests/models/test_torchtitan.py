@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import codagen
 
@@ -169,14 +170,20 @@ def test_state_dict_round_trip_in_torchtitan_names(kind):
         assert torch.equal(t, want[name]), name
 
 
-@pytest.mark.parametrize("setting", [{"spmd_backend": "spmd_types"},
-                                     {"spmd_backend": "partial_dtensor", "tensor_parallel_degree": 2}])
-def test_rejects_unsupported_parallelism(setting):
-    from torchtitan.config import ParallelismConfig
+@pytest.mark.parametrize("setting, message", [
+    ({"spmd_backend": "spmd_types"}, "spmd_backend"),
+    ({"spmd_backend": "partial_dtensor", "context_parallel_degree": 2}, "context_parallel_degree"),
+    ({"spmd_backend": "partial_dtensor", "tensor_parallel_degree": 2, "async_tp": True}, "async_tensor_parallel")])
+def test_rejects_unsupported_parallelism(setting, message):
+    from torchtitan.config import CompileConfig, ParallelismConfig
+
+    setting = dict(setting)
+    async_tp = setting.pop("async_tp", False)
 
     class TrainerConfig:
         parallelism = ParallelismConfig(**setting)
-    with pytest.raises(NotImplementedError, match="spmd_backend|tensor_parallel_degree"):
+        compile = CompileConfig(enable=async_tp, enable_async_tensor_parallel=async_tp)
+    with pytest.raises(NotImplementedError, match=message):
         tt.convert_config(tiny_config()).update_from_config(config=TrainerConfig())
 
 
@@ -239,6 +246,62 @@ def test_fsdp_through_torchtitan_parallelize(kind, compile_backend):
         assert rel_err(grads[name], g) < 1e-4, name
     assert placements == {(torch.distributed.tensor.Shard(0),)}
     for name, t in stock.state_dict().items():
+        assert torch.equal(state[name], t), name
+
+
+def _tp_step(rank, world, kind, stock_state, tokens, dp, sequence_parallel):
+    """One forward/backward of the converted model through torchtitan's ``parallelize_llama`` with tensor
+    parallelism over ``world // dp`` ranks (and FSDP over ``dp``); every tensor-parallel rank sees its
+    data-parallel rank's rows. The full gradients and the blocks' weight placements."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import parallel_dims as parallel_dims_module
+
+    parallel_dims_module.device_type = "cpu"
+    parallelism = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=world // dp,
+                                    enable_sequence_parallel=sequence_parallel, spmd_backend="partial_dtensor")
+    parallel_dims = ParallelDims.from_config(parallelism, world)
+    parallel_dims.build_mesh()
+    config = tt.convert_config(CONFIGS[kind]())
+    model = derive(config, type(config), codagen_sequence_parallel=sequence_parallel).build()
+    model.init_states()
+    model.load_state_dict(stock_state, strict=True)
+    parallelize = {"llama3": llama3.parallelize_llama, "qwen3": qwen3.parallelize_qwen3}[kind]
+    parallelize(model, parallel_dims=parallel_dims, training=TrainingConfig(mixed_precision_param="float32"),
+                parallelism=parallelism, compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    dp_rank = parallel_dims.get_mesh("fsdp").get_local_rank() if dp > 1 else 0
+    rows = tokens.shape[0] // dp
+    with codagen.use_backend("reference"):
+        (loss(model, tokens[dp_rank * rows:(dp_rank + 1) * rows]) / dp).backward()
+    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+             for name, p in model.named_parameters()}
+    tt._to_torchtitan_layout(model, grads, "", None)
+    placements = {str(model.layers["0"].wo.weight.placements), str(model.layers["0"].wqkv.weight.placements)}
+    state = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}
+    return grads, placements, state
+
+
+@pytest.mark.parametrize("kind, dp, sequence_parallel", [("llama3", 1, False), ("llama3", 1, True),
+                                                         ("qwen3", 1, True), ("llama3", 2, True)])
+def test_tensor_parallel_through_torchtitan_parallelize(kind, dp, sequence_parallel):
+    """torchtitan's own tensor-parallel step (``tensor_parallel_degree`` 2, with and without sequence
+    parallelism; with ``dp`` 2 FSDP on top, 4 ranks): every gradient equals the stock model's on the whole batch,
+    and the state dict has torchtitan's names and the stock values."""
+    stock = stock_model(CONFIGS[kind]())
+    tokens = torch.randint(0, VOCAB, (2 * BATCH, SEQ + 1))
+    loss(stock, tokens).backward()
+    grads, placements, state = run_distributed(2 * dp, _tp_step, kind, stock.state_dict(), tokens, dp,
+                                               sequence_parallel)
+    want = state_dict_of_grads(stock)
+    assert set(grads) == set(want)
+    for name, g in want.items():
+        assert rel_err(grads[name], g) < 1e-4, name
+    assert any("Shard(dim=1)" in p for p in placements), placements
+    for name, t in stock.state_dict().items():  # the sharded state dict in torchtitan's names and layouts
         assert torch.equal(state[name], t), name
 
 

@@ -36,9 +36,12 @@ keys.
 
 It runs with ``parallelism.spmd_backend = "partial_dtensor"`` (FSDP2 and DTensor only where torchtitan adds
 them; the default ``spmd_types`` backend annotates every module with sharding specs, which the blocks do not
-declare). Not supported (each raises when configured): tensor / context / pipeline / expert parallelism, the
-``spmd_types`` and ``full_dtensor`` backends, attention masks (document masking of packed sequences: the blocks
-run causal SDPA over each sequence), MoE blocks, biases.
+declare). Tensor parallelism (torchtitan's ``parallelize_llama`` calls ``model.parallelize`` when ``tp`` > 1):
+each block's GEMM weights are sharded over the ``tp`` mesh as the Hugging Face blocks'
+(:mod:`codagen.models.tensor_parallel`, with sequence parallelism when ``parallelism.enable_sequence_parallel``);
+the embeddings, norms and LM head stay whole on every rank. Not supported (each raises when configured): context /
+pipeline / expert parallelism, async TP, the ``spmd_types`` and ``full_dtensor`` backends, attention masks
+(document masking of packed sequences: the blocks run causal SDPA over each sequence), MoE blocks, biases.
 """
 from __future__ import annotations
 
@@ -47,6 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torchtitan.config.override import derive
 from torchtitan.models.common.attention import GQAttention, QKVLinear, ScaledDotProductAttention
 from torchtitan.models.common.decoder import Decoder
@@ -58,6 +63,7 @@ from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.protocols.module import Module, ModuleDict
 
 from codagen import ops
+from codagen.models import tensor_parallel
 from codagen.models.fused_layers import relayout
 from codagen.models.llama import AttentionSpec, BlockWeights, decoder_layer, module_stack
 
@@ -108,17 +114,36 @@ class CodagenBlock(Module):
         # QK-norm (Qwen3): per-head RMSNorm weights [head_dim], in pair order, as each Q/K head's rows of wqkv
         self.q_norm, self.k_norm = ((attention.qk_norm.build(), attention.qk_norm.build())
                                     if attention.qk_norm is not None else (None, None))
+        self.heads = (attention.n_heads, attention.n_kv_heads or attention.n_heads,
+                      attention.head_dim or attention.dim // attention.n_heads)
+        # tensor parallelism (:meth:`shard`): the "tp" mesh and whether the residual stream is split by rows
+        self.parallel: tuple[DeviceMesh, bool] | None = None
+
+    def shard(self, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+        """Tensor parallelism over ``tp_mesh``, as the Hugging Face blocks' (:mod:`codagen.models.tensor_parallel`):
+        column-parallel ``wqkv`` (whole heads per rank) and ``w13`` (a range of gate/up pairs), row-parallel ``wo``
+        and ``w2``; the norms stay whole."""
+        tensor_parallel.shard_block_weights("codagen.integrations.torchtitan", self.wqkv, self.w13, self.wo, self.w2,
+                                            self.heads, tp_mesh)
+        self.parallel = (tp_mesh, sequence_parallel)
 
     def forward(self, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, attn_norm: torch.Tensor,
                 mlp_norm: torch.Tensor, next_norm: torch.Tensor, eps: float, spec: AttentionSpec,
                 positions: torch.Tensor, frequencies: torch.Tensor):
-        """``(x, normed, rstd)`` of ``next_norm`` after this block, on token rows ``[B * S, d]``."""
+        """``(x, normed, rstd)`` of ``next_norm`` after this block, on token rows ``[B * S, d]`` (this rank's rows
+        under sequence parallelism)."""
         dtype = x.dtype
+
+        def local(t):  # a tensor-parallel shard is the rank's local tensor
+            return None if t is None else (t.to_local() if isinstance(t, DTensor) else t)
         q_norm, k_norm = (None if norm is None else norm.weight.to(dtype) for norm in (self.q_norm, self.k_norm))
-        blk = BlockWeights(attn_norm=attn_norm.to(dtype), qkv=self.wqkv.weight, o=self.wo.weight,
-                           mlp_norm=mlp_norm.to(dtype), gate_up=self.w13.weight, down=self.w2.weight,
+        blk = BlockWeights(attn_norm=attn_norm.to(dtype), qkv=local(self.wqkv.weight), o=local(self.wo.weight),
+                           mlp_norm=mlp_norm.to(dtype), gate_up=local(self.w13.weight), down=local(self.w2.weight),
                            q_norm=q_norm, k_norm=k_norm)
-        return decoder_layer(x, normed, rstd, blk, next_norm.to(dtype), eps, spec, positions, frequencies)
+        if self.parallel is None:
+            return decoder_layer(x, normed, rstd, blk, next_norm.to(dtype), eps, spec, positions, frequencies)
+        return tensor_parallel.rank_block(blk, x, normed, rstd, next_norm.to(dtype), eps, spec, positions,
+                                          frequencies, self.heads[2], *self.parallel)
 
 
 class LayerNorms(Module):
@@ -129,16 +154,20 @@ class LayerNorms(Module):
         self.attention_norm, self.ffn_norm = attention_norm, ffn_norm
 
 
-def _check_parallelism(parallelism) -> None:
-    """Refuse the parallelisms the blocks do not implement (a model config's ``update_from_config``)."""
+def _check_parallelism(config) -> None:
+    """Refuse the parallelisms the blocks do not implement (a model config's ``update_from_config``, given the
+    trainer's config)."""
+    parallelism = config.parallelism
     if parallelism.spmd_backend != "partial_dtensor":
         raise NotImplementedError("codagen.integrations.torchtitan: parallelism.spmd_backend must be "
                                   f"'partial_dtensor' (FSDP2 on plain modules), got {parallelism.spmd_backend!r}")
-    for name in ("tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree",
-                 "expert_parallel_degree"):
+    for name in ("context_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
         if getattr(parallelism, name, 1) != 1:
             raise NotImplementedError(f"codagen.integrations.torchtitan: parallelism.{name} must be 1, "
                                       f"got {getattr(parallelism, name)}")
+    if getattr(getattr(config, "compile", None), "enable_async_tensor_parallel", False):
+        raise NotImplementedError("codagen.integrations.torchtitan: compile.enable_async_tensor_parallel is not "
+                                  "supported (the blocks' tensor-parallel GEMMs are codagen's custom ops)")
 
 
 class _CodagenDecoder:
@@ -169,6 +198,21 @@ class _CodagenDecoder:
         self.eps = eps.pop()
         self.register_state_dict_post_hook(_to_torchtitan_layout)
         self.register_load_state_dict_pre_hook(_from_torchtitan_layout)
+        self.sequence_parallel = config.codagen_sequence_parallel
+        self.tp_mesh: DeviceMesh | None = None  # set by parallelize
+
+    def parallelize(self, parallel_dims) -> None:
+        """torchtitan's tensor-parallel step (``parallelize_llama`` calls it when ``tp`` > 1): each block's GEMM
+        weights sharded over the ``tp`` mesh (:meth:`CodagenBlock.shard`); the embeddings, the norms and the LM
+        head stay whole on every rank, as the Hugging Face path's (torchtitan's own sharding specs of those
+        modules are not applied)."""
+        if self._parallelized:
+            raise ValueError(f"{type(self).__name__} has already been parallelized")
+        self._parallelized = True
+        self.tp_mesh = parallel_dims.get_optional_mesh("tp")
+        if self.tp_mesh is not None:
+            for block in self.layers.values():
+                block.shard(self.tp_mesh, self.sequence_parallel)
 
     def frequencies(self) -> torch.Tensor:
         """The QKV epilogue's per-pair frequencies, read off row 1 of torchtitan's RoPE cache (``exp(i inv_freq)``,
@@ -188,9 +232,14 @@ class _CodagenDecoder:
         x = self.tok_embeddings(tokens).reshape(batch * seq, -1)
         spec = AttentionSpec(batch, seq, self.n_heads, self.n_kv_heads, self.head_dim)
         norms = list(self.block_norms.values())
+        sequence_parallel = self.tp_mesh is not None and self.sequence_parallel
+        if sequence_parallel:
+            x = tensor_parallel.sequence_rows(x, self.tp_mesh)
         x, normed, rstd = module_stack(x, list(self.layers.values()), [n.attention_norm.weight for n in norms],
                                        [n.ffn_norm.weight for n in norms], self.final_norm.weight, self.eps, spec,
                                        positions.reshape(-1).float(), self.frequencies())
+        if sequence_parallel:
+            x, normed, rstd = (tensor_parallel.all_rows(t, self.tp_mesh) for t in (x, normed, rstd))
         if self._skip_lm_head:  # torchtitan's ChunkedLossWrapper applies the LM head itself, chunk by chunk
             return F.rms_norm(x, (x.shape[1],), self.final_norm.weight.to(x.dtype), self.eps).view(batch, seq, -1)
         logits = ops.rms_linear(x, normed, rstd, self.final_norm.weight.to(x.dtype), self.lm_head.weight)
@@ -204,9 +253,13 @@ class CodagenLlama3Model(_CodagenDecoder, Llama3Model):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Llama3Model.Config):
+        codagen_sequence_parallel: bool = False  # parallelism.enable_sequence_parallel, read in update_from_config
+
         def update_from_config(self, *, config, **kwargs) -> None:
-            _check_parallelism(config.parallelism)
+            _check_parallelism(config)
             Llama3Model.Config.update_from_config(self, config=config, **kwargs)
+            self.codagen_sequence_parallel = config.parallelism.tensor_parallel_degree > 1 and bool(
+                config.parallelism.enable_sequence_parallel)
 
 
 class CodagenQwen3Model(_CodagenDecoder, Qwen3Model):
@@ -214,9 +267,13 @@ class CodagenQwen3Model(_CodagenDecoder, Qwen3Model):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Qwen3Model.Config):
+        codagen_sequence_parallel: bool = False  # parallelism.enable_sequence_parallel, read in update_from_config
+
         def update_from_config(self, *, config, **kwargs) -> None:
-            _check_parallelism(config.parallelism)
+            _check_parallelism(config)
             Qwen3Model.Config.update_from_config(self, config=config, **kwargs)
+            self.codagen_sequence_parallel = config.parallelism.tensor_parallel_degree > 1 and bool(
+                config.parallelism.enable_sequence_parallel)
 
 
 # --- state dicts in torchtitan's names and layouts -------------------------------------------------------
@@ -225,14 +282,16 @@ def _to_torchtitan_layout(model: _CodagenDecoder, state_dict: dict, prefix: str,
         if not model.half_split:
             return t
         return (ops.rope_half_split_from_pairs if inverse else ops.rope_pairs_from_half_split)(t, model.head_dim)
+    heads = (model.n_heads, model.n_kv_heads, model.head_dim)
     rows = (model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim, model.n_kv_heads * model.head_dim)
     state_dict[prefix + "norm.weight"] = state_dict.pop(prefix + "final_norm.weight")
     for i in model.layers:
         layer = f"{prefix}layers.{i}."
         for name in ("attention_norm", "ffn_norm"):
             state_dict[f"{layer}{name}.weight"] = state_dict.pop(f"{prefix}block_norms.{i}.{name}.weight")
-        q, k, v = relayout(lambda t: [pair_order(part, inverse=True) if n < 2 else part
-                                      for n, part in enumerate(t.split(rows))], state_dict.pop(layer + "wqkv.weight"))
+        groups = model.tp_mesh.size() if model.tp_mesh is not None else 1  # rank-major rows under TP
+        q, k, v = relayout(lambda t: [pair_order(part, inverse=True) if n < 2 else part for n, part in enumerate(
+            tensor_parallel.qkv_from_rank_major(t, *heads, groups).split(rows))], state_dict.pop(layer + "wqkv.weight"))
         for norm in ("q_norm", "k_norm"):
             if f"{layer}{norm}.weight" in state_dict:
                 (state_dict[f"{layer}attention.{norm}.weight"],) = relayout(
@@ -249,6 +308,8 @@ def _from_torchtitan_layout(model: _CodagenDecoder, state_dict: dict, prefix: st
                             missing_keys, unexpected_keys, error_msgs) -> None:
     def pair_order(t):
         return ops.rope_pairs_from_half_split(t, model.head_dim) if model.half_split else t
+    heads = (model.n_heads, model.n_kv_heads, model.head_dim)
+    groups = model.tp_mesh.size() if model.tp_mesh is not None else 1  # rank-major rows under TP
     if prefix + "norm.weight" in state_dict:
         state_dict[prefix + "final_norm.weight"] = state_dict.pop(prefix + "norm.weight")
     for i in model.layers:
@@ -259,7 +320,8 @@ def _from_torchtitan_layout(model: _CodagenDecoder, state_dict: dict, prefix: st
         qkv_keys = [layer + f"attention.qkv_linear.{n}.weight" for n in ("wq", "wk", "wv")]
         if all(key in state_dict for key in qkv_keys):
             (state_dict[layer + "wqkv.weight"],) = relayout(
-                lambda q, k, v: [torch.cat((pair_order(q), pair_order(k), v))],
+                lambda q, k, v: [tensor_parallel.qkv_rank_major(torch.cat((pair_order(q), pair_order(k), v)), *heads,
+                                                                groups)],
                 *(state_dict.pop(key) for key in qkv_keys))
         for norm in ("q_norm", "k_norm"):
             if f"{layer}attention.{norm}.weight" in state_dict:
