@@ -3,7 +3,8 @@
 Every run uses torchtitan 0.3's trainer (``torchtitan.train``) with its ``llama3_8b`` config cut to ``LAYERS``
 layers (Llama-3-8B dims: d 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256), sequence ``SEQ_LEN``, batch 1,
 bf16 parameters (FSDP degree 1: torchtitan's ``MixedPrecisionPolicy``, fp32 reduce), ``torch.compile`` on the
-model and the loss, Float8 off, no activation checkpointing, AdamW, torchtitan's chunked cross-entropy,
+model and the loss, Float8 off, no activation checkpointing, AdamW, torchtitan's ``CrossEntropyLoss`` on the
+whole logits (``--loss chunked``: ``llama3_8b``'s ``ChunkedLossWrapper``, the LM head and loss per sequence chunk),
 and ``training.disable_cuda_graphs`` (torchtitan 0.3 captures the whole forward + backward in a CUDA graph by
 default). The tokens are random (no tokenizer or data set is read), one document per row. Configs:
 
@@ -13,10 +14,12 @@ default). The tokens are random (no tokenizer or data set is read), one document
 - ``codagen``: the ``torchtitan`` config converted with ``codagen.integrations.torchtitan`` (causal SDPA in its
   blocks) and the ``partial_dtensor`` SPMD backend that it needs.
 
-With torch 2.11 both torchtitan configs fail in their first compiled backward, with or without the CUDA graph
-and with ``parallelism.fsdp_reshard_after_forward = "never"``: "The tensor has a non-zero number of elements,
-but its data is not allocated yet" (torchtitan 0.3 is developed against torch >= 2.13); the converted model runs.
-A failed config is recorded with its error; the others still run.
+With torch 2.11 and ``--loss chunked`` both torchtitan configs fail in their first backward: "The tensor has a
+non-zero number of elements, but its data is not allocated yet". ``ChunkedLossWrapper`` calls ``reshard()`` on
+the LM head's FSDP unit after the chunks, and torchtitan's model shares that unit with its final norm
+(``fully_shard([norm, lm_head])``), whose weight the decoder's backward then reads; torch 2.13 re-gathers it, torch
+2.11 does not. It reproduces on CPU without compile; the converted model keeps its final norm in the root unit
+and runs. A failed config is recorded with its error; the others still run.
 
 torchtitan's ``varlen`` attention backend needs FlashAttention 3 (``flash_attn_interface``) on Hopper, which the
 H200 image does not have. On torch < 2.13 (the image has 2.11) three names torchtitan 0.3 uses are missing; this
@@ -71,6 +74,7 @@ import torchtitan.models.common.attention as torchtitan_attention  # noqa: E402
 import triton  # noqa: E402
 from torch.utils.data import IterableDataset  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
+from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
 from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 from torchtitan.config import CompileConfig  # noqa: E402
@@ -84,6 +88,8 @@ from codagen.integrations.torchtitan.config_registry import codagen_trainer_conf
 
 LAYERS, SEQ_LEN, STEPS = 8, 8192, 30
 CONFIGS = ("torchtitan_sdpa", "torchtitan", "codagen")
+LOSSES = ("cross_entropy", "chunked")
+LOSS_VARIABLE = "TORCHTITAN_STEP_LOSS"  # --loss, from the runner to the configs in torchtitan's processes
 
 
 if not hasattr(torch.distributed, "set_timeout"):
@@ -162,6 +168,8 @@ def torchtitan() -> Trainer.Config:
     config.validator.enable = False
     config.profiler = Profiler.Config(enable_profiling=False)
     config.metrics = MetricsProcessor.Config(log_freq=1, enable_tensorboard=False)
+    if os.environ.get(LOSS_VARIABLE, "cross_entropy") == "cross_entropy":  # else llama3_8b's ChunkedLossWrapper
+        config.loss = CrossEntropyLoss.Config(global_vocab_size=model.vocab_size)
     return config
 
 
@@ -185,15 +193,17 @@ _STEP_LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)\s*GiB.*?tps:\s*([\d
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def run(name: str, steps: int, gpus: int = 1, tp: int = 1) -> list[tuple[int, float, float]]:
+def run(name: str, steps: int, gpus: int = 1, tp: int = 1,
+        loss: str = "cross_entropy") -> list[tuple[int, float, float]]:
     """``(step, peak reserved GiB, tps)`` of each step of torchtitan's log (rank 0's) for the config ``name`` on
-    ``gpus`` GPUs, tensor parallelism ``tp`` (with sequence parallelism) and FSDP over the rest; raises
+    ``gpus`` GPUs, tensor parallelism ``tp`` (with sequence parallelism) and FSDP over the rest, with ``loss``; raises
     ``RuntimeError`` with the log's tail when the run fails."""
     command = ["torchrun", "--standalone", "--nproc-per-node", str(gpus), __file__, "--train", "--module",
                "bench.torchtitan_step", "--config", name, "--training.steps", str(steps),
                "--parallelism.data_parallel_shard_degree", str(gpus // tp),
                "--parallelism.tensor_parallel_degree", str(tp)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    env[LOSS_VARIABLE] = loss
     env.setdefault("CODAGEN_TRITON_AUTOTUNE", "0")  # the shipped tuning, no minutes of autotuning in the run
     print(" ".join(command), flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -214,13 +224,15 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--gpus", type=int, default=1, help="GPUs (torchrun processes); FSDP over gpus / tp")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (with sequence parallelism)")
+    parser.add_argument("--loss", choices=LOSSES, default="cross_entropy",
+                        help="torchtitan's CrossEntropyLoss (default) or llama3_8b's ChunkedLossWrapper")
     args = parser.parse_args()
     if args.gpus < 1 or args.tp < 1 or args.gpus % args.tp:
         parser.error(f"--gpus ({args.gpus}) must be a positive multiple of --tp ({args.tp})")
     results = {}
     for name in args.configs:
         try:
-            rows = [row for row in run(name, args.steps, args.gpus, args.tp) if row[0] > args.warmup]
+            rows = [row for row in run(name, args.steps, args.gpus, args.tp, args.loss) if row[0] > args.warmup]
         except RuntimeError as error:  # recorded; the other configs still run
             print(error, flush=True)
             results[name] = {"error": str(error)[-2000:]}
@@ -237,7 +249,7 @@ def main() -> None:
                         "dtype": "bf16 params, fp32 reduce", "compile": ["model", "loss"], "gpus": args.gpus,
                         "fsdp_degree": args.gpus // args.tp, "tp_degree": args.tp, "sequence_parallel": args.tp > 1,
                         "cuda_graphs": False,
-                        "activation_checkpointing": None, "float8": False, "loss": "torchtitan ChunkedLossWrapper"},
+                        "activation_checkpointing": None, "float8": False, "loss": args.loss},
               "warmup": args.warmup, "results": results, "speedups": speedups}
     os.makedirs(args.out, exist_ok=True)
     layout = "" if args.gpus == 1 else f"-{args.gpus}gpu-fsdp{args.gpus // args.tp}-tp{args.tp}"
