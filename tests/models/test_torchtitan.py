@@ -193,9 +193,11 @@ def test_rejects_document_masks():
         model(torch.zeros(1, 4, dtype=torch.long), attention_masks=object())
 
 
-def _fsdp_step(rank, world, kind, stock_state, tokens, compile_backend):
+def _fsdp_step(rank, world, kind, stock_state, tokens, compile_backend, chunked=False):
     """One forward/backward of the converted model through torchtitan's ``parallelize_llama`` (FSDP over
-    ``world`` ranks, full activation checkpointing); this rank's share of ``tokens``; the full gradients."""
+    ``world`` ranks, full activation checkpointing); this rank's share of ``tokens``; the full gradients.
+    ``chunked``: the loss is torchtitan's ``ChunkedLossWrapper`` (the LM head and loss per sequence chunk, the
+    decoder's backward after them), set up as torchtitan's trainer does."""
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -221,8 +223,17 @@ def _fsdp_step(rank, world, kind, stock_state, tokens, compile_backend):
         if isinstance(module, FSDPModule):  # 1), which gloo runs as a plain sum, having no PREMUL_SUM
             module.set_force_sum_reduction_for_comms(True)
     rows = tokens.shape[0] // world
+    mine = tokens[rank * rows:(rank + 1) * rows]
     with codagen.use_backend("reference"):
-        (loss(model, tokens[rank * rows:(rank + 1) * rows]) / world).backward()
+        if chunked:
+            from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+            loss_fn = ChunkedLossWrapper.Config(num_chunks=2, loss_fn=CrossEntropyLoss.Config()).build()
+            loss_fn.set_lm_head(model.lm_head)
+            model._skip_lm_head = True
+            total_tokens = torch.tensor(float(tokens[:, 1:].numel()))  # torchtitan's global_valid_tokens
+            loss_fn(model(mine[:, :-1]), mine[:, 1:], total_tokens)[0].backward()
+        else:
+            (loss(model, mine) / world).backward()
     grads = {name.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()
              for name, p in model.named_parameters()}
     placements = {p.grad.placements for p in model.parameters()}
@@ -231,15 +242,18 @@ def _fsdp_step(rank, world, kind, stock_state, tokens, compile_backend):
     return grads, placements, state
 
 
-@pytest.mark.parametrize("kind, compile_backend", [("llama3", None), ("llama3", "aot_eager"), ("qwen3", None)])
-def test_fsdp_through_torchtitan_parallelize(kind, compile_backend):
+@pytest.mark.parametrize("kind, compile_backend, chunked", [("llama3", None, False), ("llama3", "aot_eager", False),
+                                                             ("qwen3", None, False), ("llama3", None, True)])
+def test_fsdp_through_torchtitan_parallelize(kind, compile_backend, chunked):
     """Two gloo ranks under torchtitan's own FSDP2 + activation-checkpointing (+ per-block ``torch.compile``,
-    ``fullgraph=True``) steps: every gradient equals the stock model's on the whole batch, and the sharded state
-    dict has torchtitan's names and values."""
+    ``fullgraph=True``; + torchtitan's chunked loss, which reshards the LM head's unit before the decoder's
+    backward) steps: every gradient equals the stock model's on the whole batch, and the sharded state dict has
+    torchtitan's names and values."""
     stock = stock_model(CONFIGS[kind]())
     tokens = torch.randint(0, VOCAB, (2 * BATCH, SEQ + 1))
     loss(stock, tokens).backward()
-    grads, placements, state = run_distributed(2, _fsdp_step, kind, stock.state_dict(), tokens, compile_backend)
+    grads, placements, state = run_distributed(2, _fsdp_step, kind, stock.state_dict(), tokens, compile_backend,
+                                               chunked)
     want = state_dict_of_grads(stock)
     assert set(grads) == set(want)
     for name, g in want.items():
