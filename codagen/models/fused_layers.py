@@ -59,8 +59,8 @@ class FusedBlock(nn.Module):
         self.qkv_groups = 1
 
     def weights(self, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, dtype: torch.dtype) -> BlockWeights:
-        def cast(t):  # a tensor-parallel shard is the rank's local tensor
-            return None if t is None else (t.to_local() if isinstance(t, DTensor) else t).to(dtype)
+        def cast(t):  # a tensor-parallel shard or replica is the rank's local tensor
+            return None if t is None else tensor_parallel.local(t).to(dtype)
         # QK-norm weights ([head_dim] each) stay in HF's channel order and are permuted per forward
         q_norm, k_norm = (None if norm is None else ops.rope_pairs_from_half_split(cast(norm.weight), self.head_dim)
                           for norm in (self.q_norm, self.k_norm))
@@ -170,9 +170,9 @@ def decoder_stack(x: torch.Tensor, layers, final_norm: torch.Tensor, eps: float,
     if sequence_parallel:
         x = tensor_parallel.sequence_rows(x, parallel[0])
     x, normed, rstd = module_stack(x, [layer.fused for layer in layers],
-                                   [layer.input_layernorm.weight for layer in layers],
-                                   [layer.post_attention_layernorm.weight for layer in layers], final_norm, eps, spec,
-                                   positions, frequencies, checkpoints)
+                                   [tensor_parallel.local(layer.input_layernorm.weight) for layer in layers],
+                                   [tensor_parallel.local(layer.post_attention_layernorm.weight) for layer in layers],
+                                   final_norm, eps, spec, positions, frequencies, checkpoints)
     if sequence_parallel:
         x, normed, rstd = (tensor_parallel.all_rows(t, parallel[0]) for t in (x, normed, rstd))
     return x, normed, rstd

@@ -56,7 +56,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from codagen import ops
 
-from . import fused_layers, hf_cache, lora
+from . import fused_layers, hf_cache, lora, tensor_parallel
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
@@ -319,7 +319,7 @@ def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     ``enable_input_require_grads``' for PEFT) runs as the module."""
     if (type(embed_tokens) is nn.Embedding and embed_tokens.max_norm is None and not embed_tokens.scale_grad_by_freq
             and not embed_tokens.sparse and not _has_hooks(embed_tokens)):
-        return ops.embedding(input_ids, embed_tokens.weight, embed_tokens.padding_idx)
+        return ops.embedding(input_ids, tensor_parallel.local(embed_tokens.weight), embed_tokens.padding_idx)
     return embed_tokens(input_ids)
 
 
@@ -372,8 +372,9 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
         blocks = fuse()
     else:
         blocks = hf_cache.inference_blocks(self, dtype, fuse, modules)
-    norm_weight, eps = self.model.norm.weight.to(dtype), self.model.norm.variance_epsilon
-    head_weight = self.lm_head.weight.to(dtype)
+    # under tensor parallelism these are replicated DTensors (codagen.models.sharding.parallelize)
+    norm_weight, eps = tensor_parallel.local(self.model.norm.weight).to(dtype), self.model.norm.variance_epsilon
+    head_weight = tensor_parallel.local(self.lm_head.weight).to(dtype)
     if cache is None:
         # model.gradient_checkpointing_enable() gives each layer its checkpoint function (torch.utils.checkpoint
         # with the kwargs it was given); the patched model checkpoints the regrouped block in that layer's place.

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from . import fused_layers, hf, lora
 from .llama import Llama
-from .tensor_parallel import shard_block_weights
+from .tensor_parallel import replicate_parameters, shard_block_weights
 
 __all__ = ["fuse_parameters", "fully_shard", "blocks_of", "FusedBlockParallel", "parallelize"]
 
@@ -118,7 +118,7 @@ class FusedBlockParallel(ParallelStyle):
     column-parallel QKV (whole heads per rank) and gate/up (a contiguous range of interleaved pairs per
     rank), row-parallel O and down (:mod:`codagen.models.tensor_parallel`). With ``sequence_parallel`` the
     residual stream between blocks is split by rows. Norm weights, embeddings and the LM head stay
-    replicated (plain tensors, the same on every rank)."""
+    replicated (:func:`parallelize` makes them ``Replicate`` DTensors on the same mesh)."""
 
     def __init__(self, *, sequence_parallel: bool = False):
         super().__init__()
@@ -141,7 +141,10 @@ class FusedBlockParallel(ParallelStyle):
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> nn.Module:
     """Tensor parallelism of a ``transformers`` causal LM over the 1-D ``mesh``, in place: :func:`fuse_parameters`,
-    then ``parallelize_module`` with :class:`FusedBlockParallel` on every ``model.layers.*.fused``."""
+    then ``parallelize_module`` with :class:`FusedBlockParallel` on every ``model.layers.*.fused``; every other
+    parameter becomes a ``Replicate`` DTensor on ``mesh``
+    (:func:`~codagen.models.tensor_parallel.replicate_parameters`), so that gradient clipping sees one mesh."""
     fuse_parameters(model)
     parallelize_module(model, mesh, {"model.layers.*.fused": FusedBlockParallel(sequence_parallel=sequence_parallel)})
+    replicate_parameters(model, mesh)  # norms, embeddings, the LM head: Replicate DTensors, so all share the mesh
     return model

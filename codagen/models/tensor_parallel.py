@@ -37,8 +37,8 @@ from codagen import ops
 
 from .llama import AttentionSpec, BlockWeights, attention, block_qkv
 
-__all__ = ["qkv_rank_major", "qkv_from_rank_major", "shard_block_weights", "rank_block", "parallel_block",
-           "sequence_rows", "rows_of", "all_rows"]
+__all__ = ["qkv_rank_major", "qkv_from_rank_major", "shard_block_weights", "replicate_parameters", "local",
+           "rank_block", "parallel_block", "sequence_rows", "rows_of", "all_rows"]
 
 
 def qkv_rank_major(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, ranks: int) -> torch.Tensor:
@@ -81,6 +81,30 @@ def shard_block_weights(who: str, qkv: nn.Module, gate_up: nn.Module, o: nn.Modu
         shard(gate_up, "weight", 0)
         shard(o, "weight", 1)
         shard(down, "weight", 1)
+
+
+def replicate_parameters(model: nn.Module, mesh: DeviceMesh, src_data_rank: int | None = 0) -> None:
+    """Every parameter of ``model`` that is not a DTensor yet becomes a ``Replicate`` DTensor on ``mesh``, in place
+    (a parameter shared by two modules, such as tied embeddings, stays shared). So all parameters live on one mesh,
+    which what reduces over them needs (``torch.nn.utils.clip_grad_norm_`` stacks their norms); the forward reads
+    the replicated ones through :func:`local`. Their gradients are the same on every rank: each rank computes
+    the replicated parts on all tokens, and the blocks reduce the partial sums of the norm weights'."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, value in list(module._parameters.items()):
+            if value is None or isinstance(value, DTensor):
+                continue
+            if id(value) not in replaced:
+                replaced[id(value)] = nn.Parameter(distribute_tensor(value.detach(), mesh, [Replicate()],
+                                                                     src_data_rank=src_data_rank),
+                                                   requires_grad=value.requires_grad)
+            module._parameters[name] = replaced[id(value)]
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's tensor of a parameter: the local tensor of a DTensor (a tensor-parallel shard or replica), else
+    ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def rank_block(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, next_norm: torch.Tensor,

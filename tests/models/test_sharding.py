@@ -96,6 +96,7 @@ def _fsdp_tp_training(rank, world, model, fresh, batch, sequence_parallel, direc
         dist.all_reduce(mean, group=dp_group)
         losses.append(mean / 2)
         if step == 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9).full_tensor()
             grads = full_grads(model)
         optimizer.step()
         optimizer.zero_grad()
@@ -104,7 +105,7 @@ def _fsdp_tp_training(rank, world, model, fresh, batch, sequence_parallel, direc
     dcp.load(loaded, checkpoint_id=directory)
     fresh.load_state_dict(loaded)
     with torch.no_grad():
-        return {"losses": losses, "grads": grads, "logits": logits_of(model, batch),
+        return {"losses": losses, "grads": grads, "grad_norm": grad_norm, "logits": logits_of(model, batch),
                 "fresh_logits": logits_of(fresh, batch),
                 "placements": {str(p.placements) for p in model.parameters() if isinstance(p, DTensor)}}
 
@@ -118,6 +119,7 @@ def test_fsdp_with_tensor_parallel_on_a_2d_mesh(family, sequence_parallel, tmp_p
     want = reference_training(model, batch)
     got = run_distributed(4, _fsdp_tp_training, model, fresh, batch, sequence_parallel, str(tmp_path / "checkpoint"))
     assert_same(got, want)
+    assert rel_err(got["grad_norm"], torch.nn.utils.get_total_norm(list(want["grads"].values()))) < 1e-4
     assert any(placements.count("Shard") == 2 for placements in got["placements"]), got["placements"]
     torch.testing.assert_close(got["fresh_logits"], got["logits"], rtol=0, atol=0)
 

@@ -42,11 +42,12 @@ def _tp_training(rank, world, model, batch, sequence_parallel, compiled=False):
         loss = run(**batch).loss
         loss.backward()
         losses.append(loss.detach().clone())
-        if step == 0:
+        if step == 0:  # clipping reduces over every parameter: all of them share the mesh
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9).full_tensor()
             grads = full_grads(model)
         optimizer.step()
         optimizer.zero_grad()
-    return {"losses": losses, "grads": grads, "frames": dict(counters["frames"])}
+    return {"losses": losses, "grads": grads, "grad_norm": grad_norm, "frames": dict(counters["frames"])}
 
 
 @pytest.mark.parametrize(("family", "sequence_parallel"), [("llama", False), ("llama", True), ("qwen3", False),
@@ -58,6 +59,7 @@ def test_tensor_parallel_matches_one_unsharded_process(family, sequence_parallel
     want = reference_training(model, batch)
     got = run_distributed(2, _tp_training, model, batch, sequence_parallel)
     assert_same(got, want)
+    assert rel_err(got["grad_norm"], torch.nn.utils.get_total_norm(list(want["grads"].values()))) < 1e-4
 
 
 @pytest.mark.parametrize(("family", "sequence_parallel"), [("llama", False), ("qwen3", True)])

@@ -291,30 +291,33 @@ def _tp_step(rank, world, kind, stock_state, tokens, dp, sequence_parallel):
     rows = tokens.shape[0] // dp
     with codagen.use_backend("reference"):
         (loss(model, tokens[dp_rank * rows:(dp_rank + 1) * rows]) / dp).backward()
+    from torchtitan.distributed.utils import clip_grad_norm_  # what torchtitan's trainer runs after backward
+    grad_norm = clip_grad_norm_(list(model.parameters()), max_norm=1e9)
     grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
              for name, p in model.named_parameters()}
     tt._to_torchtitan_layout(model, grads, "", None)
     placements = {str(model.layers["0"].wo.weight.placements), str(model.layers["0"].wqkv.weight.placements)}
     state = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}
-    return grads, placements, state
+    return grads, placements, state, grad_norm
 
 
 @pytest.mark.parametrize("kind, dp, sequence_parallel", [("llama3", 1, False), ("llama3", 1, True),
                                                          ("qwen3", 1, True), ("llama3", 2, True)])
 def test_tensor_parallel_through_torchtitan_parallelize(kind, dp, sequence_parallel):
     """torchtitan's own tensor-parallel step (``tensor_parallel_degree`` 2, with and without sequence
-    parallelism; with ``dp`` 2 FSDP on top, 4 ranks): every gradient equals the stock model's on the whole batch,
-    and the state dict has torchtitan's names and the stock values."""
+    parallelism; with ``dp`` 2 FSDP on top, 4 ranks): every gradient and torchtitan's clipped gradient norm equal
+    the stock model's on the whole batch, and the state dict has torchtitan's names and the stock values."""
     stock = stock_model(CONFIGS[kind]())
     tokens = torch.randint(0, VOCAB, (2 * BATCH, SEQ + 1))
     loss(stock, tokens).backward()
-    grads, placements, state = run_distributed(2 * dp, _tp_step, kind, stock.state_dict(), tokens, dp,
-                                               sequence_parallel)
+    grads, placements, state, grad_norm = run_distributed(2 * dp, _tp_step, kind, stock.state_dict(), tokens, dp,
+                                                          sequence_parallel)
     want = state_dict_of_grads(stock)
     assert set(grads) == set(want)
     for name, g in want.items():
         assert rel_err(grads[name], g) < 1e-4, name
     assert any("Shard(dim=1)" in p for p in placements), placements
+    assert rel_err(grad_norm, torch.nn.utils.get_total_norm([p.grad for p in stock.parameters()])) < 1e-4
     for name, t in stock.state_dict().items():  # the sharded state dict in torchtitan's names and layouts
         assert torch.equal(state[name], t), name
 

@@ -51,7 +51,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torchtitan.config.override import derive
 from torchtitan.models.common.attention import GQAttention, QKVLinear, ScaledDotProductAttention
 from torchtitan.models.common.decoder import Decoder
@@ -134,9 +133,8 @@ class CodagenBlock(Module):
         under sequence parallelism)."""
         dtype = x.dtype
 
-        def local(t):  # a tensor-parallel shard is the rank's local tensor
-            return None if t is None else (t.to_local() if isinstance(t, DTensor) else t)
-        q_norm, k_norm = (None if norm is None else norm.weight.to(dtype) for norm in (self.q_norm, self.k_norm))
+        local = tensor_parallel.local  # a tensor-parallel shard or replica is the rank's local tensor
+        q_norm, k_norm = (None if norm is None else local(norm.weight).to(dtype) for norm in (self.q_norm, self.k_norm))
         blk = BlockWeights(attn_norm=attn_norm.to(dtype), qkv=local(self.wqkv.weight), o=local(self.wo.weight),
                            mlp_norm=mlp_norm.to(dtype), gate_up=local(self.w13.weight), down=local(self.w2.weight),
                            q_norm=q_norm, k_norm=k_norm)
@@ -205,7 +203,8 @@ class _CodagenDecoder:
         """torchtitan's tensor-parallel step (``parallelize_llama`` calls it when ``tp`` > 1): each block's GEMM
         weights sharded over the ``tp`` mesh (:meth:`CodagenBlock.shard`); the embeddings, the norms and the LM
         head stay whole on every rank, as the Hugging Face path's (torchtitan's own sharding specs of those
-        modules are not applied)."""
+        modules are not applied; their parameters become ``Replicate`` DTensors on the ``tp`` mesh, so that
+        torchtitan's gradient clipping sees one mesh)."""
         if self._parallelized:
             raise ValueError(f"{type(self).__name__} has already been parallelized")
         self._parallelized = True
@@ -213,6 +212,7 @@ class _CodagenDecoder:
         if self.tp_mesh is not None:
             for block in self.layers.values():
                 block.shard(self.tp_mesh, self.sequence_parallel)
+            tensor_parallel.replicate_parameters(self, self.tp_mesh)  # one mesh for all (gradient clipping)
 
     def frequencies(self) -> torch.Tensor:
         """The QKV epilogue's per-pair frequencies, read off row 1 of torchtitan's RoPE cache (``exp(i inv_freq)``,
@@ -235,14 +235,16 @@ class _CodagenDecoder:
         sequence_parallel = self.tp_mesh is not None and self.sequence_parallel
         if sequence_parallel:
             x = tensor_parallel.sequence_rows(x, self.tp_mesh)
-        x, normed, rstd = module_stack(x, list(self.layers.values()), [n.attention_norm.weight for n in norms],
-                                       [n.ffn_norm.weight for n in norms], self.final_norm.weight, self.eps, spec,
+        local = tensor_parallel.local  # under tensor parallelism the norms and the head are replicated DTensors
+        final_norm = local(self.final_norm.weight)
+        x, normed, rstd = module_stack(x, list(self.layers.values()), [local(n.attention_norm.weight) for n in norms],
+                                       [local(n.ffn_norm.weight) for n in norms], final_norm, self.eps, spec,
                                        positions.reshape(-1).float(), self.frequencies())
         if sequence_parallel:
             x, normed, rstd = (tensor_parallel.all_rows(t, self.tp_mesh) for t in (x, normed, rstd))
         if self._skip_lm_head:  # torchtitan's ChunkedLossWrapper applies the LM head itself, chunk by chunk
-            return F.rms_norm(x, (x.shape[1],), self.final_norm.weight.to(x.dtype), self.eps).view(batch, seq, -1)
-        logits = ops.rms_linear(x, normed, rstd, self.final_norm.weight.to(x.dtype), self.lm_head.weight)
+            return F.rms_norm(x, (x.shape[1],), final_norm.to(x.dtype), self.eps).view(batch, seq, -1)
+        logits = ops.rms_linear(x, normed, rstd, final_norm.to(x.dtype), local(self.lm_head.weight))
         return logits.view(batch, seq, -1)
 
 
