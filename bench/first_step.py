@@ -12,9 +12,10 @@ its own codagen cache directory:
 4. ``tuned``: first and steady step with the tuned entries.
 
 Records each phase's seconds, the steady step times and ``default / tuned`` steady-step speed (wanted:
->= 0.97), and where each kernel's configuration came from. Shapes: the d 2048 Llama (ffn 8192, 32/8
-heads, vocab 32768) at 8192 and 12288 tokens, and Llama-3.2-3B dims (d 3072, ffn 8192, 24/8 heads,
-vocab 32768 here) at 16384.
+>= 0.97), where each kernel's configuration came from, and per kernel (``per_kernel``) the default's config
+against the fastest that ``codagen tune`` timed for its key (``slowdown``, slowest first). Shapes: the d 2048
+Llama (ffn 8192, 32/8 heads, vocab 32768) at 8192 and 12288 tokens, and Llama-3.2-3B dims (d 3072, ffn 8192,
+24/8 heads, vocab 32768 here) at 16384.
 
     PYTHONPATH=. python bench/first_step.py [--shapes d2048-8k d2048-12k 3b-16k] [--layers 2]
         [--tune-timeout 180]
@@ -69,9 +70,31 @@ def worker(config_path: str, tokens: int, layers: int, steps: int) -> dict:
         start = time.perf_counter()
         step()
         times.append(1e3 * (time.perf_counter() - start))
-    sources = list(get_backend("triton").choices.values())
+    backend = get_backend("triton")
+    sources = list(backend.choices.values())
     return {"first_step_s": first_s, "steady_step_ms": statistics.median(times), "step_ms": times,
-            "kernel_choices": {s: sources.count(s) for s in sorted(set(sources))}}
+            "kernel_choices": {s: sources.count(s) for s in sorted(set(sources))},
+            "configs": {key: [backend.choices[key], cfg.short()] for key, cfg in backend.chosen.items()}}
+
+
+def per_kernel(default: dict, tuning_path: str) -> list[dict]:
+    """Per tuning key the default run chose for: its source and config, and, where ``codagen tune`` timed the key,
+    that config's time against the fastest candidate's (``default_ms / best_ms``), slowest first."""
+    try:
+        with open(tuning_path) as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        return []
+    rows = []
+    for key, (source, config) in default.get("configs", {}).items():
+        timings = {name: ms for name, ms in entries.get(key, {}).get("timings_ms", {}).items() if ms == ms}
+        if not timings:
+            continue
+        best = min(timings, key=timings.get)
+        rows.append({"program": key.split("|")[2].split(":")[0], "shape": key.rsplit("|", 1)[-1], "source": source,
+                     "default": config, "default_ms": timings.get(config), "best": best, "best_ms": timings[best],
+                     "slowdown": timings[config] / timings[best] if config in timings else None})
+    return sorted(rows, key=lambda row: -(row["slowdown"] or 0))
 
 
 def run(command: list[str], env: dict, timeout: int) -> tuple[dict | None, str, float]:
@@ -124,6 +147,9 @@ def main():
             record["tuned"], output, record["tuned_process_s"] = run(measure, env, args.timeout)
             if record["tuned"] is None:
                 record["tuned_error"] = output[-2000:]
+            if record["default_warm"]:
+                record["per_kernel"] = per_kernel(record["default_warm"],
+                                                  os.path.join(scratch, "codagen", "triton", "tuning.json"))
         default, warm, tuned = record["default_cold"], record["default_warm"], record["tuned"]
         if default and tuned:
             record["default_speed_vs_tuned"] = tuned["steady_step_ms"] / default["steady_step_ms"]

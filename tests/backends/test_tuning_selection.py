@@ -201,7 +201,7 @@ def test_autotune_times_unseen_keys_once_and_resumes(monkeypatch, tmp_path):
     assert written[key]["config"] == pool[4].to_json() and written[key]["gemm"] == "mk,nk"
     resumed = _GpuShaped(times)
     assert choose(resumed, program, 777, 1536, 320) == pool[4] and resumed.timed == []
-    assert resumed.choices == {key: "tuned"}
+    assert resumed.choices == {key: "tuned"} and resumed.chosen == {key: pool[4]}
     choose(resumed, program, 16384, 2048, 2048)  # shipped
     assert resumed.timed == [] and list(resumed.choices.values())[-1] == "tuned"
     assert _GpuShaped(times, autotune=False).autotune is False

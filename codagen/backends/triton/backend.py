@@ -98,7 +98,7 @@ class TritonBackend:
     see :mod:`.configs`). ``CODAGEN_TRITON_RETUNE=1`` (with tuning on) times keys that have an entry too.
     ``tma``: ``False`` forces the pointer-load mainloop and epilogue even where TMA is possible.
     ``choices``: tuning key -> where its config came from (``tuned``, ``nearest``, ``layout``,
-    ``heuristic``, ``timed``), for ``codagen tune`` and the benchmarks.
+    ``heuristic``, ``timed``), and ``chosen``: tuning key -> that config, for ``codagen tune`` and the benchmarks.
     """
     name = "triton"
 
@@ -114,6 +114,7 @@ class TritonBackend:
         self._plans: dict[tuple, tuple[Program, _Launch, KernelConfig]] = {}
         self.last_config: KernelConfig | None = None
         self.choices: dict[str, str] = {}
+        self.chosen: dict[str, KernelConfig] = {}
 
     # -- checks ------------------------------------------------------------------------------------
     def _check(self, bound: BoundProgram) -> tuple[bool, int]:
@@ -303,7 +304,7 @@ class TritonBackend:
                 base_key = self._tuning_key(_without_low_rank(bound), launch)
                 lookup = base_key if base_key in self.tuning else key
             cfg, source = self.tuning.choose(lookup, gemm_layout(bound.program), bound.program, pool, bound.k)
-        self.choices[key] = source
+        self.choices[key], self.chosen[key] = source, cfg
         return cfg
 
     def _autotuning(self) -> bool:
