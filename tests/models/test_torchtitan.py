@@ -263,7 +263,7 @@ def test_fsdp_through_torchtitan_parallelize(kind, compile_backend, chunked):
         assert torch.equal(state[name], t), name
 
 
-def _tp_step(rank, world, kind, stock_state, tokens, dp, sequence_parallel):
+def _tp_step(rank, world, kind, stock_state, tokens, dp, sequence_parallel, compile_backend=None):
     """One forward/backward of the converted model through torchtitan's ``parallelize_llama`` with tensor
     parallelism over ``world // dp`` ranks (and FSDP over ``dp``); every tensor-parallel rank sees its
     data-parallel rank's rows. The full gradients and the blocks' weight placements."""
@@ -283,7 +283,11 @@ def _tp_step(rank, world, kind, stock_state, tokens, dp, sequence_parallel):
     model.load_state_dict(stock_state, strict=True)
     parallelize = {"llama3": llama3.parallelize_llama, "qwen3": qwen3.parallelize_qwen3}[kind]
     parallelize(model, parallel_dims=parallel_dims, training=TrainingConfig(mixed_precision_param="float32"),
-                parallelism=parallelism, compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="")
+                parallelism=parallelism, compile_config=CompileConfig(enable=compile_backend is not None,
+                                                                      backend=compile_backend or "inductor"),
+                ac_config=None, dump_folder="")
+    compiled = [getattr(block, "_compiled_call_impl", None) is not None for block in model.layers.values()]
+    assert compiled == [compile_backend is not None] * LAYERS
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
@@ -301,17 +305,19 @@ def _tp_step(rank, world, kind, stock_state, tokens, dp, sequence_parallel):
     return grads, placements, state, grad_norm
 
 
-@pytest.mark.parametrize("kind, dp, sequence_parallel", [("llama3", 1, False), ("llama3", 1, True),
-                                                         ("qwen3", 1, True), ("llama3", 2, True)])
-def test_tensor_parallel_through_torchtitan_parallelize(kind, dp, sequence_parallel):
+@pytest.mark.parametrize("kind, dp, sequence_parallel, compile_backend", [
+    ("llama3", 1, False, None), ("llama3", 1, True, None), ("qwen3", 1, True, None), ("llama3", 2, True, None),
+    ("llama3", 1, True, "aot_eager")])
+def test_tensor_parallel_through_torchtitan_parallelize(kind, dp, sequence_parallel, compile_backend):
     """torchtitan's own tensor-parallel step (``tensor_parallel_degree`` 2, with and without sequence
-    parallelism; with ``dp`` 2 FSDP on top, 4 ranks): every gradient and torchtitan's clipped gradient norm equal
-    the stock model's on the whole batch, and the state dict has torchtitan's names and the stock values."""
+    parallelism; with ``dp`` 2 FSDP on top, 4 ranks; with per-block ``torch.compile``): every gradient and
+    torchtitan's clipped gradient norm equal the stock model's on the whole batch, and the state dict has
+    torchtitan's names and the stock values."""
     stock = stock_model(CONFIGS[kind]())
     tokens = torch.randint(0, VOCAB, (2 * BATCH, SEQ + 1))
     loss(stock, tokens).backward()
     grads, placements, state, grad_norm = run_distributed(2 * dp, _tp_step, kind, stock.state_dict(), tokens, dp,
-                                                          sequence_parallel)
+                                                          sequence_parallel, compile_backend)
     want = state_dict_of_grads(stock)
     assert set(grads) == set(want)
     for name, g in want.items():

@@ -132,7 +132,6 @@ class CodagenBlock(Module):
         """``(x, normed, rstd)`` of ``next_norm`` after this block, on token rows ``[B * S, d]`` (this rank's rows
         under sequence parallelism)."""
         dtype = x.dtype
-
         local = tensor_parallel.local  # a tensor-parallel shard or replica is the rank's local tensor
         q_norm, k_norm = (None if norm is None else local(norm.weight).to(dtype) for norm in (self.q_norm, self.k_norm))
         blk = BlockWeights(attn_norm=attn_norm.to(dtype), qkv=local(self.wqkv.weight), o=local(self.wo.weight),
