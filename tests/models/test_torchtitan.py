@@ -187,6 +187,26 @@ def test_rejects_unsupported_parallelism(setting, message):
         tt.convert_config(tiny_config()).update_from_config(config=TrainerConfig())
 
 
+@pytest.mark.parametrize("tp, sequence_parallel, want", [(2, True, True), (2, False, False), (1, True, False)])
+def test_sequence_parallel_is_read_from_the_trainer_config(tp, sequence_parallel, want):
+    """The converted config's ``update_from_config`` records whether tensor parallelism splits the residual stream
+    by rows (the stock part is a stand-in here: torchtitan's imports its trainer, which needs tensorboard)."""
+    from torchtitan.config import CompileConfig, ParallelismConfig
+
+    class StockConfig:
+        @staticmethod
+        def update_from_config(model_config, *, config, **kwargs):
+            pass
+
+    class TrainerConfig:
+        parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=tp,
+                                        enable_sequence_parallel=sequence_parallel)
+        compile = CompileConfig()
+    config = tt.convert_config(tiny_config())
+    tt._update_from_config(config, StockConfig, TrainerConfig())
+    assert config.codagen_sequence_parallel is want
+
+
 def test_rejects_document_masks():
     model = converted_model(stock_model(tiny_config()))
     with pytest.raises(NotImplementedError, match="attention masks"):

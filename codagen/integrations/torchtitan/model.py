@@ -151,9 +151,17 @@ class LayerNorms(Module):
         self.attention_norm, self.ffn_norm = attention_norm, ffn_norm
 
 
+def _update_from_config(model_config, base: type, config, **kwargs) -> None:
+    """A converted model config's ``update_from_config``: refuse the parallelisms the blocks do not implement,
+    run the stock config's (``base``), and read whether tensor parallelism splits the residual stream by rows."""
+    _check_parallelism(config)
+    base.update_from_config(model_config, config=config, **kwargs)
+    model_config.codagen_sequence_parallel = (config.parallelism.tensor_parallel_degree > 1
+                                              and bool(config.parallelism.enable_sequence_parallel))
+
+
 def _check_parallelism(config) -> None:
-    """Refuse the parallelisms the blocks do not implement (a model config's ``update_from_config``, given the
-    trainer's config)."""
+    """Refuse the parallelisms the blocks do not implement, given the trainer's config."""
     parallelism = config.parallelism
     if parallelism.spmd_backend != "partial_dtensor":
         raise NotImplementedError("codagen.integrations.torchtitan: parallelism.spmd_backend must be "
@@ -247,8 +255,6 @@ class _CodagenDecoder:
         return logits.view(batch, seq, -1)
 
 
-
-
 class CodagenLlama3Model(_CodagenDecoder, Llama3Model):
     """torchtitan's ``Llama3Model`` with codagen's blocks (:class:`_CodagenDecoder`)."""
 
@@ -257,10 +263,7 @@ class CodagenLlama3Model(_CodagenDecoder, Llama3Model):
         codagen_sequence_parallel: bool = False  # parallelism.enable_sequence_parallel, read in update_from_config
 
         def update_from_config(self, *, config, **kwargs) -> None:
-            _check_parallelism(config)
-            Llama3Model.Config.update_from_config(self, config=config, **kwargs)
-            self.codagen_sequence_parallel = config.parallelism.tensor_parallel_degree > 1 and bool(
-                config.parallelism.enable_sequence_parallel)
+            _update_from_config(self, Llama3Model.Config, config, **kwargs)
 
 
 class CodagenQwen3Model(_CodagenDecoder, Qwen3Model):
@@ -271,10 +274,7 @@ class CodagenQwen3Model(_CodagenDecoder, Qwen3Model):
         codagen_sequence_parallel: bool = False  # parallelism.enable_sequence_parallel, read in update_from_config
 
         def update_from_config(self, *, config, **kwargs) -> None:
-            _check_parallelism(config)
-            Qwen3Model.Config.update_from_config(self, config=config, **kwargs)
-            self.codagen_sequence_parallel = config.parallelism.tensor_parallel_degree > 1 and bool(
-                config.parallelism.enable_sequence_parallel)
+            _update_from_config(self, Qwen3Model.Config, config, **kwargs)
 
 
 # --- state dicts in torchtitan's names and layouts -------------------------------------------------------
