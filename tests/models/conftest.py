@@ -198,6 +198,15 @@ def run_distributed(world: int, fn, *args):
         return torch.load(out, weights_only=False)
 
 
+def record_refusal(errors: dict[str, str], name: str, fn) -> None:
+    """``fn()``; when it raises ``NotImplementedError`` or ``ValueError``, ``errors[name]`` is ``"Type: message"``
+    (a distributed test returns the dict to the test process, which checks each message)."""
+    try:
+        fn()
+    except (NotImplementedError, ValueError) as error:
+        errors[name] = f"{type(error).__name__}: {error}"
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
 

@@ -8,6 +8,7 @@ step's loss agree within 1e-4 relative in fp32.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 import warnings
@@ -45,6 +46,7 @@ from .conftest import (  # noqa: E402
     lm_batch,
     logits_of,
     loss_of,
+    record_refusal,
     reference_training,
     rel_err,
     run_distributed,
@@ -218,13 +220,7 @@ def test_fully_shard_with_gradient_checkpointing(use_reentrant):
 
 def _refusals(rank, world):
     errors = {}
-
-    def refused(name, fn):
-        try:
-            fn()
-        except (NotImplementedError, ValueError) as error:
-            errors[name] = f"{type(error).__name__}: {error}"
-
+    refused = functools.partial(record_refusal, errors)
     per_layer = codagen.patch(build("llama"))
     for layer in per_layer.model.layers:
         torch_fully_shard(layer)

@@ -4,6 +4,8 @@ gloo CPU processes, with and without sequence parallelism, against one unpatched
 block and their bytes."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from .conftest import (
     build,
     full_grads,
     lm_batch,
+    record_refusal,
     reference_training,
     rel_err,
     run_distributed,
@@ -143,12 +146,7 @@ def test_tensor_parallel_state_dict_in_hf_layout():
 
 def _tp_refusals(rank, world):
     errors = {}
-
-    def refused(name, fn):
-        try:
-            fn()
-        except (NotImplementedError, ValueError) as error:
-            errors[name] = str(error)
+    refused = functools.partial(record_refusal, errors)
     mesh = init_device_mesh("cpu", (world,))
     refused("heads", lambda: sharding.parallelize(build("llama", num_key_value_heads=1), mesh))
     model = sharding.parallelize(build("llama"), mesh, sequence_parallel=True)
