@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -213,53 +214,83 @@ def test_rejects_document_masks():
         model(torch.zeros(1, 4, dtype=torch.long), attention_masks=object())
 
 
-def _fsdp_step(rank, world, kind, stock_state, tokens, compile_backend, chunked=False):
-    """One forward/backward of the converted model through torchtitan's ``parallelize_llama`` (FSDP over
-    ``world`` ranks, full activation checkpointing); this rank's share of ``tokens``; the full gradients.
-    ``chunked``: the loss is torchtitan's ``ChunkedLossWrapper`` (the LM head and loss per sequence chunk, the
-    decoder's backward after them), set up as torchtitan's trainer does."""
+def _torchtitan_step(rank, world, kind, stock_state, tokens, tp=1, sequence_parallel=False, compile_backend=None,
+                     checkpointing=False, chunked=False):
+    """One forward/backward of the converted model through torchtitan's ``parallelize_llama`` / ``_qwen3``: tensor
+    parallelism over ``tp`` ranks, FSDP over the other ``world // tp``, each data-parallel rank on its share of
+    ``tokens``. ``checkpointing``: torchtitan's full activation checkpointing; ``compile_backend``: its per-block
+    ``torch.compile``; ``chunked``: the loss is torchtitan's ``ChunkedLossWrapper`` (the LM head and loss per
+    sequence chunk, the decoder's backward after them), set up as torchtitan's trainer does. Returns the full
+    gradients and state dict in torchtitan's names, torchtitan's clipped gradient norm, the gradients'
+    placements and those of block 0's ``wo`` and ``wqkv``."""
     from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import parallel_dims as parallel_dims_module
     from torchtitan.distributed.activation_checkpoint import FullAC
+    from torchtitan.distributed.utils import clip_grad_norm_
 
     parallel_dims_module.device_type = "cpu"  # torchtitan's device_type is "cuda" even on a CPU-only torch
-
-    parallelism = ParallelismConfig(data_parallel_shard_degree=world, spmd_backend="partial_dtensor")
+    dp = world // tp
+    parallelism = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp,
+                                    enable_sequence_parallel=sequence_parallel, spmd_backend="partial_dtensor")
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()
-    model = tt.convert_config(CONFIGS[kind]()).build()
+    config = tt.convert_config(CONFIGS[kind]())
+    model = derive(config, type(config), codagen_sequence_parallel=tp > 1 and sequence_parallel).build()
     model.init_states()
     model.load_state_dict(stock_state, strict=True)
-    compile_config = CompileConfig(enable=compile_backend is not None, backend=compile_backend or "inductor")
     parallelize = {"llama3": llama3.parallelize_llama, "qwen3": qwen3.parallelize_qwen3}[kind]
-    parallelize(model, parallel_dims=parallel_dims,
-                training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
-                compile_config=compile_config, ac_config=FullAC.Config(), dump_folder="")
+    parallelize(model, parallel_dims=parallel_dims, training=TrainingConfig(mixed_precision_param="float32"),
+                parallelism=parallelism, compile_config=CompileConfig(enable=compile_backend is not None,
+                                                                      backend=compile_backend or "inductor"),
+                ac_config=FullAC.Config() if checkpointing else None, dump_folder="")
     compiled = [getattr(block, "_compiled_call_impl", None) is not None for block in model.layers.values()]
     assert compiled == [compile_backend is not None] * LAYERS
     for module in model.modules():  # torchtitan divides by the global token count itself (gradient divide factor
         if isinstance(module, FSDPModule):  # 1), which gloo runs as a plain sum, having no PREMUL_SUM
             module.set_force_sum_reduction_for_comms(True)
-    rows = tokens.shape[0] // world
-    mine = tokens[rank * rows:(rank + 1) * rows]
+    dp_rank = parallel_dims.get_mesh("fsdp").get_local_rank() if dp > 1 else 0
+    rows = tokens.shape[0] // dp
+    mine = tokens[dp_rank * rows:(dp_rank + 1) * rows]
     with codagen.use_backend("reference"):
         if chunked:
-            from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
             loss_fn = ChunkedLossWrapper.Config(num_chunks=2, loss_fn=CrossEntropyLoss.Config()).build()
             loss_fn.set_lm_head(model.lm_head)
             model._skip_lm_head = True
             total_tokens = torch.tensor(float(tokens[:, 1:].numel()))  # torchtitan's global_valid_tokens
             loss_fn(model(mine[:, :-1]), mine[:, 1:], total_tokens)[0].backward()
         else:
-            (loss(model, mine) / world).backward()
-    grads = {name.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()
-             for name, p in model.named_parameters()}
-    placements = {p.grad.placements for p in model.parameters()}
+            (loss(model, mine) / dp).backward()
+    grad_norm = clip_grad_norm_(list(model.parameters()), max_norm=1e9)  # what torchtitan's trainer runs next
+    grads = {name.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor() if isinstance(p.grad, DTensor)
+             else p.grad for name, p in model.named_parameters()}
     tt._to_torchtitan_layout(model, grads, "", None)
-    state = {name: t.full_tensor() for name, t in model.state_dict().items()}
-    return grads, placements, state
+    block = model.layers["0"]
+    block = getattr(block, "_checkpoint_wrapped_module", block)
+    return {"grads": grads, "grad_norm": grad_norm,
+            "state": {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()},
+            "grad_placements": {p.grad.placements for p in model.parameters()},
+            "block_placements": {str(block.wo.weight.placements), str(block.wqkv.weight.placements)}}
+
+
+def _step_matches_stock(kind, world, **options) -> dict:
+    """:func:`_torchtitan_step` on ``world`` gloo ranks against the stock model on the whole batch: every gradient,
+    the clipped gradient norm and the state dict (torchtitan's names, the stock values). Returns the step's
+    result."""
+    stock = stock_model(CONFIGS[kind]())
+    tokens = torch.randint(0, VOCAB, (2 * BATCH, SEQ + 1))
+    loss(stock, tokens).backward()
+    got = run_distributed(world, functools.partial(_torchtitan_step, **options), kind, stock.state_dict(), tokens)
+    want = state_dict_of_grads(stock)
+    assert set(got["grads"]) == set(want)
+    for name, g in want.items():
+        assert rel_err(got["grads"][name], g) < 1e-4, name
+    assert rel_err(got["grad_norm"], torch.nn.utils.get_total_norm([p.grad for p in stock.parameters()])) < 1e-4
+    for name, t in stock.state_dict().items():
+        assert torch.equal(got["state"][name], t), name
+    return got
 
 
 @pytest.mark.parametrize("kind, compile_backend, chunked", [("llama3", None, False), ("llama3", "aot_eager", False),
@@ -269,60 +300,8 @@ def test_fsdp_through_torchtitan_parallelize(kind, compile_backend, chunked):
     ``fullgraph=True``; + torchtitan's chunked loss, which reshards the LM head's unit before the decoder's
     backward) steps: every gradient equals the stock model's on the whole batch, and the sharded state dict has
     torchtitan's names and values."""
-    stock = stock_model(CONFIGS[kind]())
-    tokens = torch.randint(0, VOCAB, (2 * BATCH, SEQ + 1))
-    loss(stock, tokens).backward()
-    grads, placements, state = run_distributed(2, _fsdp_step, kind, stock.state_dict(), tokens, compile_backend,
-                                               chunked)
-    want = state_dict_of_grads(stock)
-    assert set(grads) == set(want)
-    for name, g in want.items():
-        assert rel_err(grads[name], g) < 1e-4, name
-    assert placements == {(torch.distributed.tensor.Shard(0),)}
-    for name, t in stock.state_dict().items():
-        assert torch.equal(state[name], t), name
-
-
-def _tp_step(rank, world, kind, stock_state, tokens, dp, sequence_parallel, compile_backend=None):
-    """One forward/backward of the converted model through torchtitan's ``parallelize_llama`` with tensor
-    parallelism over ``world // dp`` ranks (and FSDP over ``dp``); every tensor-parallel rank sees its
-    data-parallel rank's rows. The full gradients and the blocks' weight placements."""
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import parallel_dims as parallel_dims_module
-
-    parallel_dims_module.device_type = "cpu"
-    parallelism = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=world // dp,
-                                    enable_sequence_parallel=sequence_parallel, spmd_backend="partial_dtensor")
-    parallel_dims = ParallelDims.from_config(parallelism, world)
-    parallel_dims.build_mesh()
-    config = tt.convert_config(CONFIGS[kind]())
-    model = derive(config, type(config), codagen_sequence_parallel=sequence_parallel).build()
-    model.init_states()
-    model.load_state_dict(stock_state, strict=True)
-    parallelize = {"llama3": llama3.parallelize_llama, "qwen3": qwen3.parallelize_qwen3}[kind]
-    parallelize(model, parallel_dims=parallel_dims, training=TrainingConfig(mixed_precision_param="float32"),
-                parallelism=parallelism, compile_config=CompileConfig(enable=compile_backend is not None,
-                                                                      backend=compile_backend or "inductor"),
-                ac_config=None, dump_folder="")
-    compiled = [getattr(block, "_compiled_call_impl", None) is not None for block in model.layers.values()]
-    assert compiled == [compile_backend is not None] * LAYERS
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-    dp_rank = parallel_dims.get_mesh("fsdp").get_local_rank() if dp > 1 else 0
-    rows = tokens.shape[0] // dp
-    with codagen.use_backend("reference"):
-        (loss(model, tokens[dp_rank * rows:(dp_rank + 1) * rows]) / dp).backward()
-    from torchtitan.distributed.utils import clip_grad_norm_  # what torchtitan's trainer runs after backward
-    grad_norm = clip_grad_norm_(list(model.parameters()), max_norm=1e9)
-    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-             for name, p in model.named_parameters()}
-    tt._to_torchtitan_layout(model, grads, "", None)
-    placements = {str(model.layers["0"].wo.weight.placements), str(model.layers["0"].wqkv.weight.placements)}
-    state = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}
-    return grads, placements, state, grad_norm
+    got = _step_matches_stock(kind, 2, compile_backend=compile_backend, checkpointing=True, chunked=chunked)
+    assert got["grad_placements"] == {(torch.distributed.tensor.Shard(0),)}
 
 
 @pytest.mark.parametrize("kind, dp, sequence_parallel, compile_backend", [
@@ -333,19 +312,8 @@ def test_tensor_parallel_through_torchtitan_parallelize(kind, dp, sequence_paral
     parallelism; with ``dp`` 2 FSDP on top, 4 ranks; with per-block ``torch.compile``): every gradient and
     torchtitan's clipped gradient norm equal the stock model's on the whole batch, and the state dict has
     torchtitan's names and the stock values."""
-    stock = stock_model(CONFIGS[kind]())
-    tokens = torch.randint(0, VOCAB, (2 * BATCH, SEQ + 1))
-    loss(stock, tokens).backward()
-    grads, placements, state, grad_norm = run_distributed(2 * dp, _tp_step, kind, stock.state_dict(), tokens, dp,
-                                                          sequence_parallel, compile_backend)
-    want = state_dict_of_grads(stock)
-    assert set(grads) == set(want)
-    for name, g in want.items():
-        assert rel_err(grads[name], g) < 1e-4, name
-    assert any("Shard(dim=1)" in p for p in placements), placements
-    assert rel_err(grad_norm, torch.nn.utils.get_total_norm([p.grad for p in stock.parameters()])) < 1e-4
-    for name, t in stock.state_dict().items():  # the sharded state dict in torchtitan's names and layouts
-        assert torch.equal(state[name], t), name
+    got = _step_matches_stock(kind, 2 * dp, tp=2, sequence_parallel=sequence_parallel, compile_backend=compile_backend)
+    assert any("Shard(dim=1)" in p for p in got["block_placements"]), got["block_placements"]
 
 
 @pytest.mark.gpu
