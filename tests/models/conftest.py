@@ -228,25 +228,21 @@ def logits_of(model, batch) -> torch.Tensor:
 
 
 def gathered_grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, gathered; a patched model's under Hugging Face names and layouts (the
-    state-dict hooks' own conversion)."""
-    grads = {}
+    """:func:`full_grads` of an FSDP model, whose every parameter and gradient is sharded by rows."""
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), f"{name}: expected a sharded parameter and grad"
         assert p.grad.placements == (Shard(0),), f"{name}: gradient placements {p.grad.placements}"
-        grads[name] = p.grad.full_tensor()
-    if not is_native(model):
-        for i, layer in enumerate(model.model.layers):
-            fused_layers._to_hf_layout(layer, grads, f"model.layers.{i}.", None)
-    return grads
+    return full_grads(model)
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
-    """Every gradient, sharded ones gathered (``full_tensor()``, any mesh), under Hugging Face names and layouts."""
+    """Every gradient, sharded ones gathered (``full_tensor()``, any mesh); a patched model's under Hugging Face
+    names and layouts (the state-dict hooks' own conversion)."""
     grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
              for name, p in model.named_parameters()}
-    for i, layer in enumerate(model.model.layers):
-        fused_layers._to_hf_layout(layer, grads, f"model.layers.{i}.", None)
+    if not is_native(model):
+        for i, layer in enumerate(model.model.layers):
+            fused_layers._to_hf_layout(layer, grads, f"model.layers.{i}.", None)
     return grads
 
 
