@@ -219,8 +219,8 @@ class _MlpDownResidualRms(torch.autograd.Function):
             grad, preact, down_weight, weight_grad, lora_a, lora_b, lora_u, ctx.lora_scale)
         present = lora_a is not None
         return dict(preact=grad_preact, residual=grad, mean_z_dz_slot=mean_z_dz,
-                             down_weight=grad_down_weight if weight_grad else None,
-                             lora_a=grad_lora_a if present else None, lora_b=grad_lora_b if present else None)
+                    down_weight=grad_down_weight if weight_grad else None,
+                    lora_a=grad_lora_a if present else None, lora_b=grad_lora_b if present else None)
 
 
 def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor,
