@@ -1,5 +1,5 @@
-"""The decode (small-M) kernel configurations: chosen for M <= 64 on sm_90, ordered by the column-tile
-heuristic, and correct (Triton interpreter on CPU; every decode program on the GPU)."""
+"""The decode (small-M) kernel configurations: chosen for M <= 64 on sm_90, ordered by
+:func:`small_m_order`, and correct (Triton interpreter on CPU; every decode program on the GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -13,20 +13,24 @@ DECODE_PROGRAMS = ["rms_qkv_rope", "residual_rms_stats", "rms_gate_up_swiglu", "
 H200 = dict(major=9, operand_bytes=2, smem_limit=232448, tma=True, tma_epilogue=True, num_sms=132)
 
 
-def test_small_m_order():
-    # 2048 columns (o-proj, down-proj of LLaMA-3 1B): no tile width gives 132 tiles: the narrowest first
-    assert small_m_order(SMALL_M, 2048, 132)[0].block_n == 16
-    # 16384 columns (gate/up): the widest with >= 132 tiles (64 columns: 256 tiles)
-    assert small_m_order(SMALL_M, 16384, 132)[0].block_n == 64
-    # 128256 columns (LM head): 128-column tiles
-    assert small_m_order(SMALL_M, 128256, 132)[0].block_n == 128
+@pytest.mark.parametrize("m, n, first", [
+    (1, 4096, "16x64x256 s4 w4 split1 ptr k2"),    # o-proj, down-proj at 4096: 64 tiles, two K ranges each
+    (8, 2048, "16x64x256 s4 w4 split1 ptr k4"),    # at 2048: 32 tiles, four ranges
+    (1, 6144, "16x64x256 s4 w4 split1 ptr"),       # QKV at 4096: 96 tiles, unsplit
+    (16, 128256, "16x64x256 s4 w4 split1 ptr"),    # LM head
+    (17, 4096, "64x128x128 s4 w4 split1 ptr"),     # more than 16 rows: one 64-row tile
+])
+def test_small_m_order(m, n, first):
+    order = small_m_order(m, n, 132)
+    assert order[0].short() == first
+    assert len(set(order)) == len(order) and set(order) <= set(SMALL_M)
 
 
 @pytest.mark.parametrize("name", DECODE_PROGRAMS)
 def test_decode_configs_come_first_only_for_small_m(name):
     program = library.PROGRAMS[name]()
     pool = candidates(program, m=8, n=2048, **H200)
-    assert pool[0] in SMALL_M and pool[0].block_n == 16
+    assert pool[0] == small_m_order(8, 2048, 132)[0]
     assert all(cfg.schedule == "persistent" for cfg in pool)  # no ping-pong pair of 128-row tiles for 8 rows
     assert all(cfg in SMALL_M for cfg in pool)  # tuning times only the decode tiles
     large = candidates(program, m=SMALL_M_ROWS + 1, n=2048, **H200)
@@ -36,7 +40,13 @@ def test_decode_configs_come_first_only_for_small_m(name):
 
 def test_qk_norm_keeps_only_head_wide_decode_tiles():
     pool = candidates(library.rms_qkv_rope(128, 1e-6), m=1, n=6144, **H200)
-    assert pool == [next(cfg for cfg in SMALL_M if cfg.block_n == 128)]
+    assert pool and all(cfg.block_n % 128 == 0 and cfg in SMALL_M for cfg in pool)
+
+
+def test_low_rank_decode_tiles_are_unsplit():
+    program = library.rms_qkv_rope().with_low_rank()
+    pool = candidates(program, m=1, n=4096, **H200)
+    assert pool and all(cfg.split_k == 1 for cfg in pool)
 
 
 @pytest.mark.parametrize("cfg", SMALL_M, ids=lambda c: c.short())

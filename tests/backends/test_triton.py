@@ -85,6 +85,39 @@ def test_epilogue_split(check, name, split, block_n, tma):
             assert outs[o.name].shape == (45, -(-(2 * block_n + 10) // block_n))
 
 
+@pytest.mark.parametrize("split_k", [2, 3])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_qkv_rope", "rms_gate_up_swiglu", "rms_linear",
+                                  "rms_lm_head_cross_entropy", "weight_grad", "input_grad"])
+def test_split_k(check, name, split_k, tma):
+    """K cut into 2 or 3 ranges (3 leaves the last range short: 5 K tiles), their partials summed, then the
+    epilogue: the numerics rule holds, RowPartial outputs keep their [M, cdiv(N, BLOCK_N)] layout."""
+    cfg = KernelConfig(16, 32, 16, 1, 4, epilogue_split=2, group_m=1, split_k=split_k)
+    program = library.PROGRAMS[name]()
+    backend = TritonBackend(config=cfg, tma=tma)
+    outs = check(program, 3, 74, 80, torch.float16, backend=backend)
+    assert backend.launches == 2
+    for o in program.outputs:
+        if isinstance(o, RowPartial):
+            assert outs[o.name].shape == (3, 3)
+
+
+def test_split_k_deterministic():
+    program = library.residual_rms_stats()
+    a, b, tensors = random_inputs(program, 5, 66, 96, torch.float16, "cpu")
+    backend = TritonBackend(config=KernelConfig(16, 32, 16, 1, 4, group_m=1, split_k=3))
+    first, second = (backend.run(bind(program, a, b, dict(tensors))) for _ in range(2))
+    for key in first:
+        assert torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)), key
+
+
+def test_split_k_refusals():
+    with pytest.raises(ValueError, match="split_k"):
+        KernelConfig(16, 32, 16, 1, 4, tma_epilogue=True, split_k=2)
+    with pytest.raises(ValueError, match="split_k"):
+        KernelConfig(16, 32, 16, 1, 4, split_k=0)
+
+
 @pytest.mark.parametrize("inverse", [False, True], ids=["rope", "inverse"])
 def test_rope_long_positions(check, llama3_rope_inputs, inverse):
     """RoPE's reduced sin/cos at LLaMA-3 positions up to 16384 (interpreter: the reduction is shared)."""

@@ -71,6 +71,7 @@ class _Launch:
     precision: str
     interpret: bool
     pingpong_kernel: object = None  # loaded on first use
+    split_k_kernels: tuple = ()  # (mainloop, epilogue) of the split-K pair, loaded on first use
     pingpong_slots: dict = field(default_factory=dict)  # piece width -> tile-operand slots
     metas: dict = field(default_factory=dict)  # config -> the kernel's constexpr arguments
 
@@ -79,6 +80,13 @@ class _Launch:
             self.pingpong_kernel = load_kernel(program, dtypes=self.dtypes, arch=self.arch, interpret=False,
                                                schedule="pingpong")
         return self.pingpong_kernel
+
+    def split_k(self, program: Program) -> tuple:
+        if not self.split_k_kernels:
+            self.split_k_kernels = tuple(load_kernel(program, dtypes=self.dtypes, arch=self.arch,
+                                                     interpret=self.interpret, function=function)
+                                         for function in ("split_k_kernel", "split_k_epilogue_kernel"))
+        return self.split_k_kernels
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -173,6 +181,9 @@ class TritonBackend:
             pingpong.launch(launch.pingpong(program), bound, outs, cfg.sub_n, slots, _num_sms(bound.device))
             self.launches += 1
             return
+        if cfg.split_k > 1:
+            self._launch_split_k(bound, launch, cfg, outs)
+            return
         args = _persistent_arguments(bound, launch, outs)
         grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
         if launch.interpret:
@@ -183,6 +194,27 @@ class TritonBackend:
             launch.kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.launches += 1
 
+    def _launch_split_k(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
+        """The split-K pair: the mainloop writes ``split_k`` fp32 partial products of every output tile to a
+        scratch ``[split_k * M, N]``, then one program per tile sums them in split order and runs the epilogue."""
+        mainloop, epilogue = launch.split_k(bound.program)
+        grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
+        finish_grid, finish_meta = launch.metas[cfg, "epilogue"]
+        partial = torch.empty(cfg.split_k * launch.m, launch.n, dtype=torch.float32, device=bound.device)
+        program = bound.program
+        epilogue_args = ([partial] + [bound.tensors[name] for name in program.inputs]
+                         + [outs[o.name] for o in program.outputs] + [launch.m, launch.n])
+        if launch.interpret:
+            with interpreting():
+                mainloop[grid](bound.a, bound.b, partial, launch.m, launch.n, launch.k, **meta)
+                epilogue[finish_grid](*epilogue_args, **finish_meta)
+        else:
+            _set_allocator()
+            mainloop[grid](bound.a, bound.b, partial, launch.m, launch.n, launch.k, **meta,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            epilogue[finish_grid](*epilogue_args, **finish_meta, num_warps=4, num_stages=1)
+        self.launches += 2
+
     def _compile_ahead(self, bound: BoundProgram, launch: _Launch, pool: list[KernelConfig]) -> None:
         """Compile the persistent kernel of every config in ``pool`` at once, in worker threads (Triton's
         compiler releases the GIL, and ``ptxas`` is a process of its own), so that timing them one after
@@ -191,8 +223,8 @@ class TritonBackend:
         tensor), nothing is allocated. A config that fails here fails again, and is handled, when timed."""
         calls = []
         for cfg in pool:
-            if cfg.schedule == "pingpong":  # its host-side descriptors need the outputs: compiled when timed
-                continue
+            if cfg.schedule == "pingpong" or cfg.split_k > 1:  # compiled when timed (pingpong: its host-side
+                continue  # descriptors need the outputs)
             outs = {name: bound.tensors[name] if shape is None else dtype
                     for name, shape, dtype in bound.output_specs(cfg.block_m, cfg.block_n)}
             grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
@@ -215,10 +247,20 @@ class TritonBackend:
         """``(grid, constexpr arguments)`` of a persistent launch of ``cfg``, kept in ``launch.metas``:
         they depend on the call signature and the config only."""
         num_tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
+        work = num_tiles * cfg.split_k
         if launch.interpret:
-            grid = (min(num_tiles, 3),)  # several tiles per program: the persistent loop is exercised
+            grid = (min(work, 3),)  # several tiles per program: the persistent loop is exercised
         else:
-            grid = (min(num_tiles, _num_sms(bound.device)),)
+            grid = (min(work, _num_sms(bound.device)),)
+        if cfg.split_k > 1:
+            meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+                        TMA_MAINLOOP=launch.tma_mainloop, UPCAST_OPERANDS=launch.upcast,
+                        DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
+            launch.metas[cfg, "epilogue"] = (num_tiles,), dict(
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, EPILOGUE_SPLIT=cfg.epilogue_split,
+                SUB_N=cfg.sub_n, TMA_EPILOGUE=False, INTERPRETER=launch.interpret)
+            launch.metas[cfg] = grid, meta
+            return grid, meta
         meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
                     TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok, UPCAST_OPERANDS=launch.upcast,
@@ -275,6 +317,9 @@ class TritonBackend:
     # -- tuning ------------------------------------------------------------------------------------
     def _choose(self, bound: BoundProgram, launch: _Launch, interpret: bool) -> KernelConfig:
         if self.config is not None:
+            if self.config.split_k > 1 and bound.program.gemm.low_rank:
+                raise ProgramError(f"{bound.program.name}: split_k > 1 is not supported with a low-rank operand "
+                                   f"pair; use split_k=1")
             if self.config.schedule == "pingpong":
                 name = bound.program.name
                 if (reason := pingpong_unsupported()) is not None:

@@ -3,7 +3,8 @@
 A :class:`KernelConfig` fixes everything the launch chooses: tile sizes, pipeline depth, warps, how the
 epilogue is cut (``epilogue_split``: the accumulator's column halves are processed one after the other,
 halving the epilogue's live registers) and whether epilogue tiles move through TMA descriptors
-(``tma_epilogue``: the copy engine stages them in shared memory) or plain pointer loads/stores.
+(``tma_epilogue``: the copy engine stages them in shared memory) or plain pointer loads/stores, and
+``split_k``: K cut in that many ranges, the epilogue run on their sum by a second launch (decode shapes).
 
 Candidates are pruned *before* compiling by two estimates:
 
@@ -71,10 +72,15 @@ class KernelConfig:
     tma_epilogue: bool = False
     group_m: int = 8
     schedule: str = "persistent"
+    split_k: int = 1
 
     def __post_init__(self):
         if self.schedule not in ("persistent", "pingpong"):
             raise ValueError(f"schedule must be 'persistent' or 'pingpong', got {self.schedule!r}")
+        if self.split_k < 1 or (self.split_k > 1 and (self.schedule != "persistent" or self.tma_epilogue)):
+            raise ValueError(f"split_k must be >= 1, and > 1 only for a persistent configuration with the pointer "
+                             f"epilogue, got split_k={self.split_k} ({self.schedule}, "
+                             f"tma_epilogue={self.tma_epilogue})")
         splits = (4, 8) if self.schedule == "pingpong" else (1, 2, 4)
         if self.epilogue_split not in splits:
             raise ValueError(f"epilogue_split of a {self.schedule} configuration must be one of {splits}, "
@@ -90,7 +96,8 @@ class KernelConfig:
         tile = f"{self.block_m}x{self.block_n}x{self.block_k} s{self.num_stages} w{self.num_warps}"
         if self.schedule == "pingpong":
             return f"{tile} pingpong split{self.epilogue_split}"
-        return f"{tile} split{self.epilogue_split} {'tma' if self.tma_epilogue else 'ptr'}"
+        short = f"{tile} split{self.epilogue_split} {'tma' if self.tma_epilogue else 'ptr'}"
+        return short + (f" k{self.split_k}" if self.split_k > 1 else "")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -143,25 +150,35 @@ _SM80 = (
 # float32 operands multiply in IEEE fp32 (no tensor cores): small tiles
 _FP32 = (KernelConfig(64, 64, 32, 3, 4, epilogue_split=1),)
 
-# Decode (M <= SMALL_M_ROWS rows: the batch of one decode step). The weight read is the whole cost, so one
-# tile spans every row (BM = 64, wgmma's minimum) and narrow column tiles spread the weight over at least
-# one program per SM (M = 1 with 128x256 tiles would leave a 2048-column projection to 8 SMs); deep
-# K pipelines keep 32-96 KiB of the weight in flight per SM. :func:`small_m_order` picks the first.
+# Decode (M <= SMALL_M_ROWS rows: the batch of one decode step). The weight read is the whole cost. Up to
+# 16 rows, 16-row tiles (mma.sync; wgmma's 64-row minimum would move three zero-filled A rows per real one
+# through shared memory every stage); up to 64 rows, one 64-row tile spans every row. Deep K pipelines keep
+# 64-96 KiB of the weight in flight per SM. Where N gives few column tiles (o-proj and down-proj of a
+# 4096-wide model: 64), K is split in 2 or 4 ranges so that more programs stream the weight at once.
+# :func:`small_m_order` picks the first guess (measured: docs/notes/decode-gemms.md).
 SMALL_M_ROWS = 64
-SMALL_M = tuple(KernelConfig(64, block_n, 128, stages, 4, epilogue_split=1, group_m=1)
-                for block_n, stages in ((16, 8), (32, 8), (64, 6), (128, 4)))
+_SIXTEEN_ROWS = tuple(KernelConfig(16, block_n, block_k, stages, 4, epilogue_split=1, group_m=1, split_k=split_k)
+                      for block_n, block_k, stages, split_k in (
+                          (64, 256, 4, 1), (64, 256, 4, 2), (64, 256, 4, 4), (128, 128, 6, 1), (128, 128, 6, 2),
+                          (32, 256, 6, 1), (256, 64, 6, 1)))
+_SIXTY_FOUR_ROWS = tuple(KernelConfig(64, block_n, 128, stages, 4, epilogue_split=1, group_m=1)
+                         for block_n, stages in ((128, 4), (64, 6), (32, 8), (16, 8)))
+SMALL_M = _SIXTEEN_ROWS + _SIXTY_FOUR_ROWS
+
+
+def small_m_order(m: int, n: int, num_sms: int) -> list[KernelConfig]:
+    """The decode configurations for ``m`` rows and ``n`` columns, best guess first: the pool's first tile
+    (16 x 64 columns up to 16 rows, 64 x 128 above), with K split in the most ranges (1, 2 or 4) that still
+    give at most one program per SM; then the rest of the pool."""
+    pool = _SIXTEEN_ROWS if m <= 16 else _SIXTY_FOUR_ROWS
+    tiles = -(-m // pool[0].block_m) * -(-n // pool[0].block_n)
+    split_k = max(split for split in (1, 2, 4) if split == 1 or split * tiles <= num_sms)
+    guess = dataclasses.replace(pool[0], split_k=split_k)
+    guess = guess if guess in pool else pool[0]
+    return [guess] + [cfg for cfg in pool if cfg != guess]
+
 
 _MAX_ACC_REGS = 128
-
-
-def small_m_order(pool, n: int, num_sms: int) -> list[KernelConfig]:
-    """``pool``'s decode configurations, best guess first: the widest column tile that still gives every SM a
-    tile of the ``n`` columns (wider tiles read the same weight with fewer, longer programs), then the
-    narrower ones, then the wider ones."""
-    def rank(cfg: KernelConfig):
-        tiles = -(-n // cfg.block_n)
-        return (0, -cfg.block_n) if tiles >= num_sms else (1, cfg.block_n)
-    return sorted(pool, key=rank)
 
 
 def _tile_io(program: Program):
@@ -207,7 +224,8 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         pool = _SM80
     segments = program.column_groups()
     if small_m:  # the decode tiles alone, unless none holds whole segments (heads wider than 128 columns)
-        fitting = tuple(cfg for cfg in small_m_order(SMALL_M, n, num_sms) if _holds_segments(cfg, segments))
+        fitting = tuple(cfg for cfg in small_m_order(m, n, num_sms) if _holds_segments(cfg, segments)
+                        and (cfg.split_k == 1 or not program.gemm.low_rank))  # the low-rank loop: unsplit only
         pool = fitting or pool
     pingpong_pool = ()
     if major == 9 and tma and tma_epilogue and operand_bytes == 2 and not small_m and pingpong_available():

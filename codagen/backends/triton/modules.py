@@ -35,8 +35,10 @@ _modules: dict[tuple[str, bool], object] = {}
 _modules_lock = threading.Lock()
 
 
-def load_kernel(program: Program, *, dtypes: str, arch: str, interpret: bool, schedule: str = "persistent"):
-    """The ``<name>_kernel`` JIT function of ``program``'s ``schedule`` kernel, from a real module file
+def load_kernel(program: Program, *, dtypes: str, arch: str, interpret: bool, schedule: str = "persistent",
+                function: str = "kernel"):
+    """The ``<name>_<function>`` JIT function (``kernel``; the persistent module's split-K pair:
+    ``split_k_kernel``, ``split_k_epilogue_kernel``) of ``program``'s ``schedule`` module, from a real file
     in the cache. The file name hashes the program, dtypes, arch, schedule and library versions."""
     key_text = "\n".join([program_key(program), dtypes, arch, library_versions()] +
                          ([f"pingpong {pingpong.GENERATOR_VERSION}"] if schedule == "pingpong" else []))
@@ -60,4 +62,4 @@ def load_kernel(program: Program, *, dtypes: str, arch: str, interpret: bool, sc
                 knobs.runtime.interpret = previous
             sys.modules[mod_name] = module
             _modules[(digest, interpret)] = module
-    return getattr(module, f"{program.name}_kernel")
+    return getattr(module, f"{program.name}_{function}")

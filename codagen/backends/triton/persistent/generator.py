@@ -10,7 +10,11 @@ order of output tiles; ``column_halves``; ``cast_for_store``; ``merge_logsumexp`
 ``<name>_kernel``        the persistent GEMM: each program walks output tiles ``tile_id = pid,
                          pid + num_programs, ...``; per tile, a K loop of ``acc += A_tile @ B_tile``
                          (TMA tensor-descriptor loads, or masked pointer loads), then the epilogue on
-                         ``EPILOGUE_SPLIT`` column halves of ``acc``, then the RowPartial stores.
+                         ``EPILOGUE_SPLIT`` column halves of ``acc``, then the RowPartial stores;
+``<name>_split_k_kernel``, ``<name>_split_k_epilogue_kernel``
+                         the same GEMM with K cut in ``SPLIT_K`` ranges (decode shapes, programs
+                         without a low-rank pair): partial tiles to fp32 scratch, then per tile
+                         their sum in split order and the same epilogue.
 
 The mainloop is one fixed template; only the epilogue differs between programs. Every expression of
 the program becomes one named variable, computed once (the IR's value equality already merges
@@ -36,7 +40,7 @@ from . import runtime
 __all__ = ["generate", "GENERATOR_VERSION"]
 
 #: bump when the generated code changes meaning (it keys the on-disk source cache)
-GENERATOR_VERSION = "3"
+GENERATOR_VERSION = "4"
 
 _WIDTH_SUFFIX = {Width.HALF: "_half", Width.FULL: "", Width.DOUBLE: "_double"}
 # Triton expressions for a width's number of columns: of the matrix (N*w) and of a sub-tile (SUB_N*w)
@@ -448,4 +452,77 @@ def {name}_kernel(
 {ind(split_call, 8)}
 {ind(chr(10).join(row_stores), 8)}
 '''
+    if not low_rank:
+        src += _split_k_kernels(name, setup, kbody, inputs, outputs, descs, split_call, row_stores, ind)
     return src
+
+
+def _split_k_kernels(name: str, setup: str, kbody: str, inputs: list[str], outputs: list[str], descs: list[str],
+                     split_call: str, row_stores: list[str], ind) -> str:
+    """The split-K pair of a program: ``<name>_split_k_kernel`` runs the mainloop over one of ``SPLIT_K``
+    ranges of K per output tile and stores its fp32 partial accumulator to ``partial[split, M, N]``;
+    ``<name>_split_k_epilogue_kernel`` (one program per output tile) sums the ``SPLIT_K`` partials in
+    split order, a fixed order, so the result does not depend on which split finished first, and runs
+    the same epilogue on the sum. For few rows (decode) and few columns, where ``cdiv(N, BLOCK_N)``
+    tiles would leave SMs idle and every K loop long."""
+    pointer_params = ", ".join(inputs + outputs)
+    placeholders = "\n".join(f"{d} = {d[:-len('_desc')]}_ptr  # pointer epilogue: placeholder" for d in descs)
+    return f'''
+
+@triton.jit
+def {name}_split_k_kernel(
+        a_ptr, b_ptr, partial_ptr, M, N, K,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        TMA_MAINLOOP: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr):
+    """Split-K mainloop: partial[split] = op(A)[:, K range of split] @ op(B)[K range of split, :], fp32."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+{ind(setup, 4)}
+
+    for work_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, tl.num_programs(0), flatten=FLATTEN):
+        split = work_id % SPLIT_K  # the splits of one tile run side by side: their A rows share L2
+        tile_id = work_id // SPLIT_K
+        pid_m = tile_id // num_pid_n
+        pid_n = tile_id % num_pid_n
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        rows_a = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok_a = rows_a < M
+        cols_b = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+        col_ok_b = cols_b < N
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        first_k = split * k_tiles_per_split
+        for k_tile in range(first_k, tl.minimum(first_k + k_tiles_per_split, k_tiles)):
+            off_k = k_tile * BLOCK_K
+{ind(kbody, 12)}
+        offsets = (split * M + rows_a)[:, None] * N + cols_b[None, :]
+        tl.store(partial_ptr + offsets, acc, mask=row_ok_a[:, None] & col_ok_b[None, :])
+
+
+@triton.jit
+def {name}_split_k_epilogue_kernel(
+        partial_ptr, {pointer_params}, M, N,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+        SUB_N: tl.constexpr, TMA_EPILOGUE: tl.constexpr, INTERPRETER: tl.constexpr):
+    """One output tile: acc = the sum of its SPLIT_K partials in split order, then the {name} epilogue
+    (pointer loads and stores: TMA_EPILOGUE is False)."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // num_pid_n
+    pid_n = tl.program_id(0) % num_pid_n
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+{ind(placeholders, 4)}
+    rows = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(partial_ptr + (split * M + rows)[:, None] * N + cols[None, :], mask=ok, other=0.0)
+{ind(split_call, 4)}
+{ind(chr(10).join(row_stores), 4)}
+'''
+
