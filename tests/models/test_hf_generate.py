@@ -11,7 +11,7 @@ import torch
 
 import codagen
 from codagen.models import hf_cache, patch, unpatch
-from codagen.models.decode import GreedyDecoder
+from codagen.models.decode import GreedyDecoder, argmax_rows
 from codagen.models.hf_cache import cache_field
 from codagen.ops import _checks
 
@@ -274,6 +274,13 @@ def test_greedy_decoder_matches_generate(variant, monkeypatch):
     assert syncs.seen == []
     with pytest.raises(NotImplementedError, match="sliding-window layers"):
         GreedyDecoder(patch(build("mistral", sliding_window=4)), max_cache_len=16)
+
+
+@pytest.mark.parametrize("vocab", [1000, 1024, 7])
+def test_argmax_rows_is_argmax(vocab):
+    """The two-pass argmax of GreedyDecoder: argmax's index, the first of equal maxima (integer logits tie)."""
+    for logits in (torch.randn(3, vocab), torch.randint(0, 4, (3, vocab)).float()):
+        assert torch.equal(argmax_rows(logits, chunk=256), logits.argmax(-1, keepdim=True))
 
 
 def test_static_cache_decode_step_traces_for_torch_compile():
