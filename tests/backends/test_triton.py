@@ -85,15 +85,21 @@ def test_epilogue_split(check, name, split, block_n, tma):
             assert outs[o.name].shape == (45, -(-(2 * block_n + 10) // block_n))
 
 
+SPLIT_K_PROGRAMS = {name: library.PROGRAMS[name] for name in (
+    "residual_rms_stats", "rms_qkv_rope", "rms_gate_up_swiglu", "rms_linear", "rms_lm_head_cross_entropy",
+    "weight_grad", "input_grad", "rms_norm_backward", "swiglu_backward")}
+SPLIT_K_PROGRAMS["weight_grad_accumulate"] = lambda: library.weight_grad(True, "float32")
+
+
 @pytest.mark.parametrize("split_k", [2, 3])
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
-@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_qkv_rope", "rms_gate_up_swiglu", "rms_linear",
-                                  "rms_lm_head_cross_entropy", "weight_grad", "input_grad"])
+@pytest.mark.parametrize("name", sorted(SPLIT_K_PROGRAMS))
 def test_split_k(check, name, split_k, tma):
     """K cut into 2 or 3 ranges (3 leaves the last range short: 5 K tiles), their partials summed, then the
-    epilogue: the numerics rule holds, RowPartial outputs keep their [M, cdiv(N, BLOCK_N)] layout."""
+    epilogue (accumulated stores included): the numerics rule holds, RowPartial outputs keep their
+    [M, cdiv(N, BLOCK_N)] layout."""
     cfg = KernelConfig(16, 32, 16, 1, 4, epilogue_split=2, group_m=1, split_k=split_k)
-    program = library.PROGRAMS[name]()
+    program = SPLIT_K_PROGRAMS[name]()
     backend = TritonBackend(config=cfg, tma=tma)
     outs = check(program, 3, 74, 80, torch.float16, backend=backend)
     assert backend.launches == 2

@@ -267,6 +267,18 @@ acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)"""
     return setup, body
 
 
+#: an output tile's start in both GEMM kernels: its offsets, the operand rows and columns it reads, the accumulator
+_TILE_START = """\
+off_m = pid_m * BLOCK_M
+off_n = pid_n * BLOCK_N
+rows_a = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+row_ok_a = rows_a < M
+cols_b = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+col_ok_b = cols_b < N
+
+acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)"""
+
+
 def _low_rank_loop(program: Program) -> str:
     """The short second K loop of a low-rank GEMM: ``acc += op(A2) @ op(B2)`` over R in BLOCK_R steps.
 
@@ -437,14 +449,7 @@ def {name}_kernel(
 
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        rows_a = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_ok_a = rows_a < M
-        cols_b = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-        col_ok_b = cols_b < N
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+{ind(_TILE_START, 8)}
         for k_tile in range(k_tiles):
             off_k = k_tile * BLOCK_K
 {ind(kbody, 12)}
@@ -487,14 +492,7 @@ def {name}_split_k_kernel(
         tile_id = work_id // SPLIT_K
         pid_m = tile_id // num_pid_n
         pid_n = tile_id % num_pid_n
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        rows_a = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_ok_a = rows_a < M
-        cols_b = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-        col_ok_b = cols_b < N
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+{ind(_TILE_START, 8)}
         first_k = split * k_tiles_per_split
         for k_tile in range(first_k, tl.minimum(first_k + k_tiles_per_split, k_tiles)):
             off_k = k_tile * BLOCK_K
