@@ -101,10 +101,9 @@ def main(argv=None) -> int:
             for r in rows[:args.top]:
                 print(f"  {r['us_per_step']:8.1f} us  x{r['launches_per_step']:<5.1f} {r['kernel'][:110]}")
     backend = codagen.backends.get_backend("triton")
-    chosen = {key: cfg.short() for key, cfg in backend.chosen.items() if "|M1 " in key or "|M2 " in key
-              or f"|M{1 << max(0, (args.batch - 1).bit_length())} " in key}
-    result["codagen_configs"] = {key: {"config": short, "source": backend.choices.get(key)}
-                                 for key, short in chosen.items()}
+    decode_bucket = f"|M{1 << max(0, (args.batch - 1).bit_length())} "  # the tuning keys' M bucket of a decode step
+    result["codagen_configs"] = {key: {"config": cfg.short(), "source": backend.choices.get(key)}
+                                 for key, cfg in backend.chosen.items() if decode_bucket in key}
     print("\n== codagen decode GEMM configurations")
     for key, entry in result["codagen_configs"].items():
         program, bucket = key.split("|")[2].split(":")[0], key.rsplit("|", 1)[1]

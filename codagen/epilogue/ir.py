@@ -39,17 +39,17 @@ from __future__ import annotations
 
 from . import primitives
 from .core import (
-                   PRIMITIVES,
-                   STORE_DTYPES,
-                   ColPartial,
-                   Expr,
-                   Gemm,
-                   Output,
-                   Program,
-                   ProgramError,
-                   RowPartial,
-                   Store,
-                   Width,
+    PRIMITIVES,
+    STORE_DTYPES,
+    ColPartial,
+    Expr,
+    Gemm,
+    Output,
+    Program,
+    ProgramError,
+    RowPartial,
+    Store,
+    Width,
 )
 from .primitives.binary import BINARY_OPS
 from .primitives.unary import UNARY_OPS

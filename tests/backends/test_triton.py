@@ -122,6 +122,13 @@ def test_split_k_refusals():
         KernelConfig(16, 32, 16, 1, 4, tma_epilogue=True, split_k=2)
     with pytest.raises(ValueError, match="split_k"):
         KernelConfig(16, 32, 16, 1, 4, split_k=0)
+    program = library.rms_linear().with_low_rank()  # its generated module has no split-K pair
+    a, b = torch.randn(3, 32, dtype=torch.float16), torch.randn(64, 32, dtype=torch.float16)
+    tensors = dict(a2=torch.randn(3, 8, dtype=torch.float16), b2=torch.randn(64, 8, dtype=torch.float16),
+                   rstd=torch.rand(3) + 0.5)
+    backend = TritonBackend(config=KernelConfig(16, 32, 16, 1, 4, group_m=1, split_k=2))
+    with pytest.raises(ProgramError, match="rms_linear: split_k > 1 is not supported with a low-rank"):
+        backend.run(bind(program, a, b, tensors))
 
 
 @pytest.mark.parametrize("inverse", [False, True], ids=["rope", "inverse"])

@@ -223,8 +223,9 @@ class TritonBackend:
         tensor), nothing is allocated. A config that fails here fails again, and is handled, when timed."""
         calls = []
         for cfg in pool:
-            if cfg.schedule == "pingpong" or cfg.split_k > 1:  # compiled when timed (pingpong: its host-side
-                continue  # descriptors need the outputs)
+            # compiled when timed: the ping-pong kernel's host-side descriptors need the outputs; split-K is a pair
+            if cfg.schedule == "pingpong" or cfg.split_k > 1:
+                continue
             outs = {name: bound.tensors[name] if shape is None else dtype
                     for name, shape, dtype in bound.output_specs(cfg.block_m, cfg.block_n)}
             grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)

@@ -168,13 +168,13 @@ SMALL_M = _SIXTEEN_ROWS + _SIXTY_FOUR_ROWS
 
 def small_m_order(m: int, n: int, num_sms: int) -> list[KernelConfig]:
     """The decode configurations for ``m`` rows and ``n`` columns, best guess first: the pool's first tile
-    (16 x 64 columns up to 16 rows, 64 x 128 above), with K split in the most ranges (1, 2 or 4) that still
-    give at most one program per SM; then the rest of the pool."""
+    (16 x 64 columns up to 16 rows, 64 x 128 above), with K split in the most ranges the pool holds for it
+    that still give at most one program per SM; then the rest of the pool."""
     pool = _SIXTEEN_ROWS if m <= 16 else _SIXTY_FOUR_ROWS
-    tiles = -(-m // pool[0].block_m) * -(-n // pool[0].block_n)
-    split_k = max(split for split in (1, 2, 4) if split == 1 or split * tiles <= num_sms)
-    guess = dataclasses.replace(pool[0], split_k=split_k)
-    guess = guess if guess in pool else pool[0]
+    first = pool[0]
+    tiles = -(-m // first.block_m) * -(-n // first.block_n)
+    guess = max((cfg for cfg in pool if dataclasses.replace(cfg, split_k=1) == first
+                 and (cfg.split_k == 1 or cfg.split_k * tiles <= num_sms)), key=lambda cfg: cfg.split_k)
     return [guess] + [cfg for cfg in pool if cfg != guess]
 
 
