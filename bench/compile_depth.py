@@ -6,12 +6,13 @@ with empty Inductor and Triton caches (what a new user pays; ``--warm-caches`` k
 ``CODAGEN_TRITON_AUTOTUNE=0``. Recorded per run: the first step (forward + backward, synchronized) in
 seconds, the steady step (median of ``--steps`` steps) in ms, dynamo's counters (graph breaks,
 recompiles, frames, graphs), its compile-phase times, and for the patched model where each fused
-kernel's configuration came from. Wanted: patched first step <= 1.5x unpatched at every depth; 0 graph
-breaks; 0 recompiles after the first step.
+kernel's configuration came from and how many of codagen's kernels compiled ahead, from the trace
+(``codagen.backends.triton.ahead``), or on their first launch. Wanted: patched first step <= 1.5x
+unpatched at every depth; 0 graph breaks; 0 recompiles after the first step.
 
     PYTHONPATH=. python bench/compile_depth.py [--layers 4,16,32] [--steps 5] [--timeout 300]
 
-Writes ``bench/results/<date>-compile-depth.json``. About 4-5 minutes for 4 and 16 layers.
+Writes ``bench/results/<date>-compile-depth.json``.
 """
 from __future__ import annotations
 
@@ -32,10 +33,17 @@ TOKENS = (4, 4096)
 def worker(patched: bool, layers: int, steps: int) -> dict:
     import torch
     import transformers
+    import triton
     from torch._dynamo.utils import compile_times, counters
 
     import codagen
     from codagen.backends import get_backend
+    compiles = {"ahead": 0, "on_launch": 0}  # codagen's kernels: compiled from the trace's dry runs, or on launch
+
+    def count(*, fn, is_manual_warmup, **_):
+        if fn.module.startswith("codagen"):
+            compiles["ahead" if is_manual_warmup else "on_launch"] += 1
+    triton.knobs.runtime.jit_cache_hook = count
     config = transformers.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                                       num_key_value_heads=8, vocab_size=32768, num_hidden_layers=layers,
                                       max_position_embeddings=TOKENS[1], attn_implementation="sdpa")
@@ -71,6 +79,7 @@ def worker(patched: bool, layers: int, steps: int) -> dict:
     if patched:
         sources = list(get_backend("triton").choices.values())
         record["kernel_choices"] = {s: sources.count(s) for s in sorted(set(sources))}
+        record["codagen_kernel_compiles"] = compiles
     return record
 
 

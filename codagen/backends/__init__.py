@@ -26,10 +26,10 @@ from .reference import ReferenceBackend
 
 _TRITON = importlib.util.find_spec("triton") is not None
 if _TRITON:  # the package imports without Triton; the backend is there when Triton is
-    from .triton import TritonBackend
+    from .triton import TritonBackend, ahead
 
 __all__ = ["BACKENDS", "execute", "get_backend", "resolve_backend_name", "set_backend", "use_backend",
-           "triton_available", "on_device"]
+           "triton_available", "on_device", "compile_ahead"]
 
 BACKENDS = ("auto", "reference", "triton")
 _selected: str | None = None
@@ -99,3 +99,14 @@ def execute(program: Program, a: torch.Tensor, b: torch.Tensor, *, backend: str 
     bound = bind(program, a, b, tensors)
     with torch.no_grad():
         return get_backend(resolve_backend_name(bound.device, backend)).run(bound)
+
+
+def compile_ahead(impl, args: tuple, kwargs: dict) -> None:
+    """Called by a codagen op's fake implementation while a trace runs: where the Triton backend runs the
+    op's CUDA tensors, ``impl(*args, **kwargs)`` runs once on the fakes and each kernel it would launch
+    compiles in a worker thread instead (:mod:`codagen.backends.triton.ahead`)."""
+    if not _TRITON:
+        return
+    first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_cuda), None)
+    if first is not None and resolve_backend_name(first.device) == "triton":
+        ahead.dry_run(impl, args, kwargs)

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from codagen.backends import compile_ahead
+
 from ._inductor import register_fake
 
 __all__ = ["custom_op", "named_gradients", "runs_directly"]
@@ -51,13 +53,16 @@ def custom_op(name: str, fake: Callable[..., object]) -> Callable:
     a function that calls the op, or its implementation directly where :func:`runs_directly` holds.
 
     ``fake`` gives the outputs' shapes and dtypes for tracing (empty tensors, no kernel runs). It takes
-    the op's arguments by name and declares only those it reads (``**_`` for the rest).
+    the op's arguments by name and declares only those it reads (``**_`` for the rest). While tracing, the
+    implementation also runs once on the fake tensors, to compile its kernels ahead
+    (:func:`codagen.backends.compile_ahead`).
     """
     def declare(impl: Callable) -> Callable:
         op = torch.library.custom_op(f"codagen::{name}", mutates_args=())(impl)
         signature = inspect.signature(impl)
 
         def fake_impl(*args, **kwargs):
+            compile_ahead(impl, args, kwargs)  # the kernels of the first real call compile while tracing goes on
             return fake(**signature.bind(*args, **kwargs).arguments)
         register_fake(op)(fake_impl)
 

@@ -22,7 +22,7 @@ from codagen.backends.device import on_device
 from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import Gemm, Program, ProgramError, Store
 
-from . import pingpong
+from . import ahead, pingpong
 from .configs import KernelConfig, TuningCache, candidates, gemm_layout, interpreter_config
 from .gluon_support import pingpong_unsupported
 from .interpreter import interpreting
@@ -93,7 +93,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
     """TMA needs a 16-byte aligned base, a row stride that is a non-zero multiple of 16 bytes."""
     if t.dim() != 2 or t.shape[1] == 0:
         return False
-    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+    return ahead.byte_offset(t) % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
 class TritonBackend:
@@ -191,7 +191,7 @@ class TritonBackend:
                 launch.kernel[grid](*args, **meta)
         else:
             _set_allocator()
-            launch.kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            ahead.launch_kernel(launch.kernel, grid, *args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.launches += 1
 
     def _launch_split_k(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
@@ -210,9 +210,9 @@ class TritonBackend:
                 epilogue[finish_grid](*epilogue_args, **finish_meta)
         else:
             _set_allocator()
-            mainloop[grid](bound.a, bound.b, partial, launch.m, launch.n, launch.k, **meta,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            epilogue[finish_grid](*epilogue_args, **finish_meta, num_warps=4, num_stages=1)
+            ahead.launch_kernel(mainloop, grid, bound.a, bound.b, partial, launch.m, launch.n, launch.k, **meta,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            ahead.launch_kernel(epilogue, finish_grid, *epilogue_args, **finish_meta, num_warps=4, num_stages=1)
         self.launches += 2
 
     def _compile_ahead(self, bound: BoundProgram, launch: _Launch, pool: list[KernelConfig]) -> None:
@@ -278,10 +278,27 @@ class TritonBackend:
             cfg = self.config or (interpreter_config(bound.program) if interpret
                                   else KernelConfig(128, 256, 64, 3, 8, 2))
             return bound.allocate_outputs(cfg.block_m, cfg.block_n)
+        if ahead.tracing():
+            return self._compile_for_trace(bound, interpret, major)
         launch, cfg, specs = self._plan(bound, interpret, major)
         outs = bound.allocate_outputs(cfg.block_m, cfg.block_n, specs)
         self._launch(bound, launch, cfg, outs)
         self.last_config = cfg
+        return outs
+
+    def _compile_for_trace(self, bound: BoundProgram, interpret: bool, major: int) -> dict[str, torch.Tensor]:
+        """A dry run's call (fake tensors, :mod:`.ahead`): the kernel of the config a real call would choose
+        submitted for compilation, the outputs allocated (fakes). Nothing is remembered: the real call plans
+        again with real addresses. A key that would be timed is left to its real call (which compiles its
+        candidates at once)."""
+        launch = self._prepare(bound, interpret, major)
+        if not interpret and self.config is None and self._times(self._tuning_key(bound, launch)):
+            return bound.allocate_outputs(128, 256)
+        cfg = self._choose(bound, launch, interpret)
+        outs = bound.allocate_outputs(cfg.block_m, cfg.block_n)
+        launches = self.launches
+        self._launch(bound, launch, cfg, outs)
+        self.launches = launches  # nothing ran
         return outs
 
     def _plan(self, bound: BoundProgram, interpret: bool,
@@ -340,7 +357,7 @@ class TritonBackend:
             return interpreter_config(bound.program)
         pool = self._candidates(bound, launch)
         key = self._tuning_key(bound, launch)
-        if self._autotuning() and len(pool) > 1 and (key not in self.tuning or _env_flag("CODAGEN_TRITON_RETUNE")):
+        if len(pool) > 1 and self._times(key):
             cfg, source = self._tune(bound, launch, pool, key), "timed"
         else:
             lookup = key
@@ -352,6 +369,10 @@ class TritonBackend:
             cfg, source = self.tuning.choose(lookup, gemm_layout(bound.program), bound.program, pool, bound.k)
         self.choices[key], self.chosen[key] = source, cfg
         return cfg
+
+    def _times(self, key: str) -> bool:
+        """Whether a call with tuning key ``key`` times its candidates (on its first use)."""
+        return self._autotuning() and (key not in self.tuning or _env_flag("CODAGEN_TRITON_RETUNE"))
 
     def _autotuning(self) -> bool:
         if self.autotune is not None:

@@ -1,9 +1,10 @@
 """The plumbing every row kernel shares: the Triton import, the launcher's device and the dispatcher.
 
 Each kernel comes as ``foo_ref`` (PyTorch), ``foo_triton`` (one launch of a module-level ``@triton.jit``
-kernel, wrapped in :func:`launcher`) and ``foo = dispatcher(foo_ref, foo_triton)``: the kernel for CUDA
-tensors when the selected backend is ``triton`` and the dtype is not float64 (the oracle dtype);
-otherwise the twin.
+kernel by :func:`launch_kernel`, wrapped in :func:`launcher`) and ``foo = dispatcher(foo_ref, foo_triton)``:
+the kernel for CUDA tensors when the selected backend is ``triton`` and the dtype is not float64 (the oracle
+dtype); otherwise the twin. ``launch_kernel`` (:mod:`codagen.backends.triton.ahead`) launches, or in a dry run
+under ``torch.compile``'s tracing compiles the kernel in the background instead.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ try:  # the package must import without Triton (or without a GPU)
     import triton
     import triton.language as tl
 
+    from codagen.backends.triton.ahead import launch_kernel
     from codagen.backends.triton.device_math import cos_sin, sigmoid
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     class _NoTriton:
@@ -30,13 +32,13 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
         def jit(fn=None, **_options):
             return fn if fn is not None else (lambda kernel: kernel)
 
-    triton, tl, cos_sin, sigmoid = _NoTriton(), None, None, None
+    triton, tl, cos_sin, sigmoid, launch_kernel = _NoTriton(), None, None, None, None
     TRITON_AVAILABLE = False
 else:
     TRITON_AVAILABLE = True
 
-__all__ = ["triton", "tl", "cos_sin", "sigmoid", "launcher", "dispatcher", "use_triton", "interpreting", "row_block",
-           "next_power_of_2", "cdiv"]
+__all__ = ["triton", "tl", "cos_sin", "sigmoid", "launch_kernel", "launcher", "dispatcher", "use_triton",
+           "interpreting", "row_block", "next_power_of_2", "cdiv"]
 
 #: widest block of a row kernel that loops over its row
 MAX_BLOCK = 2048

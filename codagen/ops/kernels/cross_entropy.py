@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import stats_dtype
-from ._launch import dispatcher, launcher, next_power_of_2, tl, triton
+from ._launch import dispatcher, launch_kernel, launcher, next_power_of_2, tl, triton
 
 __all__ = ["cross_entropy_logits_grad", "cross_entropy_logits_grad_ref", "cross_entropy_logits_grad_triton",
            "CROSS_ENTROPY_LAUNCH", "CROSS_ENTROPY_GROUP"]
@@ -96,10 +96,10 @@ def cross_entropy_logits_grad_triton(logits: torch.Tensor, target: torch.Tensor,
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=logits.device)
     if m:
         block, warps = launch
-        _cross_entropy_logits_grad_kernel[(m,)](
-            logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width,
-            BLOCK=max(min(block, next_power_of_2(vocab)), CROSS_ENTROPY_GROUP), GROUP=CROSS_ENTROPY_GROUP,
-            num_warps=warps)
+        launch_kernel(_cross_entropy_logits_grad_kernel, (m,),
+                      logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width,
+                      BLOCK=max(min(block, next_power_of_2(vocab)), CROSS_ENTROPY_GROUP), GROUP=CROSS_ENTROPY_GROUP,
+                      num_warps=warps)
     return row_loss, mean_z_dz
 
 

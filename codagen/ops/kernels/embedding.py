@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import stats_dtype
-from ._launch import cdiv, dispatcher, launcher, next_power_of_2, tl, triton
+from ._launch import cdiv, dispatcher, launch_kernel, launcher, next_power_of_2, tl, triton
 
 __all__ = ["embedding_backward", "embedding_backward_ref", "embedding_backward_triton"]
 
@@ -54,7 +54,7 @@ def embedding_backward_triton(grad_out: torch.Tensor, ids: torch.Tensor, vocab: 
         # [vocab + 1]: row v is [start v, start v+1)
         row_start = torch.searchsorted(sorted_ids, vocab_rows, out_int32=True)
         block, rows = min(next_power_of_2(d), 1024), 8
-        _embedding_backward_kernel[(cdiv(vocab, rows), cdiv(d, block))](
+        launch_kernel(_embedding_backward_kernel, (cdiv(vocab, rows), cdiv(d, block)),
             grad_out, token_order, row_start, grad_weight, vocab, d, ROWS=rows, BLOCK=block)
     return grad_weight
 

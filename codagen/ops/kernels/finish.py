@@ -14,7 +14,7 @@ import torch
 
 from codagen.epilogue import finish
 
-from ._launch import cdiv, dispatcher, launcher, next_power_of_2, tl, triton
+from ._launch import cdiv, dispatcher, launch_kernel, launcher, next_power_of_2, tl, triton
 
 __all__ = ["finish_rstd", "finish_rstd_ref", "finish_rstd_triton", "finish_row_mean", "finish_row_mean_ref",
            "finish_row_mean_triton", "finish_col_sum", "finish_col_sum_ref", "finish_col_sum_triton",
@@ -115,7 +115,7 @@ def finish_cross_entropy_triton(partial_lse: torch.Tensor, partial_target: torch
     row_loss = torch.empty(n_rows, dtype=torch.float32, device=partial_lse.device)
     if n_rows:
         rows, tiles = _finish_step(n_rows, n_tiles)
-        _finish_cross_entropy_kernel[(cdiv(n_rows, rows),)](
+        launch_kernel(_finish_cross_entropy_kernel, (cdiv(n_rows, rows),),
             partial_lse, partial_target, row_loss, n_rows, n_tiles, *partial_lse.stride(), *partial_target.stride(),
             ROWS=rows, TILES=tiles)
     return row_loss
@@ -137,8 +137,8 @@ def _finish(partial: torch.Tensor, *, over_rows: bool, dtype: torch.dtype, scale
     out = torch.empty(n_out, dtype=dtype, device=partial.device)
     if n_out:
         outs, tiles = _finish_step(n_out, n_tiles)
-        _finish_partials_kernel[(cdiv(n_out, outs),)](partial, out, n_out, n_tiles, out_stride, tile_stride,
-                                                             scale, eps, RSQRT=rsqrt, OUTS=outs, TILES=tiles)
+        launch_kernel(_finish_partials_kernel, (cdiv(n_out, outs),), partial, out, n_out, n_tiles, out_stride,
+                      tile_stride, scale, eps, RSQRT=rsqrt, OUTS=outs, TILES=tiles)
     return out
 
 

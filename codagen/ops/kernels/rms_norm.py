@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import stats_dtype
-from ._launch import dispatcher, launcher, row_block, tl, triton
+from ._launch import dispatcher, launch_kernel, launcher, row_block, tl, triton
 
 __all__ = ["rms_norm_stats", "rms_norm_stats_ref", "rms_norm_stats_triton"]
 
@@ -47,7 +47,7 @@ def rms_norm_stats_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float
     normed = torch.empty_like(x)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        _rms_norm_stats_kernel[(m,)](x, norm_weight, normed, rstd, n, eps, BLOCK=row_block(n))
+        launch_kernel(_rms_norm_stats_kernel, (m,), x, norm_weight, normed, rstd, n, eps, BLOCK=row_block(n))
     return normed, rstd
 
 

@@ -14,7 +14,7 @@ import torch
 from codagen.backends import reference
 
 from .._checks import stats_dtype
-from ._launch import cos_sin, dispatcher, interpreting, launcher, next_power_of_2, tl, triton
+from ._launch import cos_sin, dispatcher, interpreting, launch_kernel, launcher, next_power_of_2, tl, triton
 
 __all__ = ["rope_backward", "rope_backward_ref", "rope_backward_triton", "rope_block"]
 
@@ -144,9 +144,9 @@ def rope_backward_triton(grad_blocks: Sequence[torch.Tensor], qkv: torch.Tensor,
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=qkv.device)
     block, warps = launch or (rope_block(max(b.shape[1] for b in blocks)), 4)
     if m:
-        _rope_backward_kernel[(m,)](grad_q, grad_k, grad_v, *(b.stride(0) for b in blocks),
-                                    *(b.shape[1] for b in blocks), qkv, positions, frequencies, grad_z, mean_z_dz,
-                                    1.0 / width, BLOCK=block, INTERPRETER=interpreting(), num_warps=warps)
+        launch_kernel(_rope_backward_kernel, (m,), grad_q, grad_k, grad_v, *(b.stride(0) for b in blocks),
+                      *(b.shape[1] for b in blocks), qkv, positions, frequencies, grad_z, mean_z_dz,
+                      1.0 / width, BLOCK=block, INTERPRETER=interpreting(), num_warps=warps)
     return grad_z, mean_z_dz
 
 

@@ -19,7 +19,7 @@ from codagen.backends import reference
 
 from .._checks import stats_dtype
 from ..layouts import kv_heads_of
-from ._launch import cos_sin, dispatcher, interpreting, launcher, next_power_of_2, tl, triton
+from ._launch import cos_sin, dispatcher, interpreting, launch_kernel, launcher, next_power_of_2, tl, triton
 from .finish import finish_col_sum_triton
 from .rope import _cat_columns, _load_pairs, _rope_backward_columns, _store_pairs, _three_blocks, rope_block
 
@@ -189,7 +189,7 @@ def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: to
     partial = torch.empty(blocks, 2 * hd, dtype=torch.float32, device=preact.device)
     if m:
         head_block = next_power_of_2(hd // 2)
-        _rope_qk_norm_backward_kernel[(blocks,)](
+        launch_kernel(_rope_qk_norm_backward_kernel, (blocks,),
             grad_q, grad_k, grad_v, *(g.stride(0) for g in grads), preact, positions, frequencies, q_norm_weight,
             k_norm_weight, grad_z, mean_z_dz, partial,
             m, n // 2, hd, num_heads, num_kv_heads, eps, 1.0 / width,

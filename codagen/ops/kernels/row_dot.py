@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import stats_dtype
-from ._launch import dispatcher, launcher, row_block, tl, triton
+from ._launch import dispatcher, launch_kernel, launcher, row_block, tl, triton
 
 __all__ = ["mean_row_dot", "mean_row_dot_ref", "mean_row_dot_triton"]
 
@@ -37,7 +37,7 @@ def mean_row_dot_triton(z: torch.Tensor, grad_z: torch.Tensor, width: int) -> to
     m, n = z.shape
     out = torch.empty(m, dtype=torch.float32, device=z.device)
     if m:
-        _mean_row_dot_kernel[(m,)](z, grad_z, out, n, 1.0 / width, BLOCK=row_block(n))
+        launch_kernel(_mean_row_dot_kernel, (m,), z, grad_z, out, n, 1.0 / width, BLOCK=row_block(n))
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import stats_dtype
-from ._launch import cdiv, dispatcher, launcher, tl, triton
+from ._launch import cdiv, dispatcher, launch_kernel, launcher, tl, triton
 
 __all__ = ["scale_cast", "scale_cast_ref", "scale_cast_triton"]
 
@@ -36,7 +36,7 @@ def scale_cast_triton(src: torch.Tensor, factor: torch.Tensor, dtype: torch.dtyp
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
     if src.numel():
         block = 4096
-        _scale_cast_kernel[(cdiv(src.numel(), block),)](src, factor, out, src.numel(), BLOCK=block)
+        launch_kernel(_scale_cast_kernel, (cdiv(src.numel(), block),), src, factor, out, src.numel(), BLOCK=block)
     return out
 
 

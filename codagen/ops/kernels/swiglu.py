@@ -11,7 +11,7 @@ import torch
 from codagen.backends import reference
 
 from .._checks import stats_dtype
-from ._launch import dispatcher, interpreting, launcher, row_block, sigmoid, tl, triton
+from ._launch import dispatcher, interpreting, launch_kernel, launcher, row_block, sigmoid, tl, triton
 
 __all__ = ["swiglu_backward", "swiglu_backward_ref", "swiglu_backward_triton"]
 
@@ -54,8 +54,8 @@ def swiglu_backward_triton(grad_act: torch.Tensor, preact: torch.Tensor,
     grad_preact = torch.empty_like(preact)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_act.device)
     if m:
-        _swiglu_backward_kernel[(m,)](grad_act, preact, grad_preact, mean_z_dz, f, 1.0 / width, BLOCK=row_block(f),
-                                      INTERPRETER=interpreting())
+        launch_kernel(_swiglu_backward_kernel, (m,), grad_act, preact, grad_preact, mean_z_dz, f, 1.0 / width,
+                      BLOCK=row_block(f), INTERPRETER=interpreting())
     return grad_preact, mean_z_dz
 
 

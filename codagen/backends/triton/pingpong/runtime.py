@@ -45,6 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 
 from codagen.epilogue.ir import Program  # noqa: E402
 
+from .. import ahead  # noqa: E402
 from ..device_math import SIGMOID_PTX  # noqa: E402
 from . import plan  # noqa: E402
 from .plan import BLOCK_K, BLOCK_M, BLOCK_N, CONSUMER_WARPS, MIN_IN_SLOTS, kernel_arguments  # noqa: E402
@@ -184,7 +185,7 @@ def _shared_layout(block: tuple[int, int], dtype: torch.dtype) -> gl.NVMMAShared
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
-    return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
+    return TensorDescriptor.from_tensor(ahead.operand(t), block, _shared_layout(tuple(block), t.dtype))
 
 
 def launch(kernel, bound, outs: dict[str, torch.Tensor], piece_n: int, in_slots: int, num_sms: int) -> None:
@@ -198,8 +199,8 @@ def launch(kernel, bound, outs: dict[str, torch.Tensor], piece_n: int, in_slots:
         tensor = outs[arg.tensor] if arg.output else bound.tensors[arg.tensor]
         args.append(_descriptor(tensor, [BLOCK_M, int(piece_n * arg.width.value)]) if arg.descriptor else tensor)
     tiles = triton.cdiv(bound.m, BLOCK_M) * triton.cdiv(bound.n, BLOCK_N)
-    kernel[(min(tiles, num_sms),)](*args, bound.m, bound.n, bound.k, B_NK=b_nk, PIECE_N=piece_n, IN_SLOTS=in_slots,
-                                   num_warps=CONSUMER_WARPS)
+    ahead.launch_kernel(kernel, (min(tiles, num_sms),), *args, bound.m, bound.n, bound.k, B_NK=b_nk, PIECE_N=piece_n,
+                        IN_SLOTS=in_slots, num_warps=CONSUMER_WARPS)
 
 
 def compile_sm90(kernel, program: Program, piece_n: int, dtype: torch.dtype = torch.bfloat16, io_dtype=None,

@@ -1,0 +1,153 @@
+"""Kernels compiled ahead from a trace's fake tensors (``codagen.backends.triton.ahead``): the stand-ins
+specialize as the tensors do, a dry run submits compilations and launches nothing, a compiled training step's
+dry runs reach every fused GEMM the step launches, and on the GPU the first compiled step compiles none of
+codagen's kernels itself."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
+from triton.runtime import _async_compile  # noqa: E402
+
+import codagen  # noqa: E402
+from codagen.backends.triton import TritonBackend, ahead  # noqa: E402
+from codagen.ops import _custom_op  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def in_dry_run():
+    token = ahead._tracing.set(True)
+    yield
+    ahead._tracing.reset(token)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int32])
+def test_stand_ins_specialize_as_their_tensors(dtype, in_dry_run):
+    """What Triton compiles for (dtype, 16-byte alignment) is the same for a tensor and its stand-in, for
+    whole tensors and for views at offsets of 1 to 8 elements."""
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    base = torch.zeros(64, 48, dtype=dtype)
+    views = [base, base[1:], base[:, 2:], base[:, 4:], base[:, 8:], base[:, 1:], base.t()]
+    for view in views:
+        for align in (True, False):
+            want = native_specialize_impl(backend, view, False, True, align)
+            got = native_specialize_impl(backend, ahead._Operand(view), False, True, align)
+            assert got == want, (view.storage_offset(), view.stride(), got, want)
+    stand_in = ahead._Operand(base[:, 4:])
+    assert (stand_in.dtype, stand_in.shape, stand_in.stride()) == (dtype, [64, 44], (48, 1))
+
+
+class _Kernel:
+    """A stand-in JIT function: records launches and warmups."""
+
+    def __init__(self):
+        self.launched, self.warmed = [], []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launched.append((grid, args, meta))
+
+    def warmup(self, *args, grid, **meta):
+        self.warmed.append((grid, args, meta, _async_compile.active_mode.get()))
+
+
+def test_launch_kernel_compiles_instead_in_a_dry_run():
+    kernel, x = _Kernel(), torch.randn(8, 16)
+    ahead.launch_kernel(kernel, (4,), x, 16, BLOCK=32)
+    assert len(kernel.launched) == 1 and kernel.launched[0][1][0] is x and kernel.warmed == []
+    ahead.dry_run(lambda: None, (), {})  # no CUDA tensor: nothing to do
+    token = ahead._tracing.set(True)
+    try:
+        ahead._mode = ahead._mode or _async_compile.AsyncCompileMode(None)
+        ahead.launch_kernel(kernel, (4,), x[:, 2:], 16, BLOCK=32, num_warps=4)
+    finally:
+        ahead._tracing.reset(token)
+    assert len(kernel.launched) == 1, "a dry run launched a kernel"
+    ((grid, args, meta, mode),) = kernel.warmed
+    assert grid == (4,) and meta == dict(BLOCK=32, num_warps=4) and args[1] == 16
+    assert isinstance(args[0], ahead._Operand) and args[0].data_ptr() == 8 and args[0].shape == [8, 14]
+    assert mode is ahead._mode and _async_compile.active_mode.get() is None
+
+
+def tiny_llama(layers: int = 2) -> torch.nn.Module:
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def test_dry_runs_reach_every_fused_gemm_of_a_compiled_step(monkeypatch):
+    """Under torch.compile the ops' dry runs (forward and backward, during tracing) plan the same fused
+    GEMMs with the same configurations as the first real step launches (CPU: the Triton backend in the
+    interpreter, dry runs allowed on CPU tensors for the test)."""
+    planned = {"dry": [], "real": []}
+    real_launch = TritonBackend._launch
+
+    def recording_launch(self, bound, launch, cfg, outs):
+        if ahead.tracing():
+            planned["dry"].append((bound.program.name, bound.m, bound.n, bound.k, cfg))
+            return None
+        planned["real"].append((bound.program.name, bound.m, bound.n, bound.k, cfg))
+        return real_launch(self, bound, launch, cfg, outs)
+
+    monkeypatch.setattr(TritonBackend, "_launch", recording_launch)
+    monkeypatch.setattr(ahead, "_on_cuda", lambda values: any(isinstance(v, torch.Tensor) for v in values))
+    monkeypatch.setattr(_custom_op, "compile_ahead", ahead.dry_run)
+    model = codagen.patch(tiny_llama())
+    ids = torch.randint(0, 64, (2, 8))
+    torch._dynamo.reset()
+    with codagen.use_backend("triton"):
+        compiled = torch.compile(model, backend="aot_eager")
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    real, dry = set(planned["real"]), set(planned["dry"])
+    names = {name for name, *_ in real}
+    assert {"rms_qkv_rope", "rms_gate_up_swiglu", "input_grad", "rms_norm_backward"} <= names, names
+    assert real <= dry, f"launched without a dry run: {sorted(real - dry, key=str)}"
+
+
+_GPU_SCRIPT = textwrap.dedent("""
+    import json, os, sys, threading
+    import torch, transformers, triton
+    import codagen
+    compiles = []
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        compiles.append((fn.module, fn.name, is_manual_warmup))
+    triton.knobs.runtime.jit_cache_hook = hook
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      attn_implementation="sdpa")
+    with torch.device("cuda"):
+        model = codagen.patch(transformers.LlamaForCausalLM(config).to(torch.bfloat16).train())
+    ids = torch.randint(0, 512, (2, 256), device="cuda")
+    compiled = torch.compile(model)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    ours = [c for c in compiles if c[0].startswith("codagen")]
+    print(json.dumps({"ahead": sum(1 for c in ours if c[2]), "on_launch": [c[:2] for c in ours if not c[2]]}))
+""")
+
+
+@pytest.mark.gpu
+def test_gpu_first_compiled_step_compiles_no_codagen_kernel_on_launch(tmp_path):
+    """A fresh process (empty in-memory and on-disk Triton caches): every codagen kernel of a compiled
+    2-layer training step compiles during tracing; none compiles when the step launches it."""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), CODAGEN_CACHE_DIR=str(tmp_path / "codagen"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    env.pop("CODAGEN_TRITON_AUTOTUNE", None)
+    done = subprocess.run([sys.executable, "-c", _GPU_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ahead"] >= 8 and result["on_launch"] == [], result
