@@ -9,13 +9,17 @@ its own codagen cache directory:
    minus the steady one is what choosing configurations costs;
 3. ``codagen tune --model <config.json> --tokens <T>`` into that cache directory, capped at
    ``--tune-timeout`` seconds (a capped run keeps the keys it finished);
-4. ``tuned``: first and steady step with the tuned entries.
+4. ``tuned``: first and steady step with the tuned entries;
+5. ``ab``: in one process, the steady step with the default's configurations and with the tuned ones,
+   alternating in ``--rounds`` rounds (the same kernels, allocations and clocks for both: what the
+   configurations alone are worth by step).
 
-Records each phase's seconds, the steady step times and ``default / tuned`` steady-step speed (wanted:
->= 0.97), where each kernel's configuration came from, and per kernel (``per_kernel``) the default's config
-against the fastest that ``codagen tune`` timed for its key (``slowdown``, slowest first). Shapes: the d 2048
-Llama (ffn 8192, 32/8 heads, vocab 32768) at 8192 and 12288 tokens, and Llama-3.2-3B dims (d 3072, ffn 8192,
-24/8 heads, vocab 32768 here) at 16384.
+Records each phase's seconds, the steady step times and ``default / tuned`` steady-step speed (wanted: >=
+0.97; ``default_speed_vs_tuned`` across processes, ``ab_default_speed_vs_tuned`` in one process), where each
+kernel's configuration came from, and per kernel (``per_kernel``) the default's config against the fastest
+that ``codagen tune`` timed for its key (``slowdown``, slowest first). Shapes: the d 2048 Llama (ffn 8192,
+32/8 heads, vocab 32768) at 8192 and 12288 tokens, and Llama-3.2-3B dims (d 3072, ffn 8192, 24/8 heads,
+vocab 32768 here) at 16384.
 
     PYTHONPATH=. python bench/first_step.py [--shapes d2048-8k d2048-12k 3b-16k] [--layers 2]
         [--tune-timeout 180]
@@ -77,6 +81,47 @@ def worker(config_path: str, tokens: int, layers: int, steps: int) -> dict:
             "configs": {key: [backend.choices[key], cfg.short()] for key, cfg in backend.chosen.items()}}
 
 
+def ab_worker(config_path: str, tokens: int, layers: int, steps: int, rounds: int) -> dict:
+    """The steady step with the untimed default's configurations and with the tuned ones, in one process: each
+    variant's plans (config per call signature) are made once, then swapped in for alternating rounds."""
+    import torch
+    import transformers
+
+    import codagen
+    from codagen.backends import get_backend
+    from codagen.backends.triton.configs import TuningCache
+    from codagen.tune import model_config
+    config = model_config(config_path, layers)
+    with torch.device("cuda"):
+        model = codagen.patch(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train())
+    seq = min(tokens, SEQ)
+    ids = torch.randint(0, config.vocab_size, (tokens // seq, seq), device="cuda")
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    backend = get_backend("triton")
+    plans = {}
+    for variant, tuning in (("default", TuningCache(path=os.devnull)), ("tuned", TuningCache())):
+        backend.tuning, backend._plans = tuning, {}
+        for _ in range(2):
+            step()
+        plans[variant] = backend._plans
+    medians = {variant: [] for variant in plans}
+    for _ in range(rounds):
+        for variant in plans:
+            backend._plans = plans[variant]
+            step()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            medians[variant].append(1e3 * (time.perf_counter() - start) / steps)
+    return {"round_ms": medians, **{f"{v}_step_ms": statistics.median(ms) for v, ms in medians.items()}}
+
+
 def per_kernel(default: dict, tuning_path: str) -> list[dict]:
     """Per tuning key the default run chose for: its source and config, and, where ``codagen tune`` timed the key,
     that config's time against the fastest candidate's (``default_ms / best_ms``), slowest first."""
@@ -116,11 +161,17 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tune-timeout", type=int, default=180, help="seconds codagen tune may run per shape")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per measuring process")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of the in-process comparison")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "TOKENS"), help=argparse.SUPPRESS)
+    parser.add_argument("--ab-worker", nargs=2, metavar=("CONFIG", "TOKENS"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help="results folder (default: bench/results)")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.layers, args.steps)), flush=True)
+        return 0
+    if args.ab_worker:
+        print(json.dumps(ab_worker(args.ab_worker[0], int(args.ab_worker[1]), args.layers, args.steps, args.rounds)),
+              flush=True)
         return 0
     records = []
     for name in args.shapes:
@@ -147,6 +198,13 @@ def main():
             record["tuned"], output, record["tuned_process_s"] = run(measure, env, args.timeout)
             if record["tuned"] is None:
                 record["tuned_error"] = output[-2000:]
+            ab = [sys.executable, __file__, "--ab-worker", config_path, str(tokens), "--layers", str(args.layers),
+                  "--steps", str(args.steps), "--rounds", str(args.rounds)]
+            record["ab"], output, record["ab_process_s"] = run(ab, env, args.timeout)
+            if record["ab"] is None:
+                record["ab_error"] = output[-2000:]
+            else:
+                record["ab_default_speed_vs_tuned"] = record["ab"]["tuned_step_ms"] / record["ab"]["default_step_ms"]
             if record["default_warm"]:
                 record["per_kernel"] = per_kernel(record["default_warm"],
                                                   os.path.join(scratch, "codagen", "triton", "tuning.json"))
@@ -161,6 +219,8 @@ def main():
             for phase, r in (("default cold", default), ("default warm", warm), ("tuned", tuned)) if r)
             + f"; tune {record['tune_s']:.0f} s"
             + (f"; default/tuned speed {record['default_speed_vs_tuned']:.3f}" if "default_speed_vs_tuned" in record
+               else "")
+            + (f"; in one process {record['ab_default_speed_vs_tuned']:.3f}" if "ab_default_speed_vs_tuned" in record
                else ""), flush=True)
         write_results("first-step", records, args.out)
     path = write_results("first-step", records, args.out)
