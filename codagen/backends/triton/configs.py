@@ -28,10 +28,11 @@ Choosing a configuration (:meth:`TuningCache.choose`), fastest source first, not
 
 1. the entry of this exact key (GPU, versions, program and kernel hash, dtypes, TMA flags, M/N/K
    buckets) in the user's cache or the shipped table;
-2. the nearest entry of the same program, dtypes and TMA flags on this GPU at most one log2 bucket
-   away in M, N and K together (the same buckets measured with other Triton/torch versions count as
-   one bucket away);
-3. an entry of another program with the same GEMM layout and operand dtype in the same buckets;
+2. the entries of the same program, dtypes and TMA flags on this GPU at most one log2 bucket away in
+   M, N and K together (the same buckets measured with other Triton/torch versions count as one bucket
+   away): the candidate fastest over their timings together (the least mean log of its time relative to
+   each entry's fastest);
+3. likewise the entries of other programs with the same GEMM layout and operand dtype in the same buckets;
 4. :func:`heuristic`: ping-pong where the epilogue's tile traffic is large next to the mainloop's K,
    else the first persistent candidate.
 
@@ -402,10 +403,15 @@ class TuningCache:
                         ranked.append((0, distance, other))
                     elif entry.get("gemm") == gemm and got.operand_dtype == want.operand_dtype:
                         ranked.append((1, distance, other))
-                for tier, _, other in sorted(ranked):
-                    entry = entries[other]
-                    cfg = _config_of(entry)
-                    cfg = cfg if cfg in pool else _fastest_of(entry.get("timings_ms", {}), pool)
+                for tier in sorted({tier for tier, _, _ in ranked}):
+                    # the candidate fastest over all this tier's neighbours at once: one bucket's timings
+                    # are single medians, a few percent noisy, and the neighbours' agree where they count
+                    near = [entries[other].get("timings_ms", {}) for t, _, other in ranked if t == tier]
+                    cfg = _fastest_over(near, pool)
+                    if cfg is None:  # no candidate timed in every neighbour: the nearest one's choice
+                        nearest = entries[min((d, o) for t, d, o in ranked if t == tier)[1]]
+                        cfg = _config_of(nearest)
+                        cfg = cfg if cfg in pool else _fastest_of(nearest.get("timings_ms", {}), pool)
                     if cfg is not None:
                         return cfg, ("nearest", "layout")[tier]
         return heuristic(program, pool, k), "heuristic"
@@ -440,6 +446,23 @@ def _config_of(entry: dict | None) -> KernelConfig | None:
         return KernelConfig.from_json(entry["config"])
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def _fastest_over(timings: list[dict[str, float]], pool: list[KernelConfig]) -> KernelConfig | None:
+    """The config of ``pool`` fastest over several entries' timings together: the least mean over the entries
+    of log(its time / that entry's fastest time). Only a config timed in every entry counts; None if none is."""
+    best, best_score = None, math.inf
+    for cfg in pool:
+        logs = []
+        for entry in timings:
+            ms = entry.get(cfg.short())
+            if ms is None or math.isnan(ms):
+                break
+            logs.append(math.log(ms / min(v for v in entry.values() if not math.isnan(v))))
+        else:
+            if logs and (score := sum(logs) / len(logs)) < best_score:
+                best, best_score = cfg, score
+    return best
 
 
 def _fastest_of(timings: dict[str, float], pool: list[KernelConfig]) -> KernelConfig | None:
