@@ -48,12 +48,13 @@ SHAPES = {"d2048-8k": (D2048, 8192), "d2048-12k": (D2048, 12288), "3b-16k": (D30
 SEQ = 4096
 
 
-def worker(config_path: str, tokens: int, layers: int, steps: int) -> dict:
+def training_step(config_path: str, tokens: int, layers: int):
+    """A patched model of ``config_path`` with ``layers`` layers on the GPU and one training step of ``tokens``
+    tokens on it (forward, backward, gradients cleared; not synchronized)."""
     import torch
     import transformers
 
     import codagen
-    from codagen.backends import get_backend
     from codagen.tune import model_config
     config = model_config(config_path, layers)
     with torch.device("cuda"):
@@ -64,6 +65,17 @@ def worker(config_path: str, tokens: int, layers: int, steps: int) -> dict:
     def step():
         model(input_ids=ids, labels=ids).loss.backward()
         model.zero_grad(set_to_none=True)
+    return step
+
+
+def worker(config_path: str, tokens: int, layers: int, steps: int) -> dict:
+    import torch
+
+    from codagen.backends import get_backend
+    training = training_step(config_path, tokens, layers)
+
+    def step():
+        training()
         torch.cuda.synchronize()
 
     start = time.perf_counter()
@@ -85,22 +97,10 @@ def ab_worker(config_path: str, tokens: int, layers: int, steps: int, rounds: in
     """The steady step with the untimed default's configurations and with the tuned ones, in one process: each
     variant's plans (config per call signature) are made once, then swapped in for alternating rounds."""
     import torch
-    import transformers
 
-    import codagen
     from codagen.backends import get_backend
     from codagen.backends.triton.configs import TuningCache
-    from codagen.tune import model_config
-    config = model_config(config_path, layers)
-    with torch.device("cuda"):
-        model = codagen.patch(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train())
-    seq = min(tokens, SEQ)
-    ids = torch.randint(0, config.vocab_size, (tokens // seq, seq), device="cuda")
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
-
+    step = training_step(config_path, tokens, layers)
     backend = get_backend("triton")
     plans = {}
     for variant, tuning in (("default", TuningCache(path=os.devnull)), ("tuned", TuningCache())):
