@@ -32,6 +32,13 @@ WIDE = tuple(KernelConfig(16, block_n, block_k, stages, 4, epilogue_split=1, gro
                                               (128, 64, 8), (128, 128, 6), (256, 64, 6)))
 
 
+def with_programs(planned, programs: int, split_k: bool):
+    """A launch's planned ``launch.metas`` entry with the persistent mainloop's grid set to ``programs``."""
+    if split_k:
+        (_, meta), epilogue = planned
+        return ((programs,), meta), epilogue
+    return (programs,), planned[1]
+
 def record_bounds(model, batch: int, context: int) -> list:
     """The distinct fused-program calls (BoundProgram) of one decode step at ``batch`` rows."""
     from transformers import StaticCache
@@ -127,14 +134,14 @@ def main(argv=None) -> int:
                 for variant, programs in (("persistent", min(tiles, num_sms)), ("oversubscribed", tiles)):
                     if variant == "oversubscribed" and programs <= num_sms:
                         continue
-                    grid, meta = backend._meta(bound, launch, cfg)
-                    launch.metas[cfg] = ((programs,), meta)
+                    planned = (backend._split_k_meta if cfg.split_k > 1 else backend._meta)(bound, launch, cfg)
+                    launch.metas[cfg] = with_programs(planned, programs, cfg.split_k > 1)
                     try:
                         times[variant] = graph_us([backend._trial(c, launch, cfg) for c in copies])
                     except Exception as error:  # noqa: BLE001 - a report
                         times[variant] = float("nan")
                         print(f"  {cfg.short()} {variant}: {type(error).__name__}: {str(error)[:100]}")
-                    launch.metas[cfg] = (grid, meta)
+                    launch.metas[cfg] = planned
                 row["configs"][cfg.short()] = dict(times, tiles=tiles)
                 print(f"  {cfg.short():<28} tiles {tiles:5d}  " + "  ".join(
                     f"{v} {t:7.1f} us ({weight_bytes / t / 1e6:.2f} TB/s)" for v, t in times.items()), flush=True)

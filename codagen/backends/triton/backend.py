@@ -198,8 +198,7 @@ class TritonBackend:
         """The split-K pair: the mainloop writes ``split_k`` fp32 partial products of every output tile to a
         scratch ``[split_k * M, N]``, then one program per tile sums them in split order and runs the epilogue."""
         mainloop, epilogue = launch.split_k(bound.program)
-        grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
-        finish_grid, finish_meta = launch.metas[cfg, "epilogue"]
+        (grid, meta), (finish_grid, finish_meta) = launch.metas.get(cfg) or self._split_k_meta(bound, launch, cfg)
         partial = torch.empty(cfg.split_k * launch.m, launch.n, dtype=torch.float32, device=bound.device)
         program = bound.program
         epilogue_args = ([partial] + [bound.tensors[name] for name in program.inputs]
@@ -211,7 +210,7 @@ class TritonBackend:
         else:
             _set_allocator()
             ahead.launch_kernel(mainloop, grid, bound.a, bound.b, partial, launch.m, launch.n, launch.k, **meta,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             ahead.launch_kernel(epilogue, finish_grid, *epilogue_args, **finish_meta, num_warps=4, num_stages=1)
         self.launches += 2
 
@@ -244,24 +243,30 @@ class TritonBackend:
         with ThreadPoolExecutor(max_workers=min(len(calls) - 1, os.cpu_count() or 1)) as workers:
             list(workers.map(compile_one, calls[1:]))
 
+    def _grid(self, bound: BoundProgram, launch: _Launch, work: int) -> tuple[int]:
+        """A persistent grid over ``work`` tiles: one program per SM at most."""
+        if launch.interpret:
+            return (min(work, 3),)  # several tiles per program: the persistent loop is exercised
+        return (min(work, _num_sms(bound.device)),)
+
+    def _split_k_meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple, tuple]:
+        """``((grid, constexprs) of the split-K mainloop, (grid, constexprs) of its epilogue pass)``, kept in
+        ``launch.metas``: the mainloop runs persistent over tiles x K ranges, the epilogue one program per tile."""
+        num_tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
+        mainloop = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+                        TMA_MAINLOOP=launch.tma_mainloop, UPCAST_OPERANDS=launch.upcast,
+                        DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
+        epilogue = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k,
+                        EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_EPILOGUE=False,
+                        INTERPRETER=launch.interpret)
+        metas = launch.metas[cfg] = ((self._grid(bound, launch, num_tiles * cfg.split_k), mainloop),
+                                     ((num_tiles,), epilogue))
+        return metas
+
     def _meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple[int], dict]:
         """``(grid, constexpr arguments)`` of a persistent launch of ``cfg``, kept in ``launch.metas``:
         they depend on the call signature and the config only."""
-        num_tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
-        work = num_tiles * cfg.split_k
-        if launch.interpret:
-            grid = (min(work, 3),)  # several tiles per program: the persistent loop is exercised
-        else:
-            grid = (min(work, _num_sms(bound.device)),)
-        if cfg.split_k > 1:
-            meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                        TMA_MAINLOOP=launch.tma_mainloop, UPCAST_OPERANDS=launch.upcast,
-                        DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
-            launch.metas[cfg, "epilogue"] = (num_tiles,), dict(
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, EPILOGUE_SPLIT=cfg.epilogue_split,
-                SUB_N=cfg.sub_n, TMA_EPILOGUE=False, INTERPRETER=launch.interpret)
-            launch.metas[cfg] = grid, meta
-            return grid, meta
+        grid = self._grid(bound, launch, cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n))
         meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
                     TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok, UPCAST_OPERANDS=launch.upcast,
