@@ -62,14 +62,14 @@ class _Kernel:
         self.warmed.append((grid, args, meta, _async_compile.active_mode.get()))
 
 
-def test_launch_kernel_compiles_instead_in_a_dry_run():
+def test_launch_kernel_compiles_instead_in_a_dry_run(monkeypatch):
     kernel, x = _Kernel(), torch.randn(8, 16)
+    monkeypatch.setattr(ahead, "_mode", _async_compile.AsyncCompileMode(None))
     ahead.launch_kernel(kernel, (4,), x, 16, BLOCK=32)
     assert len(kernel.launched) == 1 and kernel.launched[0][1][0] is x and kernel.warmed == []
     ahead.dry_run(lambda: None, (), {})  # no CUDA tensor: nothing to do
     token = ahead._tracing.set(True)
     try:
-        ahead._mode = ahead._mode or _async_compile.AsyncCompileMode(None)
         ahead.launch_kernel(kernel, (4,), x[:, 2:], 16, BLOCK=32, num_warps=4)
     finally:
         ahead._tracing.reset(token)
@@ -78,6 +78,17 @@ def test_launch_kernel_compiles_instead_in_a_dry_run():
     assert grid == (4,) and meta == dict(BLOCK=32, num_warps=4) and args[1] == 16
     assert isinstance(args[0], ahead._Operand) and args[0].data_ptr() == 8 and args[0].shape == [8, 14]
     assert mode is ahead._mode and _async_compile.active_mode.get() is None
+
+
+def test_dry_run_runs_the_implementation_while_tracing_unless_turned_off(monkeypatch):
+    seen = []
+    monkeypatch.setattr(ahead, "_on_cuda", lambda values: True)
+    ahead.dry_run(lambda x, scale: seen.append((x, scale, ahead.tracing())), (1,), {"scale": 2})
+    assert seen == [(1, 2, True)] and not ahead.tracing()
+    ahead.dry_run(lambda: 1 / 0, (), {})  # a failing dry run is dropped
+    monkeypatch.setenv("CODAGEN_COMPILE_AHEAD", "0")
+    ahead.dry_run(lambda *args, **kwargs: seen.append("ran"), (1,), {"scale": 2})
+    assert seen == [(1, 2, True)]
 
 
 def tiny_llama(layers: int = 2) -> torch.nn.Module:
