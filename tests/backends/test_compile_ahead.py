@@ -24,6 +24,7 @@ from codagen.backends.triton import TritonBackend, ahead  # noqa: E402
 from codagen.ops import _custom_op  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
+from ..models.conftest import build  # noqa: E402
 
 
 @pytest.fixture
@@ -91,13 +92,6 @@ def test_dry_run_runs_the_implementation_while_tracing_unless_turned_off(monkeyp
     assert seen == [(1, 2, True)]
 
 
-def tiny_llama(layers: int = 2) -> torch.nn.Module:
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(config).train()
-
-
 def test_dry_runs_reach_every_fused_gemm_of_a_compiled_step(monkeypatch):
     """Under torch.compile the ops' dry runs (forward and backward, during tracing) plan the same fused
     GEMMs with the same configurations as the first real step launches (CPU: the Triton backend in the
@@ -115,7 +109,7 @@ def test_dry_runs_reach_every_fused_gemm_of_a_compiled_step(monkeypatch):
     monkeypatch.setattr(TritonBackend, "_launch", recording_launch)
     monkeypatch.setattr(ahead, "_on_cuda", lambda values: any(isinstance(v, torch.Tensor) for v in values))
     monkeypatch.setattr(_custom_op, "compile_ahead", ahead.dry_run)
-    model = codagen.patch(tiny_llama())
+    model = codagen.patch(build("llama"))
     ids = torch.randint(0, 64, (2, 8))
     torch._dynamo.reset()
     with codagen.use_backend("triton"):
@@ -128,7 +122,7 @@ def test_dry_runs_reach_every_fused_gemm_of_a_compiled_step(monkeypatch):
 
 
 _GPU_SCRIPT = textwrap.dedent("""
-    import json, os, sys, threading
+    import json
     import torch, transformers, triton
     import codagen
     compiles = []
