@@ -69,15 +69,19 @@ class GreedyDecoder:
         self.graph = None
         self._batch = batch
 
+    def _append_greedy(self, logits: torch.Tensor) -> None:
+        """The greedy token of each row's last position into ``tokens`` (the next step's input) and ``generated``."""
+        self.tokens.copy_(argmax_rows(logits[:, -1]))
+        self.generated.index_copy_(1, self.step_index, self.tokens)
+        self.step_index.add_(1)
+
     def _step(self) -> None:
         """One decode step on the static buffers: ``tokens`` in, the argmax token out, appended to ``generated``."""
         length = self.cache.get_seq_length()  # a device tensor: no sync
         visible = (self.slots <= length)[None, :] & self.valid
         logits = self.model(self.tokens, attention_mask=visible[:, None, None, :], use_cache=True, logits_to_keep=1,
                             **{hf_cache.cache_field(): self.cache}).logits
-        self.tokens.copy_(argmax_rows(logits[:, -1]))
-        self.generated.index_copy_(1, self.step_index, self.tokens)
-        self.step_index.add_(1)
+        self._append_greedy(logits)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -100,9 +104,7 @@ class GreedyDecoder:
         self.step_index.zero_()
         logits = self.model(input_ids, attention_mask=self.valid[:, :prompt].long(), use_cache=True, logits_to_keep=1,
                             **{hf_cache.cache_field(): self.cache}).logits
-        self.tokens.copy_(argmax_rows(logits[:, -1]))
-        self.generated.index_copy_(1, self.step_index, self.tokens)
-        self.step_index.add_(1)
+        self._append_greedy(logits)
         capture = device.type == "cuda" if self.capture is None else self.capture
         for step in range(1, max_new_tokens):
             if not capture:
