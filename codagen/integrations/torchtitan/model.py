@@ -221,6 +221,12 @@ class _CodagenDecoder:
                 block.shard(self.tp_mesh, self.sequence_parallel)
             tensor_parallel.replicate_parameters(self, self.tp_mesh)  # one mesh for all (gradient clipping)
 
+    @property
+    def qkv_layout(self) -> tuple[int, int, int, int]:
+        """``(heads, kv_heads, head_dim, groups)`` of ``wqkv``'s rows: under tensor parallelism they are rank-major
+        in ``groups`` = the ``tp`` degree (:func:`codagen.models.tensor_parallel.qkv_rank_major`), else 1 group."""
+        return self.n_heads, self.n_kv_heads, self.head_dim, self.tp_mesh.size() if self.tp_mesh is not None else 1
+
     def frequencies(self) -> torch.Tensor:
         """The QKV epilogue's per-pair frequencies, read off row 1 of torchtitan's RoPE cache (``exp(i inv_freq)``,
         or ``[cos | cos | sin | sin]`` of ``inv_freq``), so every RoPE scaling torchtitan computes carries over."""
@@ -283,16 +289,15 @@ def _to_torchtitan_layout(model: _CodagenDecoder, state_dict: dict, prefix: str,
         if not model.half_split:
             return t
         return (ops.rope_half_split_from_pairs if inverse else ops.rope_pairs_from_half_split)(t, model.head_dim)
-    heads = (model.n_heads, model.n_kv_heads, model.head_dim)
     rows = (model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim, model.n_kv_heads * model.head_dim)
     state_dict[prefix + "norm.weight"] = state_dict.pop(prefix + "final_norm.weight")
     for i in model.layers:
         layer = f"{prefix}layers.{i}."
         for name in ("attention_norm", "ffn_norm"):
             state_dict[f"{layer}{name}.weight"] = state_dict.pop(f"{prefix}block_norms.{i}.{name}.weight")
-        groups = model.tp_mesh.size() if model.tp_mesh is not None else 1  # rank-major rows under TP
         q, k, v = relayout(lambda t: [pair_order(part, inverse=True) if n < 2 else part for n, part in enumerate(
-            tensor_parallel.qkv_from_rank_major(t, *heads, groups).split(rows))], state_dict.pop(layer + "wqkv.weight"))
+            tensor_parallel.qkv_from_rank_major(t, *model.qkv_layout).split(rows))],
+            state_dict.pop(layer + "wqkv.weight"))
         for norm in ("q_norm", "k_norm"):
             if f"{layer}{norm}.weight" in state_dict:
                 (state_dict[f"{layer}attention.{norm}.weight"],) = relayout(
@@ -309,8 +314,6 @@ def _from_torchtitan_layout(model: _CodagenDecoder, state_dict: dict, prefix: st
                             missing_keys, unexpected_keys, error_msgs) -> None:
     def pair_order(t):
         return ops.rope_pairs_from_half_split(t, model.head_dim) if model.half_split else t
-    heads = (model.n_heads, model.n_kv_heads, model.head_dim)
-    groups = model.tp_mesh.size() if model.tp_mesh is not None else 1  # rank-major rows under TP
     if prefix + "norm.weight" in state_dict:
         state_dict[prefix + "final_norm.weight"] = state_dict.pop(prefix + "norm.weight")
     for i in model.layers:
@@ -321,8 +324,8 @@ def _from_torchtitan_layout(model: _CodagenDecoder, state_dict: dict, prefix: st
         qkv_keys = [layer + f"attention.qkv_linear.{n}.weight" for n in ("wq", "wk", "wv")]
         if all(key in state_dict for key in qkv_keys):
             (state_dict[layer + "wqkv.weight"],) = relayout(
-                lambda q, k, v: [tensor_parallel.qkv_rank_major(torch.cat((pair_order(q), pair_order(k), v)), *heads,
-                                                                groups)],
+                lambda q, k, v: [tensor_parallel.qkv_rank_major(torch.cat((pair_order(q), pair_order(k), v)),
+                                                                *model.qkv_layout)],
                 *(state_dict.pop(key) for key in qkv_keys))
         for norm in ("q_norm", "k_norm"):
             if f"{layer}attention.{norm}.weight" in state_dict:
