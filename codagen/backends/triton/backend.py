@@ -200,9 +200,7 @@ class TritonBackend:
         mainloop, epilogue = launch.split_k(bound.program)
         (grid, meta), (finish_grid, finish_meta) = launch.metas.get(cfg) or self._split_k_meta(bound, launch, cfg)
         partial = torch.empty(cfg.split_k * launch.m, launch.n, dtype=torch.float32, device=bound.device)
-        program = bound.program
-        epilogue_args = ([partial] + [bound.tensors[name] for name in program.inputs]
-                         + [outs[o.name] for o in program.outputs] + [launch.m, launch.n])
+        epilogue_args = [partial] + _epilogue_tensors(bound, outs) + [launch.m, launch.n]
         if launch.interpret:
             with interpreting():
                 mainloop[grid](bound.a, bound.b, partial, launch.m, launch.n, launch.k, **meta)
@@ -461,9 +459,12 @@ def _persistent_arguments(bound: BoundProgram, launch: _Launch, outs: dict) -> l
     program = bound.program
     low_rank = program.gemm.low_rank
     args = [bound.a, bound.b] + ([bound.tensors["a2"], bound.tensors["b2"]] if low_rank else [])
-    args += [bound.tensors[name] for name in program.inputs]
-    args += [outs[o.name] for o in program.outputs]
-    return args + [launch.m, launch.n, launch.k] + ([bound.r] if low_rank else [])
+    return args + _epilogue_tensors(bound, outs) + [launch.m, launch.n, launch.k] + ([bound.r] if low_rank else [])
+
+
+def _epilogue_tensors(bound: BoundProgram, outs: dict) -> list:
+    """What every kernel's epilogue takes, in order: the program's inputs, then its outputs."""
+    return [bound.tensors[name] for name in bound.program.inputs] + [outs[o.name] for o in bound.program.outputs]
 
 
 def _env_flag(name: str) -> bool:
