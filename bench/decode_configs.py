@@ -39,6 +39,7 @@ def with_programs(planned, programs: int, split_k: bool):
         return ((programs,), meta), epilogue
     return (programs,), planned[1]
 
+
 def record_bounds(model, batch: int, context: int) -> list:
     """The distinct fused-program calls (BoundProgram) of one decode step at ``batch`` rows."""
     from transformers import StaticCache
