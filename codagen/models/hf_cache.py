@@ -7,9 +7,15 @@ the mask ``transformers`` itself builds for that cache (left padding, sliding wi
 
 Cache layout: Hugging Face's. Keys and values are ``[batch, kv_heads, tokens, head_dim]`` and K's
 head channels are in HF's half-split RoPE order. The fused QKV GEMM emits Q and K heads in adjacent-pair
-order (:func:`fuse_qkv`); the new Q and K rows are permuted back to half-split (one gather of the step's
-rows: ``batch`` rows per decode step) before the cache update. So a cache filled by a patched model
-continues in the unpatched one and vice versa.
+order (:func:`fuse_qkv`); the new Q and K rows are permuted back to half-split on their way into the cache
+and SDPA. So a cache filled by a patched model continues in the unpatched one and vice versa.
+
+The cache write: an allocated full-attention ``StaticLayer`` (``StaticCache``, outside ``torch.compile``)
+takes the step in one launch (:func:`codagen.ops.kernels.static_cache_write`): K and V into the slots
+``cumulative_length + t``, read on the device (no host sync: a decode step captures in a CUDA graph), Q into a
+new half-split tensor for SDPA; then ``cumulative_length.add_(seq)``. Every other layer (``DynamicCache``,
+sliding-window layers, the prefill that allocates a ``StaticLayer``, and any layer under ``torch.compile``,
+where Dynamo traces transformers' own update) gets half-split copies of Q and K and ``cache.update``.
 
 Supported caches: ``DynamicCache`` (full and sliding-window layers) and ``StaticCache`` (full and
 sliding-window layers). Anything else (quantized, offloaded, encoder-decoder, legacy tuples) is refused.
@@ -24,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from codagen import ops
+from codagen.ops.kernels import half_split_heads, static_cache_write
 
 from .llama import AttentionSpec, BlockWeights, block_out_mlp, block_qkv
 
@@ -162,11 +169,20 @@ def attention_masks(config, x: torch.Tensor, attention_mask, cache, position_ids
     return masks
 
 
-def half_split_heads(t: torch.Tensor, batch: int, seq: int, heads: int, head_dim: int) -> torch.Tensor:
-    """Token-major ``[batch * seq, heads * head_dim]`` heads in adjacent-pair order -> ``[batch, heads, seq,
-    head_dim]`` in HF's half-split order (pair-order channel ``2i`` is HF channel ``i``, ``2i+1`` is ``i + hd/2``)."""
-    t = t.view(batch, seq, heads, head_dim // 2, 2).transpose(-1, -2)
-    return t.reshape(batch, seq, heads, head_dim).transpose(1, 2)
+def _static_layer(cache, layer_idx: int):
+    """``cache``'s layer ``layer_idx`` when :func:`static_cache_write` can update it: exactly
+    transformers' full-attention ``StaticLayer``, allocated, with a tensor ``cumulative_length``, outside
+    ``torch.compile`` (generate's compiled static-cache step keeps transformers' update, which Dynamo traces);
+    else ``None``."""
+    if torch.compiler.is_compiling():
+        return None
+    cache_utils, _, _ = _transformers()
+    layers = getattr(cache, "layers", ())
+    layer = layers[layer_idx] if layer_idx < len(layers) else None
+    if (type(layer) is cache_utils.StaticLayer and layer.is_initialized
+            and torch.is_tensor(getattr(layer, "cumulative_length", None))):
+        return layer
+    return None
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, cache, layer_idx: int,
@@ -174,12 +190,19 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
     """Attention of the step's token-major ``q``, ``k``, ``v`` (pair order) over the cache after adding ``k``, ``v``
     to it; returns ``[batch * seq, heads * head_dim]``. Mirrors ``transformers``' SDPA attention."""
     b, s, h, kv, hd = spec.batch, spec.seq, spec.num_heads, spec.num_kv_heads, spec.head_dim
-    keys, values = cache.update(half_split_heads(k, b, s, kv, hd), v.view(b, s, kv, hd).transpose(1, 2), layer_idx)
+    layer = _static_layer(cache, layer_idx)
+    if layer is not None:  # one launch: K, V into their slots, Q permuted
+        q_heads = static_cache_write(q, k, v, layer.keys, layer.values, layer.cumulative_length, b, s, h, kv, hd)
+        layer.cumulative_length.add_(s)  # after the launch, whose programs all read the step's first slot
+        keys, values = layer.keys, layer.values
+    else:
+        keys, values = cache.update(half_split_heads(k, b, s, kv, hd), v.view(b, s, kv, hd).transpose(1, 2),
+                                    layer_idx)
+        q_heads = half_split_heads(q, b, s, h, hd)
     if mask is not None:
         mask = mask[:, :, :, : keys.shape[-2]]
-    out = F.scaled_dot_product_attention(half_split_heads(q, b, s, h, hd), keys, values, attn_mask=mask,
-                                         is_causal=mask is None and s > 1, dropout_p=spec.dropout,
-                                         enable_gqa=kv != h)
+    out = F.scaled_dot_product_attention(q_heads, keys, values, attn_mask=mask, is_causal=mask is None and s > 1,
+                                         dropout_p=spec.dropout, enable_gqa=kv != h)
     return out.transpose(1, 2).reshape(b * s, h * hd)
 
 

@@ -18,6 +18,8 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not in
 
 # Run in a fresh interpreter: TRITON_INTERPRET must be set before the @triton.jit kernels are created.
 _KERNEL_SCRIPT = textwrap.dedent("""
+    import unittest.mock
+
     import torch
     from codagen import ops
     from codagen.ops import kernels as k
@@ -115,6 +117,39 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 for name, a, b in zip(("grad_z", "mean_z_dz", "grad_q_norm", "grad_k_norm"), got, want):
                     scale = max(1.0, b.float().abs().max().item())
                     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10 * scale, msg=name)
+    # StaticLayer write: q, k, v column views of one QKV row block (row stride wider than each), GQA, a cache
+    # length L > 0; keys / values poisoned (NaN), so a slot written in error shows, and the new q too
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    heads, kv_heads, max_len = 4, 2, 7
+    for dtype in (torch.float32, torch.float16):
+        for batch, seq, head_dim, length in ((1, 1, 8, 3), (3, 2, 64, 5), (3, 1, 64, 0), (3, 2, 8, 2), (1, 2, 8, 6)):
+            widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+            qkv = torch.randn(batch * seq, sum(widths)).to(dtype)
+            q, kk, v = qkv.split(widths, dim=1)
+            cache = torch.full((batch, kv_heads, max_len, head_dim), float("nan"), dtype=dtype)
+            cache[:, :, :length] = torch.randn(batch, kv_heads, length, head_dim).to(dtype)
+            keys, values = cache.clone(), (cache + 1).clone()
+            cumulative_length = torch.tensor(length)
+            args = (batch, seq, heads, kv_heads, head_dim)
+            want_keys, want_values = keys.clone(), values.clone()
+            with unittest.mock.patch.object(torch, "empty", poisoned_empty):
+                got_q = k.static_cache_write_triton(q, kk, v, keys, values, cumulative_length, *args)
+            if length + seq <= max_len:
+                want_q = k.static_cache_write_ref(q, kk, v, want_keys, want_values, cumulative_length, *args)
+            else:  # the slots past max_len are dropped: only the first token of each row is written
+                first = [t.view(batch, seq, -1)[:, 0] for t in (q, kk, v)]
+                k.static_cache_write_ref(*first, want_keys, want_values, cumulative_length, batch, 1, heads,
+                                         kv_heads, head_dim)
+                want_q = k.half_split_heads(q, batch, seq, heads, head_dim).contiguous()
+            assert got_q.shape == (batch, heads, seq, head_dim) and got_q.is_contiguous()
+            assert int(cumulative_length) == length  # the caller advances it
+            for name, a, b in (("q", got_q, want_q), ("keys", keys, want_keys), ("values", values, want_values)):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
     print("kernels ok")
 """)
 

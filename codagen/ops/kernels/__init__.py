@@ -14,7 +14,9 @@
 - :mod:`.embedding`: the embedding table's gradient, each vocabulary row's tokens summed in
   token order;
 - :mod:`.finish`: a fused GEMM's tile partials finished into ``rstd``, ``mean_z_dz``, a norm weight's
-  gradient or each row's cross-entropy, one launch each.
+  gradient or each row's cross-entropy, one launch each;
+- :mod:`.kv_cache`: a decode step's K and V into a ``transformers`` ``StaticLayer``'s slots and its Q into
+  the cache's half-split head order, one launch.
 
 Each comes as ``foo_ref`` (PyTorch), ``foo_triton`` (one launch of a module-level ``@triton.jit`` kernel)
 and the dispatcher ``foo`` (:mod:`._launch`): the kernel for CUDA tensors when the selected backend is
@@ -44,6 +46,7 @@ from .finish import (
     finish_rstd_ref,
     finish_rstd_triton,
 )
+from .kv_cache import half_split_heads, static_cache_write, static_cache_write_ref, static_cache_write_triton
 from .rms_norm import rms_norm_stats, rms_norm_stats_ref, rms_norm_stats_triton
 from .rope import rope_backward, rope_backward_ref, rope_backward_triton
 from .rope_qk_norm import (
@@ -65,4 +68,5 @@ __all__ = ["rms_norm_stats", "rms_norm_stats_ref", "rms_norm_stats_triton", "rop
            "finish_rstd", "finish_rstd_ref", "finish_rstd_triton", "finish_row_mean", "finish_row_mean_ref",
            "finish_row_mean_triton", "finish_col_sum", "finish_col_sum_ref", "finish_col_sum_triton",
            "finish_cross_entropy", "finish_cross_entropy_ref", "finish_cross_entropy_triton", "CROSS_ENTROPY_LAUNCH",
-           "CROSS_ENTROPY_GROUP", "QK_NORM_LAUNCH"]
+           "CROSS_ENTROPY_GROUP", "QK_NORM_LAUNCH", "static_cache_write", "static_cache_write_ref",
+           "static_cache_write_triton", "half_split_heads"]
