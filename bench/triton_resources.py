@@ -43,7 +43,7 @@ def signature(program, dtype: str) -> dict[str, str]:
         sig[f"{o.name}_ptr"] = (f"*{dtype}" if o.dtype == "input" else "*fp32") if isinstance(o, Store) else "*fp32"
     sig.update(M="i32", N="i32", K="i32")
     for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EPILOGUE_SPLIT", "SUB_N", "TMA_MAINLOOP", "TMA_EPILOGUE",
-              "UPCAST_OPERANDS", "DOT_PRECISION", "FLATTEN", "INTERPRETER"):
+              "UPCAST_OPERANDS", "DOT_PRECISION", "FLATTEN", "INTERPRETER", "PDL", "PREFETCH_K"):
         sig[c] = "constexpr"
     return sig
 
@@ -73,7 +73,7 @@ def compile_one(program, cfg, dtype: str, arch: int):
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=True,
                       TMA_EPILOGUE=cfg.tma_epilogue, UPCAST_OPERANDS=False, DOT_PRECISION="tf32", FLATTEN=True,
-                      INTERPRETER=False)
+                      INTERPRETER=False, PDL=False, PREFETCH_K=0)
     src = ASTSource(kernel, sig, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})

@@ -1,11 +1,12 @@
-"""Which CUDA device a launch runs on."""
+"""Which CUDA device a launch runs on, and what it is."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
-__all__ = ["on_device"]
+__all__ = ["on_device", "capability"]
 
 
 def on_device(device: torch.device):
@@ -15,3 +16,13 @@ def on_device(device: torch.device):
     if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
+
+
+@functools.cache
+def _capability_index(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of CUDA ``device``, read once per GPU (launchers ask it every call)."""
+    return _capability_index(device.index if device.index is not None else torch.cuda.current_device())

@@ -174,7 +174,7 @@ def test_persistent_kernel_compiles_for_sm90(name):
     signature.update({"M": "i32", "N": "i32", "K": "i32", "R": "i32"})
     constexprs = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, BLOCK_R=16, EPILOGUE_SPLIT=2, SUB_N=64,
                       TMA_MAINLOOP=True, TMA_EPILOGUE=True, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
-                      FLATTEN=True, INTERPRETER=False)
+                      FLATTEN=True, INTERPRETER=False, PDL=False, PREFETCH_K=0)
     signature.update({k: "constexpr" for k in constexprs})
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})

@@ -18,11 +18,11 @@ import triton
 import triton.testing
 from triton.runtime.errors import OutOfResources
 
-from codagen.backends.device import on_device
+from codagen.backends.device import capability, on_device
 from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import Gemm, Program, ProgramError, Store
 
-from . import ahead, pingpong
+from . import ahead, dependent_launch, pingpong
 from .configs import KernelConfig, TuningCache, candidates, gemm_layout, interpreter_config
 from .gluon_support import pingpong_unsupported
 from .interpreter import interpreting
@@ -70,6 +70,7 @@ class _Launch:
     upcast: bool
     precision: str
     interpret: bool
+    pdl: bool = False  # launched as a programmatic dependent (decode rows: .dependent_launch)
     pingpong_kernel: object = None  # loaded on first use
     split_k_kernels: tuple = ()  # (mainloop, epilogue) of the split-K pair, loaded on first use
     pingpong_slots: dict = field(default_factory=dict)  # piece width -> tile-operand slots
@@ -87,6 +88,16 @@ class _Launch:
                                                      interpret=self.interpret, function=function)
                                          for function in ("split_k_kernel", "split_k_epilogue_kernel"))
         return self.split_k_kernels
+
+
+def _dependent_launch_meta(launch: _Launch, prefetch: bool = True) -> dict:
+    """The constexprs and launch option of programmatic dependent launch (:mod:`.dependent_launch`)."""
+    meta = dict(PDL=launch.pdl)
+    if prefetch:
+        meta["PREFETCH_K"] = dependent_launch.PREFETCH_K if launch.pdl else 0
+    if launch.pdl:
+        meta["launch_pdl"] = True
+    return meta
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -136,7 +147,7 @@ class TritonBackend:
         if dev.type != "cuda":
             raise ProgramError(f"{bound.program.name}: the triton backend runs CUDA tensors (compiled) and CPU "
                                f"tensors (interpreted), got device {dev}")
-        major, minor = _capability(dev)
+        major, minor = capability(dev)
         if major < 8:
             raise ProgramError(f"{bound.program.name}: the triton backend needs an NVIDIA GPU of compute "
                                f"capability 8.0 or newer (Ampere, Ada, Hopper), got {major}.{minor} "
@@ -164,7 +175,7 @@ class TritonBackend:
                        tma_epilogue_ok=tma_epilogue_ok,
                        upcast=interpret and bound.dtype == torch.bfloat16,
                        precision="ieee" if bound.dtype == torch.float32 or interpret else "tf32",
-                       interpret=interpret)
+                       interpret=interpret, pdl=not interpret and dependent_launch.enabled(m, bound.device))
 
     # -- launching ---------------------------------------------------------------------------------
     def _launch(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
@@ -256,7 +267,8 @@ class TritonBackend:
                         DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
         epilogue = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k,
                         EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_EPILOGUE=False,
-                        INTERPRETER=launch.interpret)
+                        INTERPRETER=launch.interpret, **_dependent_launch_meta(launch, prefetch=False))
+        mainloop.update(_dependent_launch_meta(launch))
         metas = launch.metas[cfg] = ((self._grid(bound, launch, num_tiles * cfg.split_k), mainloop),
                                      ((num_tiles,), epilogue))
         return metas
@@ -268,12 +280,18 @@ class TritonBackend:
         meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
                     TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok, UPCAST_OPERANDS=launch.upcast,
-                    DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
+                    DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret,
+                    **_dependent_launch_meta(launch))
         if bound.program.gemm.low_rank:  # the rank loop's step: at least the dot's minimum inner size 16, at most
             # BLOCK_K
             meta["BLOCK_R"] = max(16, min(cfg.block_k, 1 << (bound.r - 1).bit_length()))
         launch.metas[cfg] = grid, meta
         return grid, meta
+
+    def clear_plans(self) -> None:
+        """Forget every planned call signature: each plans again on its next call (after launch settings
+        such as :mod:`.dependent_launch`'s changed; a captured CUDA graph keeps the launches it recorded)."""
+        self._plans.clear()
 
     def run(self, bound: BoundProgram) -> dict[str, torch.Tensor]:
         interpret, major = self._check(bound)
@@ -481,16 +499,6 @@ def _without_low_rank(bound: BoundProgram) -> BoundProgram:
 
 def _smem_limit(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 232448)
-
-
-@functools.cache
-def _capability_index(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    """The compute capability of ``device``, read once per GPU (a call checks it)."""
-    return _capability_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache

@@ -21,6 +21,7 @@ try:  # the package must import without Triton (or without a GPU)
     import triton
     import triton.language as tl
 
+    from codagen.backends.triton import dependent_launch
     from codagen.backends.triton.ahead import launch_kernel
     from codagen.backends.triton.device_math import cos_sin, sigmoid
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
@@ -32,13 +33,13 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
         def jit(fn=None, **_options):
             return fn if fn is not None else (lambda kernel: kernel)
 
-    triton, tl, cos_sin, sigmoid, launch_kernel = _NoTriton(), None, None, None, None
+    triton, tl, cos_sin, sigmoid, launch_kernel, dependent_launch = _NoTriton(), None, None, None, None, None
     TRITON_AVAILABLE = False
 else:
     TRITON_AVAILABLE = True
 
-__all__ = ["triton", "tl", "cos_sin", "sigmoid", "launch_kernel", "launcher", "dispatcher", "use_triton",
-           "interpreting", "row_block", "next_power_of_2", "cdiv"]
+__all__ = ["triton", "tl", "cos_sin", "sigmoid", "launch_kernel", "dependent_launch", "launcher", "dispatcher",
+           "use_triton", "interpreting", "row_block", "next_power_of_2", "cdiv"]
 
 #: widest block of a row kernel that loops over its row
 MAX_BLOCK = 2048

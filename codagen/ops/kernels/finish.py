@@ -14,7 +14,16 @@ import torch
 
 from codagen.epilogue import finish
 
-from ._launch import cdiv, dispatcher, launch_kernel, launcher, next_power_of_2, tl, triton
+from ._launch import (
+    cdiv,
+    dependent_launch,
+    dispatcher,
+    launch_kernel,
+    launcher,
+    next_power_of_2,
+    tl,
+    triton,
+)
 
 __all__ = ["finish_rstd", "finish_rstd_ref", "finish_rstd_triton", "finish_row_mean", "finish_row_mean_ref",
            "finish_row_mean_triton", "finish_col_sum", "finish_col_sum_ref", "finish_col_sum_triton",
@@ -26,10 +35,14 @@ _FINISH_ELEMENTS, _FINISH_MAX_TILES = 4096, 64
 
 @triton.jit
 def _finish_partials_kernel(partial_ptr, out_ptr, n_out, n_tiles, out_stride, tile_stride, scale, eps,
-                            RSQRT: tl.constexpr, OUTS: tl.constexpr, TILES: tl.constexpr):
+                            RSQRT: tl.constexpr, OUTS: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
     """OUTS outputs per program, TILES partials of each a step: ``out[i] = scale * sum_t partial[i, t]``
     in fp32, then ``rsqrt(out + eps)`` (RSQRT), rounded once to ``out``'s dtype. Row partials [M, tiles]
-    come with ``tile_stride = 1``, column partials [tiles, N] with ``out_stride = 1``."""
+    come with ``tile_stride = 1``, column partials [tiles, N] with ``out_stride = 1``. ``PDL``: launched as a
+    programmatic dependent of the GEMM that wrote the partials (decode rows)."""
+    if PDL:  # the next GEMM may launch and prefetch its weight; the partials are visible after gdc_wait
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     outs = tl.program_id(0) * OUTS + tl.arange(0, OUTS)
     total = tl.zeros([OUTS], dtype=tl.float32)
     for start in range(0, n_tiles, TILES):
@@ -137,8 +150,10 @@ def _finish(partial: torch.Tensor, *, over_rows: bool, dtype: torch.dtype, scale
     out = torch.empty(n_out, dtype=dtype, device=partial.device)
     if n_out:
         outs, tiles = _finish_step(n_out, n_tiles)
+        pdl = dependent_launch.enabled(n_out, partial.device)  # False for CPU tensors (the interpreter)
         launch_kernel(_finish_partials_kernel, (cdiv(n_out, outs),), partial, out, n_out, n_tiles, out_stride,
-                      tile_stride, scale, eps, RSQRT=rsqrt, OUTS=outs, TILES=tiles)
+                      tile_stride, scale, eps, RSQRT=rsqrt, OUTS=outs, TILES=tiles, PDL=pdl,
+                      **({"launch_pdl": True} if pdl else {}))
     return out
 
 

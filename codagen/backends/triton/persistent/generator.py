@@ -16,6 +16,11 @@ order of output tiles; ``column_halves``; ``cast_for_store``; ``merge_logsumexp`
                          without a low-rank pair): partial tiles to fp32 scratch, then per tile
                          their sum in split order and the same epilogue.
 
+With ``PDL`` (programmatic dependent launch, decode shapes: :mod:`..dependent_launch`) each of the three
+kernels starts by letting the next kernel launch (``gdc_launch_dependents``) and waits for the earlier ones
+(``gdc_wait``) before its first write or read of their outputs; the two mainloops prefetch the first
+``PREFETCH_K`` columns of their first tile's weight rows into L2 in between.
+
 The mainloop is one fixed template; only the epilogue differs between programs. Every expression of
 the program becomes one named variable, computed once (the IR's value equality already merges
 common subexpressions; pair splits and sigmoids of one operand are shared as well).
@@ -40,7 +45,7 @@ from . import runtime
 __all__ = ["generate", "GENERATOR_VERSION"]
 
 #: bump when the generated code changes meaning (it keys the on-disk source cache)
-GENERATOR_VERSION = "4"
+GENERATOR_VERSION = "5"
 
 _WIDTH_SUFFIX = {Width.HALF: "_half", Width.FULL: "", Width.DOUBLE: "_double"}
 # Triton expressions for a width's number of columns: of the matrix (N*w) and of a sub-tile (SUB_N*w)
@@ -279,6 +284,20 @@ col_ok_b = cols_b < N
 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)"""
 
 
+def _dependent_launch(program: Program, first_tile: str, first_k: str) -> str:
+    """The start of a GEMM kernel under programmatic dependent launch (:mod:`.runtime`): let the next kernel
+    launch, prefetch the first tile's weight rows into L2 (a weight stored [N, K]), then wait for the earlier
+    kernels. ``first_tile``: the (pid_m, pid_n) of this program's first tile; ``first_k``: its first K column."""
+    lines = ["if PDL:  # programmatic dependent launch: nothing is written before gdc_wait",
+             "    tl.extra.cuda.gdc_launch_dependents()"]
+    if program.gemm.b_layout == "nk":
+        lines += ["    if PREFETCH_K > 0:  # the weight does not depend on the earlier kernels",
+                  f"        first_pid_m, first_pid_n = {first_tile}",
+                  f"        prefetch_weight_rows(b_ptr, first_pid_n * BLOCK_N, {first_k}, N, K, BLOCK_N, PREFETCH_K)"]
+    lines.append("    tl.extra.cuda.gdc_wait()")
+    return "\n".join(lines)
+
+
 def _low_rank_loop(program: Program) -> str:
     """The short second K loop of a low-rank GEMM: ``acc += op(A2) @ op(B2)`` over R in BLOCK_R steps.
 
@@ -414,6 +433,7 @@ def generate(program: Program, header: str = "") -> str:
         + (", BLOCK_R: tl.constexpr" if low_rank else ""),
         "EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr",
         "UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr",
+        "PDL: tl.constexpr, PREFETCH_K: tl.constexpr",
     ]))
 
     src = f'''\
@@ -444,6 +464,7 @@ def {name}_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
+{ind(_dependent_launch(program, "tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)", "0"), 4)}
 {ind(setup, 4)}
 {ind(epi_desc, 4)}
 
@@ -458,19 +479,24 @@ def {name}_kernel(
 {ind(chr(10).join(row_stores), 8)}
 '''
     if not low_rank:
-        src += _split_k_kernels(name, setup, kbody, inputs, outputs, descs, split_call, row_stores, ind)
+        src += _split_k_kernels(program, setup, kbody, inputs, outputs, descs, split_call, row_stores, ind)
     return src
 
 
-def _split_k_kernels(name: str, setup: str, kbody: str, inputs: list[str], outputs: list[str], descs: list[str],
-                     split_call: str, row_stores: list[str], ind) -> str:
+def _split_k_kernels(program: Program, setup: str, kbody: str, inputs: list[str], outputs: list[str],
+                     descs: list[str], split_call: str, row_stores: list[str], ind) -> str:
     """The split-K pair of a program: ``<name>_split_k_kernel`` runs the mainloop over one of ``SPLIT_K``
     ranges of K per output tile and stores its fp32 partial accumulator to ``partial[split, M, N]``;
     ``<name>_split_k_epilogue_kernel`` (one program per output tile) sums the ``SPLIT_K`` partials in
     split order, a fixed order, so the result does not depend on which split finished first, and runs
     the same epilogue on the sum. For few rows (decode) and few columns, where ``cdiv(N, BLOCK_N)``
     tiles would leave SMs idle and every K loop long."""
+    name = program.name
     pointer_params = ", ".join(inputs + outputs)
+    # the first work item of a program: tile pid // SPLIT_K, split pid % SPLIT_K (the loop below)
+    dependent_launch = _dependent_launch(
+        program, "(tl.program_id(0) // SPLIT_K) // num_pid_n, (tl.program_id(0) // SPLIT_K) % num_pid_n",
+        "(tl.program_id(0) % SPLIT_K) * k_tiles_per_split * BLOCK_K")
     placeholders = "\n".join(f"{d} = {d[:-len('_desc')]}_ptr  # pointer epilogue: placeholder" for d in descs)
     return f'''
 
@@ -479,12 +505,13 @@ def {name}_split_k_kernel(
         a_ptr, b_ptr, partial_ptr, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         TMA_MAINLOOP: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr):
+        FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
     """Split-K mainloop: partial[split] = op(A)[:, K range of split] @ op(B)[K range of split, :], fp32."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+{ind(dependent_launch, 4)}
 {ind(setup, 4)}
 
     for work_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, tl.num_programs(0), flatten=FLATTEN):
@@ -505,9 +532,12 @@ def {name}_split_k_kernel(
 def {name}_split_k_epilogue_kernel(
         partial_ptr, {pointer_params}, M, N,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
-        SUB_N: tl.constexpr, TMA_EPILOGUE: tl.constexpr, INTERPRETER: tl.constexpr):
+        SUB_N: tl.constexpr, TMA_EPILOGUE: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr):
     """One output tile: acc = the sum of its SPLIT_K partials in split order, then the {name} epilogue
     (pointer loads and stores: TMA_EPILOGUE is False)."""
+    if PDL:  # programmatic dependent launch: the partials are visible after gdc_wait
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m = tl.program_id(0) // num_pid_n
     pid_n = tl.program_id(0) % num_pid_n

@@ -2,13 +2,19 @@
 
 The generator copies their source into each generated module (:data:`SOURCE`), so a kernel's file is
 complete on its own and its hash (the key of its tuned choices) covers the helpers it runs.
+
+``prefetch_weight_rows`` serves programmatic dependent launch (``PDL``: :mod:`..dependent_launch`). A
+decode GEMM launched that way starts while the kernel before it drains; until ``gdc_wait`` returns it writes
+nothing and reads nothing, but it can bring its first tile's weight rows into L2 (a prefetch is a hint, and
+L2 is coherent: it cannot read a stale value).
 """
 import inspect
 
 import triton
 import triton.language as tl
 
-__all__ = ["tile_coords", "column_halves", "cast_for_store", "merge_logsumexp", "SOURCE"]
+__all__ = ["tile_coords", "column_halves", "cast_for_store", "merge_logsumexp", "prefetch_weight_rows",
+           "SOURCE"]
 
 
 @triton.jit
@@ -53,6 +59,19 @@ def merge_logsumexp(max_a, sumexp_a, max_b, sumexp_b):
     return new_max, sumexp_a * tl.exp(max_a - shift) + sumexp_b * tl.exp(max_b - shift)
 
 
+@triton.jit
+def prefetch_weight_rows(b_ptr, off_n, first_k, N, K, BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr):
+    """Bring rows [off_n, off_n + BLOCK_N) x columns [first_k, first_k + PREFETCH_K) of a [N, K] weight into L2:
+    one ``prefetch.global.L2`` per 128-byte line of 2-byte elements; nothing waits for them, no register is
+    written. (Masked lines prefetch the weight's first line instead: a prefetch cannot fault, but stays in bounds.)"""
+    rows = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = first_k + tl.arange(0, PREFETCH_K // 64) * 64
+    ok = (rows < N)[:, None] & (cols < K)[None, :]
+    lines = tl.where(ok, b_ptr + rows[:, None] * K + cols[None, :], b_ptr)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [lines], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 #: the helpers' source, in the generated modules' order and spacing
 SOURCE = "\n\n".join(inspect.getsource(helper.fn) for helper in (tile_coords, column_halves, cast_for_store,
-                                                                     merge_logsumexp))
+                                                                     merge_logsumexp, prefetch_weight_rows))

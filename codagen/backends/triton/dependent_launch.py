@@ -1,0 +1,41 @@
+"""Which launches are programmatic dependents: the decode-sized GEMMs and their finishers on sm_90+.
+
+A decode step is a chain of short kernels, each reading a weight once: at batch 1 a 4096 x 4096 GEMM
+streams its 33 MB in about 10 us, and a kernel's first and last microseconds (programs starting, the
+first loads in flight, the last programs draining) stream less. With programmatic dependent launch
+(``launch_pdl=True``, CUDA's ``PROGRAMMATIC_STREAM_SERIALIZATION``) the next kernel launches while the
+current one runs: its programs take the SMs the current kernel's programs leave, bring their first
+weight tile into L2, and wait (``gdc_wait``) until every earlier kernel has finished and its writes are
+visible. The device code is in :mod:`.persistent.runtime` and the finisher of
+:mod:`codagen.ops.kernels.finish`.
+
+Every such kernel calls ``gdc_launch_dependents`` as it starts, which lets the next kernel launch, and
+``gdc_wait`` before it writes anything or reads anything but its weight. So a kernel that started early
+still runs after all of its predecessors: the one before it finished only after its own wait, and so on
+down the stream. A kernel launched without the attribute (attention, PyTorch's kernels) waits for the
+one before it as usual.
+
+``CODAGEN_DEPENDENT_LAUNCH=0`` (read at import) launches every kernel in plain stream order.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from codagen.backends.device import capability
+
+from .configs import SMALL_M_ROWS
+
+__all__ = ["enabled", "DEPENDENT_LAUNCH_ROWS", "PREFETCH_K"]
+
+#: rows (the decode batch) up to which GEMMs and finishers launch as programmatic dependents; 0: none
+DEPENDENT_LAUNCH_ROWS = (0 if os.environ.get("CODAGEN_DEPENDENT_LAUNCH", "1").strip().lower() in ("0", "false", "no")
+                         else SMALL_M_ROWS)
+#: K columns of its first tile's weight rows a dependent GEMM prefetches into L2 before it waits (0: none)
+PREFETCH_K = 512
+
+
+def enabled(rows: int, device: torch.device) -> bool:
+    """Whether a kernel over ``rows`` rows on ``device`` launches as a programmatic dependent."""
+    return rows <= DEPENDENT_LAUNCH_ROWS and device.type == "cuda" and capability(device)[0] >= 9
