@@ -63,6 +63,8 @@ class GreedyDecoder:
         self.cache = cache_utils.StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # the step's input, then its output
         self.valid = torch.ones(batch, self.max_cache_len, dtype=torch.bool, device=device)  # padding mask by slot
+        # the same as SDPA's additive mask (0 or -inf), so that a step masks slots past the length in one launch
+        self.padding_bias = torch.zeros(batch, self.max_cache_len, dtype=self.model.dtype, device=device)
         self.slots = torch.arange(self.max_cache_len, device=device)
         self.generated = torch.zeros(batch, self.max_cache_len, dtype=torch.long, device=device)
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)
@@ -78,8 +80,8 @@ class GreedyDecoder:
     def _step(self) -> None:
         """One decode step on the static buffers: ``tokens`` in, the argmax token out, appended to ``generated``."""
         length = self.cache.get_seq_length()  # a device tensor: no sync
-        visible = (self.slots <= length)[None, :] & self.valid
-        logits = self.model(self.tokens, attention_mask=visible[:, None, None, :], use_cache=True, logits_to_keep=1,
+        bias = self.padding_bias.masked_fill(self.slots > length, float("-inf"))  # a 4-D mask goes to SDPA as is
+        logits = self.model(self.tokens, attention_mask=bias[:, None, None, :], use_cache=True, logits_to_keep=1,
                             **{hf_cache.cache_field(): self.cache}).logits
         self._append_greedy(logits)
 
@@ -99,8 +101,10 @@ class GreedyDecoder:
             self._setup(batch, device)
         self.cache.reset()
         self.valid.fill_(True)
+        self.padding_bias.zero_()
         if attention_mask is not None:
             self.valid[:, :prompt] = attention_mask.bool()
+            self.padding_bias[:, :prompt].masked_fill_(attention_mask == 0, float("-inf"))
         self.step_index.zero_()
         logits = self.model(input_ids, attention_mask=self.valid[:, :prompt].long(), use_cache=True, logits_to_keep=1,
                             **{hf_cache.cache_field(): self.cache}).logits

@@ -243,6 +243,7 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     B6 as in :func:`rms_gate_up_swiglu`, F3 with ``(scale * act @ a^T, b)``, B4 with ``(scale * grad_x_out @ b,
     a)``. A weight that requires no gradient gets no weight-gradient GEMM (B5, B7).
     Saved: ``preact`` (until B4 has run), ``x``, ``rstd``; ``act`` and ``n = RMSNorm(x)`` are recomputed.
+    With autograd off (``torch.no_grad``, inference) the two GEMMs run without autograd nodes.
     """
     x, normed, rstd, norm_weight, gate_up_weight = _checked_gate_up_inputs(x, normed, rstd, norm_weight,
                                                                            gate_up_weight)
@@ -255,6 +256,13 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     next_norm_weight = check.vector("next_norm_weight", next_norm_weight, d, "[features]", x)
     gate_up_low_rank = check.low_rank("gate_up_low_rank", gate_up_low_rank, d, 2 * ffn, x)
     down_low_rank = check.low_rank("down_low_rank", down_low_rank, ffn, d, x)
+    if not torch.is_grad_enabled():  # inference: the two GEMMs without autograd nodes or the gradient slot
+        lora_a, lora_b, lora_scale = lora_args(gate_up_low_rank)
+        act, _ = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, low_rank_operand(normed, lora_a, lora_scale),
+                                        lora_b)
+        lora_a, lora_b, lora_scale = lora_args(down_low_rank)
+        return out_proj_residual_rms_op(act, down_weight, x, next_norm_weight, check.eps(eps),
+                                        low_rank_operand(act, lora_a, lora_scale), lora_b)
     act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed.detach(), rstd.detach(), norm_weight,
                                                             gate_up_weight, *lora_args(gate_up_low_rank))
     return _MlpDownResidualRms.apply(act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight.detach(),
