@@ -1,0 +1,124 @@
+"""Decode attention over a static KV cache: PyTorch's ways to run it, timed as a decode step runs them (GPU, bf16).
+
+One query token per row attends to a ``[batch, kv_heads, max_cache_len, head_dim]`` cache under an additive
+mask (slots past the current length are ``-inf``: a static cache's shape does not follow the length). Ways:
+
+- ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, attn_mask, enable_gqa=True)`` with PyTorch's choice of
+  backend (cuDNN on an H200 with torch 2.11);
+- ``sdpa_efficient``: the same, restricted to the memory-efficient backend;
+- ``sdpa_grouped``: the query heads of each KV head as rows of one query block (``[batch, kv_heads, group,
+  head_dim]``, no ``enable_gqa``), PyTorch's choice of backend;
+- ``matmul``: scores by ``q @ k^T`` (a batched GEMV over the cache), mask, softmax, ``@ v``.
+
+Each is captured in a CUDA graph of ``--calls`` calls over distinct caches (their bytes exceed L2), replayed;
+microseconds per call, with the cache's bytes over that time as a bandwidth.
+
+    PYTHONPATH=. python bench/decode_attention.py --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from codagen.bench.common import environment
+
+SHAPES = {"llama3-8b": (32, 8, 128), "llama3-1b": (32, 8, 64)}  # heads, kv heads, head dim
+
+
+def ways(q, k, v, mask):
+    batch, heads, _, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def sdpa_efficient():
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def sdpa_grouped():
+        grouped = q.view(batch, kv_heads, group, head_dim)
+        return F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).view(batch, heads, 1, head_dim)
+
+    def matmul():
+        grouped = q.view(batch, kv_heads, group, head_dim)
+        scores = torch.matmul(grouped, k.transpose(-1, -2)) * head_dim ** -0.5 + mask
+        return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v).view(batch, heads, 1, head_dim)
+    return {"sdpa": sdpa, "sdpa_efficient": sdpa_efficient, "sdpa_grouped": sdpa_grouped, "matmul": matmul}
+
+
+def bench(model: str, batch: int, length: int, max_cache_len: int, calls: int, rounds: int) -> list[dict]:
+    heads, kv_heads, head_dim = SHAPES[model]
+    caches = [(torch.randn(batch, kv_heads, max_cache_len, head_dim, device="cuda", dtype=torch.bfloat16),
+               torch.randn(batch, kv_heads, max_cache_len, head_dim, device="cuda", dtype=torch.bfloat16))
+              for _ in range(calls)]
+    q = torch.randn(batch, heads, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+    mask = torch.zeros(batch, 1, 1, max_cache_len, device="cuda", dtype=torch.bfloat16)
+    mask[..., length:] = float("-inf")
+    reference = None
+    records = []
+    for name in ways(q, *caches[0], mask):
+        fns = [ways(q, k, v, mask)[name] for k, v in caches]
+        try:
+            out = fns[0]()
+            if reference is None:
+                reference = out.float()
+            error = (out.float() - reference).abs().max().item()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for fn in fns:
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for fn in fns:
+                    fn()
+            times = []
+            for _ in range(rounds):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / calls)
+            us = statistics.median(times)
+            cache_bytes = 2 * batch * kv_heads * length * head_dim * 2
+            records.append({"model": model, "batch": batch, "length": length, "max_cache_len": max_cache_len,
+                            "way": name, "us": us, "gbps_of_cache": cache_bytes / us / 1e3,
+                            "max_abs_diff_vs_sdpa": error})
+            print(f"  {model:<10} b{batch:<3} {name:<15} {us:7.2f} us  {cache_bytes / us / 1e3:7.0f} GB/s  "
+                  f"diff {error:.2e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a way PyTorch refuses for this shape
+            records.append({"model": model, "batch": batch, "way": name, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(f"  {model:<10} b{batch:<3} {name:<15} {type(e).__name__}: {str(e)[:100]}", flush=True)
+    return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--length", type=int, default=2080)
+    parser.add_argument("--max-cache-len", type=int, default=2112)
+    parser.add_argument("--calls", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    records = [r for model in args.models for batch in args.batch
+               for r in bench(model, batch, args.length, args.max_cache_len, args.calls, args.rounds)]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": environment(), "records": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
