@@ -16,19 +16,22 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not in
 
 
 def test_dependent_launch_only_for_decode_rows_on_cuda(monkeypatch):
+    """Up to SMALL_M_ROWS rows (the decode pool), on CUDA devices of sm_90 or newer."""
     from codagen.backends.triton import dependent_launch
-    monkeypatch.setattr("codagen.backends.triton.dependent_launch.capability", lambda device: (9, 0))
+    from codagen.backends.triton.configs import SMALL_M_ROWS
+    monkeypatch.setattr(dependent_launch, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(dependent_launch, "DEPENDENT_LAUNCH_ROWS", SMALL_M_ROWS)  # the default
     cuda = torch.device("cuda", 0)
-    rows = dependent_launch.DEPENDENT_LAUNCH_ROWS
-    assert rows == 64  # CODAGEN_DEPENDENT_LAUNCH unset in the test run
+    rows = SMALL_M_ROWS
     assert dependent_launch.enabled(1, cuda) and dependent_launch.enabled(rows, cuda)
     assert not dependent_launch.enabled(rows + 1, cuda)  # training and prefill shapes: plain stream order
     assert not dependent_launch.enabled(1, torch.device("cpu"))  # the interpreter
-    monkeypatch.setattr("codagen.backends.triton.dependent_launch.capability", lambda device: (8, 0))
+    monkeypatch.setattr(dependent_launch, "capability", lambda device: (8, 0))
     assert not dependent_launch.enabled(1, cuda)  # griddepcontrol needs sm_90
 
 
 def test_dependent_launch_off_switch():
+    """``CODAGEN_DEPENDENT_LAUNCH=0`` (read at import): no launch is a programmatic dependent."""
     import os
     import subprocess
     import sys
