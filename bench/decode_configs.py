@@ -8,15 +8,18 @@ with the persistent grid (``min(tiles, SMs)`` programs) and, where there are mor
 program per tile (``oversubscribed``), beside the same GEMM through ``torch.nn.functional.linear`` (cuBLAS).
 Each is timed as a decode step runs it: back to back from a CUDA graph, over copies of the weight that keep
 it out of L2. Prints microseconds and the weight read rate (bytes of B / time) per key; ``--json`` writes
-the records (docs/notes/decode-gemms.md).
+the records (docs/notes/decode-gemms.md). ``--tiles`` adds 16-row tiles to the pool (``--grid none``: only
+them). Decode launches are programmatic dependents (codagen.backends.triton.dependent_launch), so back-to-back
+launches of one GEMM overlap as in the step.
 
-    PYTHONPATH=. python bench/decode_configs.py --model llama3-8b --batch 1 8 [--json out.json]
+    PYTHONPATH=. python bench/decode_configs.py --model llama3-8b --batch 1 8 [--tiles 64x128s4] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import re
 import sys
 
 import torch
@@ -30,6 +33,15 @@ SPLIT = tuple(KernelConfig(16, block_n, block_k, stages, 4, epilogue_split=1, gr
 WIDE = tuple(KernelConfig(16, block_n, block_k, stages, 4, epilogue_split=1, group_m=1)
              for block_n, block_k, stages in ((16, 256, 8), (32, 128, 8), (32, 256, 6), (64, 128, 8), (64, 256, 4),
                                               (128, 64, 8), (128, 128, 6), (256, 64, 6)))
+
+
+def tile(text: str) -> KernelConfig:
+    """``"64x128s4"`` or ``"64x256s4k2"``: a 16-row decode tile of BLOCK_N x BLOCK_K, its stages and K split."""
+    match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:k(\d+))?", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected BLOCK_NxBLOCK_KsSTAGES[kSPLIT], e.g. 64x128s4, got {text!r}")
+    block_n, block_k, stages, split_k = (int(g) if g else 1 for g in match.groups())
+    return KernelConfig(16, block_n, block_k, stages, 4, epilogue_split=1, group_m=1, split_k=split_k)
 
 
 def with_programs(planned, programs: int, split_k: bool):
@@ -95,7 +107,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--grid", choices=["small_m", "wide"], default="wide")
+    parser.add_argument("--grid", choices=["small_m", "wide", "none"], default="wide",
+                        help="the pool: SMALL_M, SMALL_M + WIDE + SPLIT, or only --tiles")
+    parser.add_argument("--tiles", nargs="+", type=tile, default=[],
+                        help="more 16-row tiles, BLOCK_N x BLOCK_K with stages and split K: 64x128s4, 64x256s4k2")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -112,7 +127,8 @@ def main(argv=None) -> int:
     backend = get_backend("triton")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     smem_limit = triton_backend._smem_limit(torch.device("cuda"))
-    pool = list(SMALL_M) + (list(WIDE) + list(SPLIT) if args.grid == "wide" else [])
+    pool = {"small_m": list(SMALL_M), "wide": list(SMALL_M) + list(WIDE) + list(SPLIT), "none": []}[args.grid]
+    pool += [cfg for cfg in args.tiles if cfg not in pool]
     records = []
     for batch in args.batch:
         for bound in record_bounds(model, batch, args.context):
