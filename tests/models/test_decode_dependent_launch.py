@@ -28,6 +28,9 @@ def test_dependent_launch_only_for_decode_rows_on_cuda(monkeypatch):
     assert not dependent_launch.enabled(1, torch.device("cpu"))  # the interpreter
     monkeypatch.setattr(dependent_launch, "capability", lambda device: (8, 0))
     assert not dependent_launch.enabled(1, cuda)  # griddepcontrol needs sm_90
+    # the kernel's constexpr and Triton's launch option go together; a plain launch passes neither option
+    assert dependent_launch.launch_options(True) == {"PDL": True, "launch_pdl": True}
+    assert dependent_launch.launch_options(False) == {"PDL": False}
 
 
 def test_dependent_launch_off_switch():

@@ -92,11 +92,9 @@ class _Launch:
 
 def _dependent_launch_meta(launch: _Launch, prefetch: bool = True) -> dict:
     """The constexprs and launch option of programmatic dependent launch (:mod:`.dependent_launch`)."""
-    meta = dict(PDL=launch.pdl)
+    meta = dependent_launch.launch_options(launch.pdl)
     if prefetch:
         meta["PREFETCH_K"] = dependent_launch.PREFETCH_K if launch.pdl else 0
-    if launch.pdl:
-        meta["launch_pdl"] = True
     return meta
 
 

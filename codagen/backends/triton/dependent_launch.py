@@ -27,7 +27,7 @@ from codagen.backends.device import capability
 
 from .configs import SMALL_M_ROWS
 
-__all__ = ["enabled", "DEPENDENT_LAUNCH_ROWS", "PREFETCH_K"]
+__all__ = ["enabled", "launch_options", "DEPENDENT_LAUNCH_ROWS", "PREFETCH_K"]
 
 #: rows (the decode batch) up to which GEMMs and finishers launch as programmatic dependents; 0: none
 DEPENDENT_LAUNCH_ROWS = (0 if os.environ.get("CODAGEN_DEPENDENT_LAUNCH", "1").strip().lower() in ("0", "false", "no")
@@ -39,3 +39,8 @@ PREFETCH_K = 512
 def enabled(rows: int, device: torch.device) -> bool:
     """Whether a kernel over ``rows`` rows on ``device`` launches as a programmatic dependent."""
     return rows <= DEPENDENT_LAUNCH_ROWS and device.type == "cuda" and capability(device)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict:
+    """A kernel launch's arguments for it: the kernel's ``PDL`` constexpr and, when set, Triton's ``launch_pdl``."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}

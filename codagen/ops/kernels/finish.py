@@ -152,8 +152,8 @@ def _finish(partial: torch.Tensor, *, over_rows: bool, dtype: torch.dtype, scale
         outs, tiles = _finish_step(n_out, n_tiles)
         pdl = dependent_launch.enabled(n_out, partial.device)  # False for CPU tensors (the interpreter)
         launch_kernel(_finish_partials_kernel, (cdiv(n_out, outs),), partial, out, n_out, n_tiles, out_stride,
-                      tile_stride, scale, eps, RSQRT=rsqrt, OUTS=outs, TILES=tiles, PDL=pdl,
-                      **({"launch_pdl": True} if pdl else {}))
+                      tile_stride, scale, eps, RSQRT=rsqrt, OUTS=outs, TILES=tiles,
+                      **dependent_launch.launch_options(pdl))
     return out
 
 
