@@ -62,8 +62,7 @@ class GreedyDecoder:
         cache_utils, _, _ = hf_cache._transformers()
         self.cache = cache_utils.StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # the step's input, then its output
-        self.valid = torch.ones(batch, self.max_cache_len, dtype=torch.bool, device=device)  # padding mask by slot
-        # the same as SDPA's additive mask (0 or -inf), so that a step masks slots past the length in one launch
+        # the padding mask by slot as SDPA's additive mask (0 or -inf): a step masks slots past the length in one launch
         self.padding_bias = torch.zeros(batch, self.max_cache_len, dtype=self.model.dtype, device=device)
         self.slots = torch.arange(self.max_cache_len, device=device)
         self.generated = torch.zeros(batch, self.max_cache_len, dtype=torch.long, device=device)
@@ -100,13 +99,11 @@ class GreedyDecoder:
         if self._batch != batch:
             self._setup(batch, device)
         self.cache.reset()
-        self.valid.fill_(True)
         self.padding_bias.zero_()
-        if attention_mask is not None:
-            self.valid[:, :prompt] = attention_mask.bool()
-            self.padding_bias[:, :prompt].masked_fill_(attention_mask == 0, float("-inf"))
+        prompt_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.bool().long()
+        self.padding_bias[:, :prompt].masked_fill_(prompt_mask == 0, float("-inf"))
         self.step_index.zero_()
-        logits = self.model(input_ids, attention_mask=self.valid[:, :prompt].long(), use_cache=True, logits_to_keep=1,
+        logits = self.model(input_ids, attention_mask=prompt_mask, use_cache=True, logits_to_keep=1,
                             **{hf_cache.cache_field(): self.cache}).logits
         self._append_greedy(logits)
         capture = device.type == "cuda" if self.capture is None else self.capture
