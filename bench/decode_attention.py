@@ -8,7 +8,12 @@ mask (slots past the current length are ``-inf``: a static cache's shape does no
 - ``sdpa_efficient``: the same, restricted to the memory-efficient backend;
 - ``sdpa_grouped``: the query heads of each KV head as rows of one query block (``[batch, kv_heads, group,
   head_dim]``, no ``enable_gqa``), PyTorch's choice of backend;
-- ``matmul``: scores by ``q @ k^T`` (a batched GEMV over the cache), mask, softmax, ``@ v``.
+- ``matmul``: scores by ``q @ k^T`` (a batched GEMV over the cache), mask, softmax, ``@ v``;
+- ``flash_lengths``: no mask: PyTorch's flash-attention kernel (``aten._flash_attention_forward``) on the
+  cache's token-major view with ``seqused_k`` (the valid slots per row, a device tensor), query heads grouped
+  over their KV head by the kernel (torch 2.11 reads ``seqused_k`` only in the packed form: the result differs);
+- ``flash_varlen``: the same kernel's packed form with ``seqused_k`` (batch 1: the cache's one row is its
+  packed keys).
 
 Each is captured in a CUDA graph of ``--calls`` calls over distinct caches (their bytes exceed L2), replayed;
 microseconds per call, with the cache's bytes over that time as a bandwidth.
@@ -31,7 +36,7 @@ from codagen.bench.common import environment
 SHAPES = {"llama3-8b": (32, 8, 128), "llama3-1b": (32, 8, 64)}  # heads, kv heads, head dim
 
 
-def ways(q, k, v, mask):
+def ways(q, k, v, mask, lengths):
     batch, heads, _, head_dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -51,7 +56,24 @@ def ways(q, k, v, mask):
         grouped = q.view(batch, kv_heads, group, head_dim)
         scores = torch.matmul(grouped, k.transpose(-1, -2)) * head_dim ** -0.5 + mask
         return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v).view(batch, heads, 1, head_dim)
-    return {"sdpa": sdpa, "sdpa_efficient": sdpa_efficient, "sdpa_grouped": sdpa_grouped, "matmul": matmul}
+
+    def flash_lengths():
+        out = torch.ops.aten._flash_attention_forward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, 1, k.shape[2], 0.0, False, False,
+            seqused_k=lengths)[0]
+        return out.transpose(1, 2)
+
+    def flash_varlen():
+        if batch != 1:
+            raise ValueError("the packed form of a [batch, kv_heads, slots, head_dim] cache needs batch 1")
+        cum_q = torch.arange(2, device=q.device, dtype=torch.int32)
+        cum_k = cum_q * k.shape[2]
+        out = torch.ops.aten._flash_attention_forward(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cum_q, cum_k, 1, k.shape[2], 0.0,
+            False, False, seqused_k=lengths)[0]
+        return out.transpose(0, 1)[None]
+    return {"sdpa": sdpa, "sdpa_efficient": sdpa_efficient, "sdpa_grouped": sdpa_grouped, "matmul": matmul,
+            "flash_lengths": flash_lengths, "flash_varlen": flash_varlen}
 
 
 def bench(model: str, batch: int, length: int, max_cache_len: int, calls: int, rounds: int) -> list[dict]:
@@ -62,10 +84,11 @@ def bench(model: str, batch: int, length: int, max_cache_len: int, calls: int, r
     q = torch.randn(batch, heads, 1, head_dim, device="cuda", dtype=torch.bfloat16)
     mask = torch.zeros(batch, 1, 1, max_cache_len, device="cuda", dtype=torch.bfloat16)
     mask[..., length:] = float("-inf")
+    lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
     reference = None
     records = []
-    for name in ways(q, *caches[0], mask):
-        fns = [ways(q, k, v, mask)[name] for k, v in caches]
+    for name in ways(q, *caches[0], mask, lengths):
+        fns = [ways(q, k, v, mask, lengths)[name] for k, v in caches]
         try:
             out = fns[0]()
             if reference is None:

@@ -44,11 +44,8 @@ def tile(text: str) -> KernelConfig:
     return KernelConfig(16, block_n, block_k, stages, 4, epilogue_split=1, group_m=1, split_k=split_k)
 
 
-def with_programs(planned, programs: int, split_k: bool):
-    """A launch's planned ``launch.metas`` entry with the persistent mainloop's grid set to ``programs``."""
-    if split_k:
-        (_, meta), epilogue = planned
-        return ((programs,), meta), epilogue
+def with_programs(planned, programs: int):
+    """A launch's planned ``launch.metas`` entry with the persistent grid set to ``programs``."""
     return (programs,), planned[1]
 
 
@@ -152,7 +149,7 @@ def main(argv=None) -> int:
                     if variant == "oversubscribed" and programs <= num_sms:
                         continue
                     planned = (backend._split_k_meta if cfg.split_k > 1 else backend._meta)(bound, launch, cfg)
-                    launch.metas[cfg] = with_programs(planned, programs, cfg.split_k > 1)
+                    launch.metas[cfg] = with_programs(planned, programs)
                     try:
                         times[variant] = graph_us([backend._trial(c, launch, cfg) for c in copies])
                     except Exception as error:  # noqa: BLE001 - a report

@@ -20,24 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from codagen.ops.kernels import greedy_append
+
 from . import hf_cache
 from .hf import _sliding_window, is_patched
 
-__all__ = ["GreedyDecoder", "argmax_rows"]
-
-
-def argmax_rows(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """``logits.argmax(-1, keepdim=True)`` of a ``[batch, vocab]`` tensor in two passes: the max of each
-    ``chunk`` of the row, then the argmax over the chunks. One reduction over a 128k-token row runs as
-    one block per row on CUDA (35 us on an H200); the two passes spread it over the SMs. Both passes
-    return the first of equal maxima, so the result is the first maximal index, as ``argmax``'s."""
-    batch, vocab = logits.shape
-    chunks = -(-vocab // chunk)
-    if chunks * chunk != vocab:
-        logits = torch.nn.functional.pad(logits, (0, chunks * chunk - vocab), value=float("-inf"))
-    values, within = logits.view(batch, chunks, chunk).max(-1)
-    best = values.argmax(-1, keepdim=True)
-    return best * chunk + within.gather(1, best)
+__all__ = ["GreedyDecoder"]
 
 
 class GreedyDecoder:
@@ -62,26 +50,25 @@ class GreedyDecoder:
         cache_utils, _, _ = hf_cache._transformers()
         self.cache = cache_utils.StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # the step's input, then its output
-        # the padding mask by slot as SDPA's additive mask (0 or -inf): a step masks slots past the length in one launch
-        self.padding_bias = torch.zeros(batch, self.max_cache_len, dtype=self.model.dtype, device=device)
-        self.slots = torch.arange(self.max_cache_len, device=device)
+        # SDPA's additive mask by slot (0 or -inf): the prompt's padding and the slots not written yet; a step
+        # unmasks its own slot (one launch) and passes it as is
+        self.attention_bias = torch.zeros(batch, self.max_cache_len, dtype=self.model.dtype, device=device)
         self.generated = torch.zeros(batch, self.max_cache_len, dtype=torch.long, device=device)
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)
         self.graph = None
         self._batch = batch
 
     def _append_greedy(self, logits: torch.Tensor) -> None:
-        """The greedy token of each row's last position into ``tokens`` (the next step's input) and ``generated``."""
-        self.tokens.copy_(argmax_rows(logits[:, -1]))
-        self.generated.index_copy_(1, self.step_index, self.tokens)
-        self.step_index.add_(1)
+        """The greedy token of each row's last position into ``tokens`` (the next step's input) and ``generated``
+        at ``step_index``, which advances: one launch on the GPU (:func:`codagen.ops.kernels.greedy_append`)."""
+        greedy_append(logits[:, -1], self.tokens, self.generated, self.step_index)
 
     def _step(self) -> None:
         """One decode step on the static buffers: ``tokens`` in, the argmax token out, appended to ``generated``."""
         length = self.cache.get_seq_length()  # a device tensor: no sync
-        bias = self.padding_bias.masked_fill(self.slots > length, float("-inf"))  # a 4-D mask goes to SDPA as is
-        logits = self.model(self.tokens, attention_mask=bias[:, None, None, :], use_cache=True, logits_to_keep=1,
-                            **{hf_cache.cache_field(): self.cache}).logits
+        self.attention_bias.index_fill_(1, length.reshape(1), 0.0)  # this step's token goes to slot `length`
+        logits = self.model(self.tokens, attention_mask=self.attention_bias[:, None, None, :], use_cache=True,
+                            logits_to_keep=1, **{hf_cache.cache_field(): self.cache}).logits
         self._append_greedy(logits)
 
     @torch.no_grad()
@@ -99,9 +86,9 @@ class GreedyDecoder:
         if self._batch != batch:
             self._setup(batch, device)
         self.cache.reset()
-        self.padding_bias.zero_()
+        self.attention_bias.fill_(float("-inf"))
         prompt_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.bool().long()
-        self.padding_bias[:, :prompt].masked_fill_(prompt_mask == 0, float("-inf"))
+        self.attention_bias[:, :prompt].masked_fill_(prompt_mask != 0, 0.0)
         self.step_index.zero_()
         logits = self.model(input_ids, attention_mask=prompt_mask, use_cache=True, logits_to_keep=1,
                             **{hf_cache.cache_field(): self.cache}).logits
@@ -116,9 +103,9 @@ class GreedyDecoder:
                 with torch.cuda.stream(side):
                     self._step()
                 torch.cuda.current_stream(device).wait_stream(side)
-                if step + 1 < max_new_tokens:
+                if step + 1 < max_new_tokens:  # captured on the warm-up's stream: it finds the same arrival counters
                     self.graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(self.graph):
+                    with torch.cuda.graph(self.graph, stream=side):
                         self._step()
             else:
                 self.graph.replay()

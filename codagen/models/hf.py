@@ -48,6 +48,7 @@ approximation):
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -65,6 +66,8 @@ __all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODELS"]
 SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3")  # static inv_freq and attention_scaling == 1
 _FLASH_ATTENTION_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
+# rotary module -> (what the frequencies were built from, the fused QKV's per-pair frequencies)
+_FREQUENCIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _refuse(feature: str) -> NotImplementedError:
@@ -323,6 +326,21 @@ def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return embed_tokens(input_ids)
 
 
+def _rope_frequencies(rotary: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int,
+                      device: torch.device) -> torch.Tensor:
+    """:func:`codagen.ops.rope_frequencies` of ``rotary.inv_freq`` on ``device``, kept while ``inv_freq`` keeps
+    its storage and version (outside ``torch.compile``): a decode step then builds none of it."""
+    inv_freq = rotary.inv_freq
+    if torch.compiler.is_compiling():
+        return ops.rope_frequencies(num_heads, num_kv_heads, head_dim, inv_freq=inv_freq.to(device))
+    key = (inv_freq.data_ptr(), inv_freq._version, num_heads, num_kv_heads, head_dim, device)
+    kept = _FREQUENCIES.get(rotary)
+    if kept is None or kept[0] != key:
+        kept = _FREQUENCIES[rotary] = (key, ops.rope_frequencies(num_heads, num_kv_heads, head_dim,
+                                                                 inv_freq=inv_freq.to(device)))
+    return kept[1]
+
+
 def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift_labels, logits_to_keep,
                      num_items_in_batch, return_dict, cache=None, adapters=False, modules=None):
     """The checked forward: embeddings ``x`` [B, S, d] in ``dtype`` through the fused decoder and head;
@@ -335,9 +353,13 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     # With a cache, the cached tokens come first and transformers' own mask functions build the masks.
     documents = None
     if position_ids is None:
-        position_ids = torch.arange(seq, device=x.device)
-        if cache is not None:
-            position_ids = (position_ids + cache.get_seq_length())[None]
+        length = cache.get_seq_length() if cache is not None else 0
+        if torch.is_tensor(length) and seq == 1:
+            # a decode step's one position is the cache length (a view: read below, before any layer advances it)
+            position_ids = length.reshape(1, 1)
+        else:
+            position_ids = torch.arange(seq, device=x.device) + length
+            position_ids = position_ids if cache is None else position_ids[None]
     elif attention_mask is None and cache is None:
         documents = document_ids(position_ids.expand(batch, seq))
     mask = None if cache is not None else causal_mask(batch, seq, x.device, attention_mask, documents)
@@ -351,8 +373,8 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     attn0 = None if layer0 is None else layer0.fused if fused else layer0.self_attn
     head_dim = (attn0.head_dim if attn0 is not None
                 else getattr(config, "head_dim", hidden // config.num_attention_heads))
-    frequencies = ops.rope_frequencies(config.num_attention_heads, config.num_key_value_heads, head_dim,
-                                       inv_freq=rotary.inv_freq.to(x.device))
+    frequencies = _rope_frequencies(rotary, config.num_attention_heads, config.num_key_value_heads, head_dim,
+                                    x.device)
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype))
     layers = self.model.layers[: config.num_hidden_layers]
@@ -408,13 +430,16 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
             loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                            else num_items_in_batch)
     else:
-        if isinstance(logits_to_keep, int):
-            keep = torch.arange(seq - logits_to_keep if logits_to_keep else 0, seq, device=x.device)
+        if isinstance(logits_to_keep, int):  # the last logits_to_keep positions of each sequence (0: all)
+            kept = seq if logits_to_keep == 0 else min(logits_to_keep, seq)
+            if kept != seq:
+                h, normed, rstd = (t.view(batch, seq, *t.shape[1:])[:, seq - kept:].reshape(batch * kept, *t.shape[1:])
+                                   .contiguous() for t in (h, normed, rstd))
         else:
             keep = logits_to_keep.to(x.device)
-        if keep.numel() != seq:  # the head's rows, gathered per sequence
-            rows = (torch.arange(batch, device=x.device)[:, None] * seq + keep[None, :]).reshape(-1)
-            h, normed, rstd = h[rows].contiguous(), normed[rows].contiguous(), rstd[rows].contiguous()
+            if keep.numel() != seq:  # the head's rows, gathered per sequence
+                rows = (torch.arange(batch, device=x.device)[:, None] * seq + keep[None, :]).reshape(-1)
+                h, normed, rstd = h[rows].contiguous(), normed[rows].contiguous(), rstd[rows].contiguous()
         logits = lm_head(h, normed, rstd, norm_weight, head_weight, None).view(batch, -1, config.vocab_size)
     output = hf_cache.output(loss, logits, cache)
     return output if return_dict is None or return_dict else output.to_tuple()

@@ -13,9 +13,10 @@ and SDPA. So a cache filled by a patched model continues in the unpatched one an
 The cache write: an allocated full-attention ``StaticLayer`` (``StaticCache``, outside ``torch.compile``)
 takes the step in one launch (:func:`codagen.ops.kernels.static_cache_write`): K and V into the slots
 ``cumulative_length + t``, read on the device (no host sync: a decode step captures in a CUDA graph), Q into a
-new half-split tensor for SDPA; then ``cumulative_length.add_(seq)``. Every other layer (``DynamicCache``,
-sliding-window layers, the prefill that allocates a ``StaticLayer``, and any layer under ``torch.compile``,
-where Dynamo traces transformers' own update) gets half-split copies of Q and K and ``cache.update``.
+new half-split tensor for SDPA, and ``cumulative_length`` advanced by the step's tokens. Every other layer
+(``DynamicCache``, sliding-window layers, the prefill that allocates a ``StaticLayer``, and any layer under
+``torch.compile``, where Dynamo traces transformers' own update) gets half-split copies of Q and K and
+``cache.update``.
 
 Supported caches: ``DynamicCache`` (full and sliding-window layers) and ``StaticCache`` (full and
 sliding-window layers). Anything else (quantized, offloaded, encoder-decoder, legacy tuples) is refused.
@@ -191,9 +192,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
     to it; returns ``[batch * seq, heads * head_dim]``. Mirrors ``transformers``' SDPA attention."""
     b, s, h, kv, hd = spec.batch, spec.seq, spec.num_heads, spec.num_kv_heads, spec.head_dim
     layer = _static_layer(cache, layer_idx)
-    if layer is not None:  # one launch: K, V into their slots, Q permuted
+    if layer is not None:  # one launch: K, V into their slots, Q permuted, the length advanced
         q_heads = static_cache_write(q, k, v, layer.keys, layer.values, layer.cumulative_length, b, s, h, kv, hd)
-        layer.cumulative_length.add_(s)  # after the launch, whose programs all read the step's first slot
         keys, values = layer.keys, layer.values
     else:
         keys, values = cache.update(half_split_heads(k, b, s, kv, hd), v.view(b, s, kv, hd).transpose(1, 2),

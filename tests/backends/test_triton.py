@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from codagen.backends import execute
-from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend, program_source
+from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend, arrivals, program_source
 from codagen.backends.triton.configs import candidates
 from codagen.bench.kernels import random_inputs
 from codagen.epilogue import library
@@ -95,14 +95,16 @@ SPLIT_K_PROGRAMS["weight_grad_accumulate"] = lambda: library.weight_grad(True, "
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("name", sorted(SPLIT_K_PROGRAMS))
 def test_split_k(check, name, split_k, tma):
-    """K cut into 2 or 3 ranges (3 leaves the last range short: 5 K tiles), their partials summed, then the
-    epilogue (accumulated stores included): the numerics rule holds, RowPartial outputs keep their
-    [M, cdiv(N, BLOCK_N)] layout."""
+    """K cut into 2 or 3 ranges (3 leaves the last range short: 5 K tiles), their partials summed by each
+    tile's last range to finish, then the epilogue (accumulated stores included), in one launch: the
+    numerics rule holds, RowPartial outputs keep their [M, cdiv(N, BLOCK_N)] layout, and the arrival
+    counters are back at zero for the next launch."""
     cfg = KernelConfig(16, 32, 16, 1, 4, epilogue_split=2, group_m=1, split_k=split_k)
     program = SPLIT_K_PROGRAMS[name]()
     backend = TritonBackend(config=cfg, tma=tma)
     outs = check(program, 3, 74, 80, torch.float16, backend=backend)
-    assert backend.launches == 2
+    assert backend.launches == 1
+    assert not arrivals.counters(torch.device("cpu"), 3).any()
     for o in program.outputs:
         if isinstance(o, RowPartial):
             assert outs[o.name].shape == (3, 3)
@@ -537,3 +539,35 @@ def test_names_of_the_generated_kernels_are_mangled(name):
     assert set(out) == {name}
     torch.testing.assert_close(out[name], (a @ b.T) * tensors[partner][:, None] + tensors["x"])
     assert f"{ids[name]}_ptr" in program_source(program)
+
+
+@pytest.mark.parametrize("name", ["residual_rms_stats", "rms_qkv_rope"])
+def test_split_k_kernel_compiles_for_sm90(name):
+    """The one-launch split-K kernel compiles for Hopper without a GPU (TMA mainloop, PDL, bf16); its PTX
+    arrives with one acquire-release atomic at GPU scope and reads the partials past L1."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from codagen.backends.triton.backend import load_kernel
+    from codagen.epilogue.ir import TileInput
+    program = library.PROGRAMS[name]()
+    kernel = load_kernel(program, dtypes="sm90-compile-check", arch="sm_90x", interpret=False,
+                         function="split_k_kernel")
+    signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "partial_ptr": "*fp32", "arrivals_ptr": "*i32"}
+    for input_name, e in program.inputs.items():
+        signature[f"{input_name}_ptr"] = "*bf16" if isinstance(e, TileInput) else "*fp32"
+    for out in program.outputs:
+        signature[f"{out.name}_ptr"] = "*fp32" if out.name.startswith("partial") else "*bf16"
+    signature.update({"M": "i32", "N": "i32", "K": "i32"})
+    constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, EPILOGUE_SPLIT=1, SUB_N=64,
+                      TMA_MAINLOOP=True, TMA_EPILOGUE=False, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
+                      FLATTEN=True, INTERPRETER=False, PDL=True, PREFETCH_K=512)
+    signature.update({k: "constexpr" for k in constexprs})
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("atom.global.gpu.acq_rel.add") == 1, \
+        [line for line in ptx.splitlines() if "atom" in line]
+    assert "ld.global.cg" in ptx
+    assert "griddepcontrol.wait" in ptx

@@ -130,18 +130,20 @@ def test_static_cache_write_refuses_mismatched_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, seq", [(1, 1), (3, 2)])
 def test_gpu_static_cache_write_matches_ref(batch, seq):
-    """bf16 on CUDA: the launch writes exactly the twin's keys, values and q (a copy: bitwise)."""
+    """bf16 on CUDA: the launch writes exactly the twin's keys, values and q (a copy: bitwise) and advances the
+    length as the twin does, twice in a row (the arrival counter is left at zero)."""
     max_len, length = 64, 37
     q, k, v = step_inputs(batch, seq, torch.bfloat16, "cuda")
     keys = torch.randn(batch, KV_HEADS, max_len, HEAD_DIM, device="cuda").bfloat16()
     values = torch.randn_like(keys)
     want_keys, want_values = keys.clone(), values.clone()
-    cumulative_length = torch.tensor(length, device="cuda")
+    got_length, want_length = torch.tensor(length, device="cuda"), torch.tensor(length, device="cuda")
     args = (batch, seq, HEADS, KV_HEADS, HEAD_DIM)
-    got_q = kernels.static_cache_write_triton(q, k, v, keys, values, cumulative_length, *args)
-    want_q = kernels.static_cache_write_ref(q, k, v, want_keys, want_values, cumulative_length, *args)
-    assert torch.equal(got_q, want_q) and torch.equal(keys, want_keys) and torch.equal(values, want_values)
-    assert int(cumulative_length) == length
+    for step in (1, 2):
+        got_q = kernels.static_cache_write_triton(q, k, v, keys, values, got_length, *args)
+        want_q = kernels.static_cache_write_ref(q, k, v, want_keys, want_values, want_length, *args)
+        assert torch.equal(got_q, want_q) and torch.equal(keys, want_keys) and torch.equal(values, want_values)
+        assert int(got_length) == int(want_length) == length + step * seq
 
 
 @pytest.mark.gpu

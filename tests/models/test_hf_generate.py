@@ -11,7 +11,7 @@ import torch
 
 import codagen
 from codagen.models import hf_cache, patch, unpatch
-from codagen.models.decode import GreedyDecoder, argmax_rows
+from codagen.models.decode import GreedyDecoder
 from codagen.models.hf_cache import cache_field
 from codagen.ops import _checks
 
@@ -47,9 +47,21 @@ def greedy(model, ids, mask, new_tokens=6, **kwargs):
 
 
 def assert_same_generation(got, want, rtol=1e-4):
-    assert torch.equal(got.sequences, want.sequences), f"{got.sequences} != {want.sequences}"
+    """Each step's logits within ``rtol`` and the same greedy tokens, up to a step where the two runs pick
+    different tokens of a tie: there the reference's best two logits must be within the tolerance (rounding
+    may pick either), and the later steps, of different prefixes, are not compared."""
+    assert got.sequences.shape == want.sequences.shape
+    prompt = want.sequences.shape[1] - len(want.logits)
+    assert torch.equal(got.sequences[:, :prompt], want.sequences[:, :prompt])
     for step, (a, b) in enumerate(zip(got.logits, want.logits)):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item(), msg=lambda m: f"step {step}: {m}")
+        atol = rtol * b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"step {step}: {m}")
+        parted = got.sequences[:, prompt + step] != want.sequences[:, prompt + step]
+        if parted.any():
+            best_two = b[parted].topk(2, dim=-1).values
+            assert (best_two[:, 0] - best_two[:, 1] <= atol).all(), \
+                f"step {step}: {got.sequences} != {want.sequences} without a tie"
+            return
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -274,13 +286,6 @@ def test_greedy_decoder_matches_generate(variant, monkeypatch):
     assert syncs.seen == []
     with pytest.raises(NotImplementedError, match="sliding-window layers"):
         GreedyDecoder(patch(build("mistral", sliding_window=4)), max_cache_len=16)
-
-
-@pytest.mark.parametrize("vocab", [1000, 1024, 7])
-def test_argmax_rows_is_argmax(vocab):
-    """The two-pass argmax of GreedyDecoder: argmax's index, the first of equal maxima (integer logits tie)."""
-    for logits in (torch.randn(3, vocab), torch.randint(0, 4, (3, vocab)).float()):
-        assert torch.equal(argmax_rows(logits, chunk=256), logits.argmax(-1, keepdim=True))
 
 
 def test_static_cache_decode_step_traces_for_torch_compile():

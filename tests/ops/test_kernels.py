@@ -22,6 +22,7 @@ _KERNEL_SCRIPT = textwrap.dedent("""
 
     import torch
     from codagen import ops
+    from codagen.backends.triton import arrivals
     from codagen.ops import kernels as k
 
     torch.manual_seed(int(SEED))
@@ -134,22 +135,24 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             cache = torch.full((batch, kv_heads, max_len, head_dim), float("nan"), dtype=dtype)
             cache[:, :, :length] = torch.randn(batch, kv_heads, length, head_dim).to(dtype)
             keys, values = cache.clone(), (cache + 1).clone()
-            cumulative_length = torch.tensor(length)
+            got_length, want_length = torch.tensor(length), torch.tensor(length)
             args = (batch, seq, heads, kv_heads, head_dim)
             want_keys, want_values = keys.clone(), values.clone()
             with unittest.mock.patch.object(torch, "empty", poisoned_empty):
-                got_q = k.static_cache_write_triton(q, kk, v, keys, values, cumulative_length, *args)
+                got_q = k.static_cache_write_triton(q, kk, v, keys, values, got_length, *args)
             if length + seq <= max_len:
-                want_q = k.static_cache_write_ref(q, kk, v, want_keys, want_values, cumulative_length, *args)
+                want_q = k.static_cache_write_ref(q, kk, v, want_keys, want_values, want_length, *args)
             else:  # the slots past max_len are dropped: only the first token of each row is written
                 first = [t.view(batch, seq, -1)[:, 0] for t in (q, kk, v)]
-                k.static_cache_write_ref(*first, want_keys, want_values, cumulative_length, batch, 1, heads,
+                k.static_cache_write_ref(*first, want_keys, want_values, want_length.clone(), batch, 1, heads,
                                          kv_heads, head_dim)
+                want_length += seq
                 want_q = k.half_split_heads(q, batch, seq, heads, head_dim).contiguous()
             assert got_q.shape == (batch, heads, seq, head_dim) and got_q.is_contiguous()
-            assert int(cumulative_length) == length  # the caller advances it
+            assert int(got_length) == int(want_length) == length + seq  # advanced once, by the last program
             for name, a, b in (("q", got_q, want_q), ("keys", keys, want_keys), ("values", values, want_values)):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+    assert not arrivals.counters(torch.device("cpu"), 1).any()  # left at zero for the next launch
     print("kernels ok")
 """)
 
@@ -160,6 +163,160 @@ def test_row_kernels_under_interpreter(fresh_seed):
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0 and "kernels ok" in result.stdout, result.stdout + result.stderr
+
+
+# Greedy append: logits a column of a [batch, 2, vocab] tensor (row stride 2 * vocab), vocab not a multiple of the
+# chunk; special rows (ties across chunks and within one, NaN after +inf, all equal, all -inf, the max in the
+# tail); tokens, generated and the partials poisoned; two calls in a row (the counters reset in between).
+_GREEDY_SCRIPT = textwrap.dedent("""
+    import unittest.mock
+
+    import torch
+    from codagen.backends.triton import arrivals
+    from codagen.ops import kernels as k
+    from codagen.ops.kernels.greedy import CHUNK
+
+    torch.manual_seed(int(SEED))
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    def column(rows):  # rows [batch, vocab] -> the same values as logits[:, -1] of a [batch, 2, vocab] tensor
+        wide = torch.randn(rows.shape[0], 2, rows.shape[1]).to(rows.dtype)
+        wide[:, -1] = rows
+        return wide[:, -1]
+
+    vocab, max_len, nan, inf = 2 * CHUNK + 5, 5, float("nan"), float("inf")
+    tie, nan_row, equal, minus_inf, tail = (torch.randn(vocab) for _ in range(5))
+    tie[[CHUNK + 7, CHUNK + 9, 2 * CHUNK + 1]] = 10.0      # in two chunks, twice in the first
+    nan_row[[3, CHUNK + 1, 2 * CHUNK]] = torch.tensor([inf, nan, nan])
+    equal.fill_(0.5)
+    minus_inf.fill_(-inf)
+    tail[vocab - 1] = 10.0
+    special = {tie: CHUNK + 7, nan_row: CHUNK + 1, equal: 0, minus_inf: 0, tail: vocab - 1}
+    for dtype in (torch.float32, torch.float16):
+        cases = [torch.randn(1, 5), torch.randn(1, CHUNK), torch.randn(3, vocab), torch.stack([tie, nan_row, equal]),
+                 torch.stack([minus_inf, tail, tie])]
+        for rows in cases:
+            batch = rows.shape[0]
+            got = (torch.full((batch, 1), -1), torch.full((batch, max_len), -1), torch.zeros(1, dtype=torch.long))
+            want = tuple(t.clone() for t in got)
+            for step in range(2):  # the second call: counters reset by the first, the token at column 1
+                logits = column(rows.to(dtype) if step == 0 else torch.randn(rows.shape).to(dtype))
+                with unittest.mock.patch.object(torch, "empty", poisoned_empty):
+                    k.greedy_append_triton(logits, *got)
+                k.greedy_append_ref(logits, *want)
+                for name, a, b in zip(("tokens", "generated", "step_index"), got, want):
+                    assert torch.equal(a, b), (dtype, tuple(rows.shape), step, name, a, b)
+                assert int(got[2]) == step + 1
+                assert not arrivals.counters(torch.device("cpu"), batch + 1)[:batch + 1].any()
+            assert (got[1][:, 2:] == -1).all()
+        for row, token in special.items():  # the index itself, not only the twin's
+            got = (torch.full((1, 1), -1), torch.full((1, max_len), -1), torch.zeros(1, dtype=torch.long))
+            k.greedy_append_triton(column(row.to(dtype)[None]), *got)
+            assert int(got[0]) == int(got[1][0, 0]) == token, (dtype, token, got)
+    print("greedy ok")
+""")
+
+
+def test_greedy_append_under_interpreter(fresh_seed):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    script = _GREEDY_SCRIPT.replace("SEED", str(fresh_seed))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0 and "greedy ok" in result.stdout, result.stdout + result.stderr
+
+
+def test_greedy_append_refuses_what_it_cannot_take():
+    """Shapes, dtypes, strides and devices the append cannot take are refused before any launch, naming the
+    argument (float64 logits by the launch only: its fp32 partials would round them)."""
+    from codagen.ops import kernels as k
+
+    batch, vocab, max_len = 3, 10, 4
+    logits, tokens = torch.randn(batch, vocab), torch.zeros(batch, 1, dtype=torch.long)
+    generated, step = torch.zeros(batch, max_len, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    for bad, match in (((logits[0], tokens, generated, step), r"logits: expected a floating-point \[batch, vocab\]"),
+                       ((logits[:, :0], tokens, generated, step), r"logits: expected .* vocab >= 1"),
+                       ((logits.long(), tokens, generated, step), r"logits: expected a floating-point"),
+                       ((logits, tokens[:, 0], generated, step), r"tokens: expected a torch.int64 tensor of shape "
+                                                                 r"\[batch, 1\] \(batch 3"),
+                       ((logits, tokens.int(), generated, step), r"tokens: expected a torch.int64"),
+                       ((logits, tokens, generated[:2], step), r"generated: expected .* \[batch, max_len\]"),
+                       ((logits, tokens, generated.t().contiguous().t(), step), r"generated: expected a contiguous"),
+                       ((logits, tokens, generated, step[0]), r"step_index: expected a torch.int64 tensor of shape "
+                                                              r"\[1\]"),
+                       ((logits, tokens, generated, step.int()), r"step_index: expected a torch.int64"),
+                       ((logits, tokens, generated, step.to("meta")), r"step_index: expected device cpu")):
+        for append in (k.greedy_append_ref, k.greedy_append_triton):
+            with pytest.raises(ValueError, match=match):
+                append(*bad)
+    with pytest.raises(ValueError, match=r"logits: expected torch.float16, torch.bfloat16 or torch.float32"):
+        k.greedy_append_triton(logits.double(), tokens, generated, step)
+    with pytest.raises(ValueError, match=r"logits: expected column stride 1 \(any row stride\), got strides \(1, 3\)"):
+        k.greedy_append_triton(logits.t().contiguous().t(), tokens, generated, step)
+    assert not generated.any() and not step.any()
+
+
+def test_greedy_append_compiles_for_sm90():
+    """The kernel compiles for Hopper without a GPU (bf16 logits, Llama 3's 32 chunks): its PTX holds the
+    two arrivals (a row's chunks, the rows) as GPU-scope acquire-release atomics and the partials' L2 loads."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from codagen.ops.kernels import greedy
+    from codagen.ops.kernels._launch import triton
+
+    pointers = {"logits_ptr": "*bf16", "tokens_ptr": "*i64", "generated_ptr": "*i64", "step_ptr": "*i64",
+                "chunk_max_ptr": "*fp32", "chunk_argmax_ptr": "*i32", "counters_ptr": "*i32"}
+    scalars = dict.fromkeys(("logits_row_stride", "tokens_row_stride", "vocab", "max_len"), "i32")
+    constexprs = {"CHUNK": greedy.CHUNK, "CHUNKS": 32}
+    signature = {**pointers, **scalars, **dict.fromkeys(constexprs, "constexpr")}
+    compiled = triton.compile(ASTSource(fn=greedy._greedy_append_kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("atom.global.gpu.acq_rel.add") == 2
+    assert ptx.count("ld.global.cg") == 2
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_greedy_append_matches_ref_and_replays_in_a_cuda_graph(batch):
+    """bf16 logits of Llama 3's vocabulary on CUDA: the launch writes the twin's tokens (bitwise; a tie across
+    chunks, at batch 64 a NaN row too) eagerly, then in a captured CUDA graph replayed 3 times on fresh logits:
+    step_index advances once a replay and each replay's column of ``generated`` is written."""
+    from codagen.ops import kernels as k
+
+    vocab, max_len = 128256, 8
+    wide = torch.randn(batch, 2, vocab, device="cuda").bfloat16()
+    logits = wide[:, -1]
+    logits[0, [5000, 9000]] = 100.0  # the max in two chunks: the first wins
+    if batch > 1:  # NaN after +inf: the first NaN wins
+        logits[-1, [0, 70000, 100000]] = torch.tensor([float("inf"), float("nan"), float("nan")]).bfloat16().cuda()
+    got = (torch.full((batch, 1), -1, device="cuda"), torch.full((batch, max_len), -1, device="cuda"),
+           torch.zeros(1, dtype=torch.long, device="cuda"))
+    want = tuple(t.clone() for t in got)
+    k.greedy_append_triton(logits, *got)
+    k.greedy_append_ref(logits, *want)
+    assert int(got[0][0]) == 5000 and (batch == 1 or int(got[0][-1]) == 70000)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+    side = torch.cuda.Stream()  # warm-up on a side stream, as GreedyDecoder captures
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        k.greedy_append_triton(logits, *(t.clone() for t in got))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        k.greedy_append_triton(logits, *got)
+    for replay in range(3):
+        wide.copy_(torch.randn(wide.shape, device="cuda"))
+        graph.replay()
+        k.greedy_append_ref(logits, *want)
+        for name, a, b in zip(("tokens", "generated", "step_index"), got, want):
+            assert torch.equal(a, b), (replay, name)
+    assert int(got[2]) == 4 and (got[1][:, :4] >= 0).all() and (got[1][:, 4:] == -1).all()
 
 
 def test_rope_backward_launchers_refuse_blocks_they_cannot_read():

@@ -22,7 +22,7 @@ from codagen.backends.device import capability, on_device
 from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import Gemm, Program, ProgramError, Store
 
-from . import ahead, dependent_launch, pingpong
+from . import ahead, arrivals, dependent_launch, pingpong
 from .configs import KernelConfig, TuningCache, candidates, gemm_layout, interpreter_config
 from .gluon_support import pingpong_unsupported
 from .interpreter import interpreting
@@ -72,7 +72,7 @@ class _Launch:
     interpret: bool
     pdl: bool = False  # launched as a programmatic dependent (decode rows: .dependent_launch)
     pingpong_kernel: object = None  # loaded on first use
-    split_k_kernels: tuple = ()  # (mainloop, epilogue) of the split-K pair, loaded on first use
+    split_k_kernel: object = None  # loaded on first use
     pingpong_slots: dict = field(default_factory=dict)  # piece width -> tile-operand slots
     metas: dict = field(default_factory=dict)  # config -> the kernel's constexpr arguments
 
@@ -82,20 +82,17 @@ class _Launch:
                                                schedule="pingpong")
         return self.pingpong_kernel
 
-    def split_k(self, program: Program) -> tuple:
-        if not self.split_k_kernels:
-            self.split_k_kernels = tuple(load_kernel(program, dtypes=self.dtypes, arch=self.arch,
-                                                     interpret=self.interpret, function=function)
-                                         for function in ("split_k_kernel", "split_k_epilogue_kernel"))
-        return self.split_k_kernels
+    def split_k(self, program: Program):
+        if self.split_k_kernel is None:
+            self.split_k_kernel = load_kernel(program, dtypes=self.dtypes, arch=self.arch, interpret=self.interpret,
+                                              function="split_k_kernel")
+        return self.split_k_kernel
 
 
-def _dependent_launch_meta(launch: _Launch, prefetch: bool = True) -> dict:
+def _dependent_launch_meta(launch: _Launch) -> dict:
     """The constexprs and launch option of programmatic dependent launch (:mod:`.dependent_launch`)."""
-    meta = dependent_launch.launch_options(launch.pdl)
-    if prefetch:
-        meta["PREFETCH_K"] = dependent_launch.PREFETCH_K if launch.pdl else 0
-    return meta
+    return {**dependent_launch.launch_options(launch.pdl),
+            "PREFETCH_K": dependent_launch.PREFETCH_K if launch.pdl else 0}
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -204,22 +201,22 @@ class TritonBackend:
         self.launches += 1
 
     def _launch_split_k(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
-        """The split-K pair: the mainloop writes ``split_k`` fp32 partial products of every output tile to a
-        scratch ``[split_k * M, N]``, then one program per tile sums them in split order and runs the epilogue."""
-        mainloop, epilogue = launch.split_k(bound.program)
-        (grid, meta), (finish_grid, finish_meta) = launch.metas.get(cfg) or self._split_k_meta(bound, launch, cfg)
+        """Split K, one launch: each of the ``split_k`` K ranges of an output tile writes its fp32 partial product
+        to a scratch ``[split_k * M, N]``; the tile's last range to finish (an arrival counter per tile:
+        :mod:`.arrivals`) sums them in split order and runs the epilogue."""
+        kernel = launch.split_k(bound.program)
+        grid, meta = launch.metas.get(cfg) or self._split_k_meta(bound, launch, cfg)
         partial = torch.empty(cfg.split_k * launch.m, launch.n, dtype=torch.float32, device=bound.device)
-        epilogue_args = [partial] + _epilogue_tensors(bound, outs) + [launch.m, launch.n]
+        tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
+        args = [bound.a, bound.b, partial, arrivals.counters(bound.device, tiles)] + _epilogue_tensors(bound, outs)
+        args += [launch.m, launch.n, launch.k]
         if launch.interpret:
             with interpreting():
-                mainloop[grid](bound.a, bound.b, partial, launch.m, launch.n, launch.k, **meta)
-                epilogue[finish_grid](*epilogue_args, **finish_meta)
+                kernel[grid](*args, **meta)
         else:
             _set_allocator()
-            ahead.launch_kernel(mainloop, grid, bound.a, bound.b, partial, launch.m, launch.n, launch.k, **meta,
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            ahead.launch_kernel(epilogue, finish_grid, *epilogue_args, **finish_meta, num_warps=4, num_stages=1)
-        self.launches += 2
+            ahead.launch_kernel(kernel, grid, *args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.launches += 1
 
     def _compile_ahead(self, bound: BoundProgram, launch: _Launch, pool: list[KernelConfig]) -> None:
         """Compile the persistent kernel of every config in ``pool`` at once, in worker threads (Triton's
@@ -229,7 +226,8 @@ class TritonBackend:
         tensor), nothing is allocated. A config that fails here fails again, and is handled, when timed."""
         calls = []
         for cfg in pool:
-            # compiled when timed: the ping-pong kernel's host-side descriptors need the outputs; split-K is a pair
+            # compiled when timed: the ping-pong kernel's host-side descriptors need the outputs; split-K is
+            # another kernel of the module
             if cfg.schedule == "pingpong" or cfg.split_k > 1:
                 continue
             outs = {name: bound.tensors[name] if shape is None else dtype
@@ -256,20 +254,16 @@ class TritonBackend:
             return (min(work, 3),)  # several tiles per program: the persistent loop is exercised
         return (min(work, _num_sms(bound.device)),)
 
-    def _split_k_meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple, tuple]:
-        """``((grid, constexprs) of the split-K mainloop, (grid, constexprs) of its epilogue pass)``, kept in
-        ``launch.metas``: the mainloop runs persistent over tiles x K ranges, the epilogue one program per tile."""
+    def _split_k_meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple[int], dict]:
+        """``(grid, constexpr arguments)`` of a split-K launch, kept in ``launch.metas``: persistent over
+        tiles x K ranges."""
         num_tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
-        mainloop = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                        TMA_MAINLOOP=launch.tma_mainloop, UPCAST_OPERANDS=launch.upcast,
-                        DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret)
-        epilogue = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k,
-                        EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_EPILOGUE=False,
-                        INTERPRETER=launch.interpret, **_dependent_launch_meta(launch, prefetch=False))
-        mainloop.update(_dependent_launch_meta(launch))
-        metas = launch.metas[cfg] = ((self._grid(bound, launch, num_tiles * cfg.split_k), mainloop),
-                                     ((num_tiles,), epilogue))
-        return metas
+        meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+                    EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
+                    TMA_EPILOGUE=False, UPCAST_OPERANDS=launch.upcast, DOT_PRECISION=launch.precision,
+                    FLATTEN=not launch.interpret, INTERPRETER=launch.interpret, **_dependent_launch_meta(launch))
+        launch.metas[cfg] = self._grid(bound, launch, num_tiles * cfg.split_k), meta
+        return launch.metas[cfg]
 
     def _meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple[int], dict]:
         """``(grid, constexpr arguments)`` of a persistent launch of ``cfg``, kept in ``launch.metas``:

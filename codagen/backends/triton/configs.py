@@ -4,7 +4,7 @@ A :class:`KernelConfig` fixes everything the launch chooses: tile sizes, pipelin
 epilogue is cut (``epilogue_split``: the accumulator's column halves are processed one after the other,
 halving the epilogue's live registers) and whether epilogue tiles move through TMA descriptors
 (``tma_epilogue``: the copy engine stages them in shared memory) or plain pointer loads/stores, and
-``split_k``: K cut in that many ranges, the epilogue run on their sum by a second launch (decode shapes).
+``split_k``: K cut in that many ranges, the epilogue run on their sum by each tile's last range (decode shapes).
 
 Candidates are pruned *before* compiling by two estimates:
 

@@ -44,14 +44,15 @@ _kernel_hashes: dict[str, str] = {}
 
 def kernel_hash(program: Program) -> str:
     """Hash of the code a tuned choice is measured on: the generated ``tl`` kernel (without its version
-    line), the device math it imports and, for a program the ping-pong schedule takes, the generated
-    Gluon kernel and the ping-pong runtime (:mod:`.pingpong.runtime`). A choice stays valid until one of
-    them changes, whatever else changes in the generators."""
+    line), the device math and arrival counters it imports and, for a program the ping-pong schedule takes,
+    the generated Gluon kernel and the ping-pong runtime (:mod:`.pingpong.runtime`). A choice stays valid
+    until one of them changes, whatever else changes in the generators."""
     key = program_key(program)
     if key not in _kernel_hashes:
         def code_lines(source: str) -> list[str]:
             return [line for line in source.splitlines() if "generator version" not in line]
-        parts = code_lines(persistent.generate(program)) + [_code_of(_HERE / "device_math.py")]
+        parts = code_lines(persistent.generate(program)) + [_code_of(_HERE / name)
+                                                            for name in ("device_math.py", "arrivals.py")]
         if pingpong.RUNTIME and pingpong.refusal(program) is None:  # the ping-pong kernels exist on this Triton
             parts += code_lines(pingpong.generate(program)) + [_code_of(_HERE / "pingpong" / "runtime.py")]
         _kernel_hashes[key] = source_hash(*parts)

@@ -16,13 +16,16 @@
 - :mod:`.finish`: a fused GEMM's tile partials finished into ``rstd``, ``mean_z_dz``, a norm weight's
   gradient or each row's cross-entropy, one launch each;
 - :mod:`.kv_cache`: a decode step's K and V into a ``transformers`` ``StaticLayer``'s slots and its Q into
-  the cache's half-split head order, one launch.
+  the cache's half-split head order, one launch;
+- :mod:`.greedy`: a decode step's greedy token (each row's argmax of the logits) into the next step's input
+  and the generated tokens, and the step counter advanced, one launch.
 
 Each comes as ``foo_ref`` (PyTorch), ``foo_triton`` (one launch of a module-level ``@triton.jit`` kernel)
 and the dispatcher ``foo`` (:mod:`._launch`): the kernel for CUDA tensors when the selected backend is
 ``triton`` and the dtype is not float64 (the oracle dtype); otherwise the twin. (The tests run the
 ``*_triton`` launchers on CPU under ``TRITON_INTERPRET=1``.) Kernels keep fp32 statistics and write one
-value per row or column: no atomics, so results are deterministic.
+value per row or column; the only atomics are arrival counters (:mod:`codagen.backends.triton.arrivals`),
+whose last arrival reads its group's partials in a fixed order: results are deterministic.
 """
 from .cross_entropy import (
     CROSS_ENTROPY_GROUP,
@@ -46,6 +49,7 @@ from .finish import (
     finish_rstd_ref,
     finish_rstd_triton,
 )
+from .greedy import greedy_append, greedy_append_ref, greedy_append_triton
 from .kv_cache import half_split_heads, static_cache_write, static_cache_write_ref, static_cache_write_triton
 from .rms_norm import rms_norm_stats, rms_norm_stats_ref, rms_norm_stats_triton
 from .rope import rope_backward, rope_backward_ref, rope_backward_triton
@@ -69,4 +73,5 @@ __all__ = ["rms_norm_stats", "rms_norm_stats_ref", "rms_norm_stats_triton", "rop
            "finish_row_mean_triton", "finish_col_sum", "finish_col_sum_ref", "finish_col_sum_triton",
            "finish_cross_entropy", "finish_cross_entropy_ref", "finish_cross_entropy_triton", "CROSS_ENTROPY_LAUNCH",
            "CROSS_ENTROPY_GROUP", "QK_NORM_LAUNCH", "static_cache_write", "static_cache_write_ref",
-           "static_cache_write_triton", "half_split_heads"]
+           "static_cache_write_triton", "half_split_heads", "greedy_append", "greedy_append_ref",
+           "greedy_append_triton"]

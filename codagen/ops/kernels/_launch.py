@@ -21,8 +21,9 @@ try:  # the package must import without Triton (or without a GPU)
     import triton
     import triton.language as tl
 
-    from codagen.backends.triton import dependent_launch
+    from codagen.backends.triton import arrivals, dependent_launch
     from codagen.backends.triton.ahead import launch_kernel
+    from codagen.backends.triton.arrivals import last_to_arrive
     from codagen.backends.triton.device_math import cos_sin, sigmoid
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     class _NoTriton:
@@ -34,11 +35,13 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
             return fn if fn is not None else (lambda kernel: kernel)
 
     triton, tl, cos_sin, sigmoid, launch_kernel, dependent_launch = _NoTriton(), None, None, None, None, None
+    arrivals, last_to_arrive = None, None
     TRITON_AVAILABLE = False
 else:
     TRITON_AVAILABLE = True
 
-__all__ = ["triton", "tl", "cos_sin", "sigmoid", "launch_kernel", "dependent_launch", "launcher", "dispatcher",
+__all__ = ["triton", "tl", "cos_sin", "sigmoid", "launch_kernel", "dependent_launch", "arrivals", "last_to_arrive",
+           "launcher", "dispatcher",
            "use_triton", "interpreting", "row_block", "next_power_of_2", "cdiv"]
 
 #: widest block of a row kernel that loops over its row

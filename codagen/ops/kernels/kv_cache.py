@@ -11,17 +11,17 @@ For token ``(b, t)`` (row ``b * seq + t`` of the token-major inputs), head ``g``
 
 where ``half_split`` takes a head from the fused QKV GEMM's adjacent-pair order to Hugging Face's half-split
 RoPE order: pair-order channel ``2i`` is HF channel ``i``, ``2i + 1`` is HF channel ``i + hd / 2``
-(:func:`half_split_heads`). ``cumulative_length`` is not advanced (every program reads it: advancing it in
-the kernel would race); the caller adds ``seq`` to it after the launch. The ``_ref`` twin is
-``StaticLayer.update``'s ``torch.arange(seq) + cumulative_length`` and two ``index_copy_`` calls. The
-kernel drops writes to slots past ``max_cache_len`` (no out-of-bounds store; callers check lengths on
-the host), where ``index_copy_`` raises.
+(:func:`half_split_heads`). Then ``cumulative_length += seq``, as ``StaticLayer.update`` advances it: in the
+kernel, by the last of its programs to finish (:mod:`codagen.backends.triton.arrivals`), after every program
+has read the old length. The ``_ref`` twin is ``StaticLayer.update``'s ``torch.arange(seq) +
+cumulative_length``, two ``index_copy_`` calls and the ``add_``. The kernel drops writes to slots past
+``max_cache_len`` (no out-of-bounds store; callers check lengths on the host), where ``index_copy_`` raises.
 """
 from __future__ import annotations
 
 import torch
 
-from ._launch import cdiv, dispatcher, launch_kernel, launcher, next_power_of_2, tl, triton
+from ._launch import arrivals, cdiv, dispatcher, last_to_arrive, launch_kernel, launcher, next_power_of_2, tl, triton
 
 __all__ = ["static_cache_write", "static_cache_write_ref", "static_cache_write_triton", "half_split_heads"]
 
@@ -30,12 +30,13 @@ _WRITE_MAX_BLOCK = 1024
 
 
 @triton.jit
-def _static_cache_write_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, q_out_ptr, length_ptr,
+def _static_cache_write_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, q_out_ptr, length_ptr, arrivals_ptr,
                                q_row_stride, q_col_stride, k_row_stride, k_col_stride, v_row_stride, v_col_stride,
                                seq, heads, kv_heads, max_cache_len, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """Program (r, c): token row ``r = b * seq + t``, BLOCK columns of the row's ``[q | k | v]`` heads from
     column ``c * BLOCK``. Each column is read once, in order, and stored to its head's slot: q to ``q_out``,
-    k to ``keys`` and v to ``values`` at slot ``cumulative_length + t``."""
+    k to ``keys`` and v to ``values`` at slot ``cumulative_length + t``. The last program to finish advances
+    ``cumulative_length`` by ``seq``."""
     row = tl.program_id(0).to(tl.int64)
     b, t = row // seq, row % seq
     slot = tl.load(length_ptr) + t
@@ -60,6 +61,10 @@ def _static_cache_write_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, q_out_
     v = tl.load(v_ptr + row * v_row_stride + (cols - (heads + kv_heads) * HEAD_DIM) * v_col_stride, mask=is_v)
     tl.store(values_ptr + ((b * kv_heads + v_head) * max_cache_len + slot) * HEAD_DIM + channel, v,
              mask=is_v & in_cache)
+
+    # every program has read the length once it arrives: the last one may advance it
+    if last_to_arrive(arrivals_ptr, tl.num_programs(0) * tl.num_programs(1)):
+        tl.store(length_ptr, tl.load(length_ptr) + seq)
 
 
 def half_split_heads(t: torch.Tensor, batch: int, seq: int, heads: int, head_dim: int) -> torch.Tensor:
@@ -105,9 +110,9 @@ def static_cache_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
                            values: torch.Tensor, cumulative_length: torch.Tensor, batch: int, seq: int, heads: int,
                            kv_heads: int, head_dim: int) -> torch.Tensor:
     """The step's ``k``, ``v`` (token-major, pair order for ``k``) into ``keys``, ``values`` [batch, kv_heads,
-    max_cache_len, head_dim] at slots ``cumulative_length + t``, as ``StaticLayer.update`` writes them (without
-    advancing ``cumulative_length``: the caller adds ``seq``); returns ``q`` as a contiguous ``[batch, heads,
-    seq, head_dim]`` tensor in half-split order."""
+    max_cache_len, head_dim] at slots ``cumulative_length + t`` and ``cumulative_length += seq``, as
+    ``StaticLayer.update`` does; returns ``q`` as a contiguous ``[batch, heads, seq, head_dim]`` tensor in
+    half-split order."""
     _check_write(q, k, v, keys, values, cumulative_length, batch, seq, heads, kv_heads, head_dim)
     slots = torch.arange(seq, device=keys.device) + cumulative_length
     key_states = half_split_heads(k, batch, seq, kv_heads, head_dim)
@@ -118,6 +123,7 @@ def static_cache_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     except NotImplementedError:  # transformers' fallback where index_copy_ is missing (MPS)
         keys[:, :, slots] = key_states
         values[:, :, slots] = value_states
+    cumulative_length.add_(seq)
     return half_split_heads(q, batch, seq, heads, head_dim).contiguous()
 
 
@@ -127,15 +133,18 @@ def static_cache_write_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               kv_heads: int, head_dim: int) -> torch.Tensor:
     """:func:`static_cache_write_ref` as one kernel launch (fp16/bf16/fp32): ``q``, ``k``, ``v`` read in place
     (any strides: column views of the QKV GEMM's output), ``cumulative_length`` read on the device (no host
-    sync: capturable in a CUDA graph); writes to slots past ``max_cache_len`` are dropped."""
+    sync: capturable in a CUDA graph) and advanced in the same launch; writes to slots past ``max_cache_len``
+    are dropped."""
     _check_write(q, k, v, keys, values, cumulative_length, batch, seq, heads, kv_heads, head_dim)
     q_out = torch.empty(batch, heads, seq, head_dim, dtype=q.dtype, device=q.device)
     rows, width = batch * seq, (heads + 2 * kv_heads) * head_dim
     if rows and width:
         block = min(next_power_of_2(width), _WRITE_MAX_BLOCK)
         launch_kernel(_static_cache_write_kernel, (rows, cdiv(width, block)),
-            q, k, v, keys, values, q_out, cumulative_length, *q.stride(), *k.stride(), *v.stride(), seq, heads,
-            kv_heads, keys.shape[2], HEAD_DIM=head_dim, BLOCK=block)
+            q, k, v, keys, values, q_out, cumulative_length, arrivals.counters(q.device, 1), *q.stride(), *k.stride(),
+            *v.stride(), seq, heads, kv_heads, keys.shape[2], HEAD_DIM=head_dim, BLOCK=block)
+    else:  # nothing to write: the length still advances, as StaticLayer.update's
+        cumulative_length.add_(seq)
     return q_out
 
 

@@ -11,15 +11,15 @@ order of output tiles; ``column_halves``; ``cast_for_store``; ``merge_logsumexp`
                          pid + num_programs, ...``; per tile, a K loop of ``acc += A_tile @ B_tile``
                          (TMA tensor-descriptor loads, or masked pointer loads), then the epilogue on
                          ``EPILOGUE_SPLIT`` column halves of ``acc``, then the RowPartial stores;
-``<name>_split_k_kernel``, ``<name>_split_k_epilogue_kernel``
+``<name>_split_k_kernel``
                          the same GEMM with K cut in ``SPLIT_K`` ranges (decode shapes, programs
-                         without a low-rank pair): partial tiles to fp32 scratch, then per tile
-                         their sum in split order and the same epilogue.
+                         without a low-rank pair): partial tiles to fp32 scratch; the last split of
+                         a tile to finish sums them in split order and runs the same epilogue.
 
-With ``PDL`` (programmatic dependent launch, decode shapes: :mod:`..dependent_launch`) each of the three
-kernels starts by letting the next kernel launch (``gdc_launch_dependents``) and waits for the earlier ones
-(``gdc_wait``) before its first write or read of their outputs; the two mainloops prefetch the first
-``PREFETCH_K`` columns of their first tile's weight rows into L2 in between.
+With ``PDL`` (programmatic dependent launch, decode shapes: :mod:`..dependent_launch`) both kernels start
+by letting the next kernel launch (``gdc_launch_dependents``) and wait for the earlier ones (``gdc_wait``)
+before the first write or read of their outputs; in between they prefetch the first ``PREFETCH_K`` columns
+of their first tile's weight rows into L2.
 
 The mainloop is one fixed template; only the epilogue differs between programs. Every expression of
 the program becomes one named variable, computed once (the IR's value equality already merges
@@ -45,7 +45,7 @@ from . import runtime
 __all__ = ["generate", "GENERATOR_VERSION"]
 
 #: bump when the generated code changes meaning (it keys the on-disk source cache)
-GENERATOR_VERSION = "5"
+GENERATOR_VERSION = "6"
 
 _WIDTH_SUFFIX = {Width.HALF: "_half", Width.FULL: "", Width.DOUBLE: "_double"}
 # Triton expressions for a width's number of columns: of the matrix (N*w) and of a sub-tile (SUB_N*w)
@@ -444,6 +444,7 @@ def generate(program: Program, header: str = "") -> str:
 import triton
 import triton.language as tl
 
+from codagen.backends.triton.arrivals import last_to_arrive  # shared with the row kernels
 from codagen.backends.triton.device_math import cos_sin, sigmoid  # shared with the row kernels
 
 
@@ -479,18 +480,18 @@ def {name}_kernel(
 {ind(chr(10).join(row_stores), 8)}
 '''
     if not low_rank:
-        src += _split_k_kernels(program, setup, kbody, inputs, outputs, descs, split_call, row_stores, ind)
+        src += _split_k_kernel(program, setup, kbody, inputs, outputs, descs, split_call, row_stores, ind)
     return src
 
 
-def _split_k_kernels(program: Program, setup: str, kbody: str, inputs: list[str], outputs: list[str],
-                     descs: list[str], split_call: str, row_stores: list[str], ind) -> str:
-    """The split-K pair of a program: ``<name>_split_k_kernel`` runs the mainloop over one of ``SPLIT_K``
-    ranges of K per output tile and stores its fp32 partial accumulator to ``partial[split, M, N]``;
-    ``<name>_split_k_epilogue_kernel`` (one program per output tile) sums the ``SPLIT_K`` partials in
-    split order, a fixed order, so the result does not depend on which split finished first, and runs
-    the same epilogue on the sum. For few rows (decode) and few columns, where ``cdiv(N, BLOCK_N)``
-    tiles would leave SMs idle and every K loop long."""
+def _split_k_kernel(program: Program, setup: str, kbody: str, inputs: list[str], outputs: list[str],
+                    descs: list[str], split_call: str, row_stores: list[str], ind) -> str:
+    """The split-K kernel of a program, one launch: ``<name>_split_k_kernel`` runs the mainloop over one of
+    ``SPLIT_K`` ranges of K per output tile and stores its fp32 partial accumulator to ``partial[split, M, N]``;
+    the tile's last split to finish (:func:`..arrivals.last_to_arrive` on the tile's counter) sums the
+    ``SPLIT_K`` partials in split order, a fixed order, so the result does not depend on which split finished
+    last, and runs the epilogue on the sum (pointer loads and stores: TMA_EPILOGUE is False). For few rows
+    (decode) and few columns, where ``cdiv(N, BLOCK_N)`` tiles would leave SMs idle and every K loop long."""
     name = program.name
     pointer_params = ", ".join(inputs + outputs)
     # the first work item of a program: tile pid // SPLIT_K, split pid % SPLIT_K (the loop below)
@@ -502,17 +503,20 @@ def _split_k_kernels(program: Program, setup: str, kbody: str, inputs: list[str]
 
 @triton.jit
 def {name}_split_k_kernel(
-        a_ptr, b_ptr, partial_ptr, M, N, K,
+        a_ptr, b_ptr, partial_ptr, arrivals_ptr, {pointer_params}, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        TMA_MAINLOOP: tl.constexpr, UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
-    """Split-K mainloop: partial[split] = op(A)[:, K range of split] @ op(B)[K range of split, :], fp32."""
+        EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr,
+        UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr,
+        PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+    """Split-K: partial[split] = op(A)[:, K range of split] @ op(B)[K range of split, :] in fp32; the tile's last
+    split sums its SPLIT_K partials in split order and runs the {name} epilogue on the sum."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
 {ind(dependent_launch, 4)}
 {ind(setup, 4)}
+{ind(placeholders, 4)}
 
     for work_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, tl.num_programs(0), flatten=FLATTEN):
         split = work_id % SPLIT_K  # the splits of one tile run side by side: their A rows share L2
@@ -524,33 +528,14 @@ def {name}_split_k_kernel(
         for k_tile in range(first_k, tl.minimum(first_k + k_tiles_per_split, k_tiles)):
             off_k = k_tile * BLOCK_K
 {ind(kbody, 12)}
-        offsets = (split * M + rows_a)[:, None] * N + cols_b[None, :]
-        tl.store(partial_ptr + offsets, acc, mask=row_ok_a[:, None] & col_ok_b[None, :])
-
-
-@triton.jit
-def {name}_split_k_epilogue_kernel(
-        partial_ptr, {pointer_params}, M, N,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
-        SUB_N: tl.constexpr, TMA_EPILOGUE: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr):
-    """One output tile: acc = the sum of its SPLIT_K partials in split order, then the {name} epilogue
-    (pointer loads and stores: TMA_EPILOGUE is False)."""
-    if PDL:  # programmatic dependent launch: the partials are visible after gdc_wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = tl.program_id(0) // num_pid_n
-    pid_n = tl.program_id(0) % num_pid_n
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-{ind(placeholders, 4)}
-    rows = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-    ok = (rows < M)[:, None] & (cols < N)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        acc += tl.load(partial_ptr + (split * M + rows)[:, None] * N + cols[None, :], mask=ok, other=0.0)
-{ind(split_call, 4)}
-{ind(chr(10).join(row_stores), 4)}
+        ok = row_ok_a[:, None] & col_ok_b[None, :]
+        tl.store(partial_ptr + (split * M + rows_a)[:, None] * N + cols_b[None, :], acc, mask=ok)
+        if last_to_arrive(arrivals_ptr + tile_id, SPLIT_K):  # every split of this tile is stored
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for part in tl.static_range(SPLIT_K):
+                acc += tl.load(partial_ptr + (part * M + rows_a)[:, None] * N + cols_b[None, :], mask=ok, other=0.0,
+                               cache_modifier=".cg")
+{ind(split_call, 12)}
+{ind(chr(10).join(row_stores), 12)}
 '''
 
