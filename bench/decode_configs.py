@@ -9,9 +9,8 @@ program per tile (``oversubscribed``), beside the same GEMM through ``torch.nn.f
 Each is timed as a decode step runs it: back to back from a CUDA graph, over copies of the weight that keep
 it out of L2. Prints microseconds and the weight read rate (bytes of B / time) per key; ``--json`` writes
 the records (docs/notes/decode-gemms.md). ``--tiles`` adds 16-row tiles to the pool (``--grid none``: only
-them; ``64x256s4sk``: stream-K, whose "tiles" column counts its units, tiles x K steps). Decode launches are
-programmatic dependents (codagen.backends.triton.dependent_launch), so back-to-back launches of one GEMM
-overlap as in the step.
+them). Decode launches are programmatic dependents (codagen.backends.triton.dependent_launch), so back-to-back
+launches of one GEMM overlap as in the step.
 
     PYTHONPATH=. python bench/decode_configs.py --model llama3-8b --batch 1 8 [--tiles 64x128s4] [--json out.json]
 """
@@ -37,14 +36,12 @@ WIDE = tuple(KernelConfig(16, block_n, block_k, stages, 4, epilogue_split=1, gro
 
 
 def tile(text: str) -> KernelConfig:
-    """``"64x128s4"``, ``"64x256s4k2"`` or ``"64x256s4sk"``: a 16-row decode tile of BLOCK_N x BLOCK_K, its
-    stages and K split, or stream-K."""
-    match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:k(\d+)|(sk))?", text)
+    """``"64x128s4"`` or ``"64x256s4k2"``: a 16-row decode tile of BLOCK_N x BLOCK_K, its stages and K split."""
+    match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:k(\d+))?", text)
     if match is None:
-        raise argparse.ArgumentTypeError(f"expected BLOCK_NxBLOCK_KsSTAGES[kSPLIT|sk], e.g. 64x128s4, got {text!r}")
-    block_n, block_k, stages, split_k = (int(g) if g else 1 for g in match.groups()[:4])
-    return KernelConfig(16, block_n, block_k, stages, 4, epilogue_split=1, group_m=1, split_k=split_k,
-                        stream_k=match.group(5) is not None)
+        raise argparse.ArgumentTypeError(f"expected BLOCK_NxBLOCK_KsSTAGES[kSPLIT], e.g. 64x128s4, got {text!r}")
+    block_n, block_k, stages, split_k = (int(g) if g else 1 for g in match.groups())
+    return KernelConfig(16, block_n, block_k, stages, 4, epilogue_split=1, group_m=1, split_k=split_k)
 
 
 def with_programs(planned, programs: int):
@@ -147,15 +144,11 @@ def main(argv=None) -> int:
                    "cublas_us": cublas, "configs": {}}
             for cfg in fitting:
                 tiles = -(-bound.m // cfg.block_m) * -(-bound.n // cfg.block_n) * cfg.split_k
-                if cfg.stream_k:  # its work items are the tiles' K steps, one equal range per program
-                    tiles *= -(-bound.k // cfg.block_k)
                 times = {}
                 for variant, programs in (("persistent", min(tiles, num_sms)), ("oversubscribed", tiles)):
-                    if variant == "oversubscribed" and (programs <= num_sms or cfg.stream_k):
+                    if variant == "oversubscribed" and programs <= num_sms:
                         continue
-                    plan = (backend._split_k_meta if cfg.split_k > 1 else backend._stream_k_meta if cfg.stream_k
-                            else backend._meta)
-                    planned = plan(bound, launch, cfg)
+                    planned = (backend._split_k_meta if cfg.split_k > 1 else backend._meta)(bound, launch, cfg)
                     launch.metas[cfg] = with_programs(planned, programs)
                     try:
                         times[variant] = graph_us([backend._trial(c, launch, cfg) for c in copies])

@@ -7,9 +7,7 @@ variant's launch settings (:mod:`codagen.backends.triton.dependent_launch`):
 - ``plain``: every kernel in stream order;
 - ``pdl``: the decode GEMMs, their split-K passes and finishers launched as programmatic dependents;
 - ``pdl+prefetch<K>``: as ``pdl``, each GEMM program prefetching K columns of its first tile's weight
-  rows into L2 before it waits;
-- ``pdl+stream_k``: as ``pdl+prefetch512``, the decode GEMMs up to 16 rows under stream-K
-  (:data:`codagen.backends.triton.configs.STREAM_K_FIRST`: one equal share of the tiles x K steps per SM).
+  rows into L2 before it waits.
 
 A step's time is a median over rounds of ``--replays`` back-to-back replays of the captured step (CUDA
 events around them), the variants alternating per round (the GPU's clock moves between rounds:
@@ -30,19 +28,18 @@ import torch
 
 import codagen
 from codagen.backends import get_backend
-from codagen.backends.triton import configs, dependent_launch
+from codagen.backends.triton import dependent_launch
 from codagen.bench.common import environment
 from codagen.bench.generate import MODELS, copy_bandwidth_gbps
 from codagen.models.decode import GreedyDecoder
 
-#: variant -> (dependent-launch rows, prefetched K columns, stream-K decode GEMMs)
-VARIANTS = {"plain": (0, 0, False), "pdl": (64, 0, False), "pdl+prefetch512": (64, 512, False),
-            "pdl+prefetch2048": (64, 2048, False), "pdl+stream_k": (64, 512, True)}
+#: variant -> (dependent-launch rows, prefetched K columns)
+VARIANTS = {"plain": (0, 0), "pdl": (64, 0), "pdl+prefetch512": (64, 512), "pdl+prefetch2048": (64, 2048)}
 
 
 def set_variant(name: str) -> None:
     """The launch settings of variant ``name``; the backend plans its calls again under them."""
-    dependent_launch.DEPENDENT_LAUNCH_ROWS, dependent_launch.PREFETCH_K, configs.STREAM_K_FIRST = VARIANTS[name]
+    dependent_launch.DEPENDENT_LAUNCH_ROWS, dependent_launch.PREFETCH_K = VARIANTS[name]
     get_backend("triton").clear_plans()
 
 
@@ -85,7 +82,6 @@ def bench_model(name: str, variants: list[str], batch: int, context: int, replay
         ms = statistics.median(times[variant])
         records.append({"model": name, "layers": shape.layers, "batch": batch, "context": context,
                         "variant": variant, "rows": VARIANTS[variant][0], "prefetch_k": VARIANTS[variant][1],
-                        "stream_k": VARIANTS[variant][2],
                         "median_ms": ms, "rounds_ms": times[variant], "bytes_per_step": bytes_per_step,
                         "limit_ms": limit_ms, "of_limit": limit_ms / ms,
                         "tokens_equal_plain": bool(torch.equal(tokens[variant], tokens[variants[0]]))})

@@ -46,7 +46,7 @@ def test_qk_norm_keeps_only_head_wide_decode_tiles():
 def test_low_rank_decode_tiles_are_unsplit():
     program = library.rms_qkv_rope().with_low_rank()
     pool = candidates(program, m=1, n=4096, **H200)
-    assert pool and all(cfg.split_k == 1 and not cfg.stream_k for cfg in pool)
+    assert pool and all(cfg.split_k == 1 for cfg in pool)
 
 
 @pytest.mark.parametrize("cfg", SMALL_M, ids=lambda c: c.short())
@@ -66,8 +66,7 @@ def test_gpu_decode_config(check, name, cfg):
         check(library.PROGRAMS[name](), m, 3072, 2048, torch.bfloat16, device="cuda", backend=TritonBackend(config=cfg))
 
 
-@pytest.mark.parametrize("cfg", [c for c in SMALL_M if c.block_m == 16 and c.split_k == 1 and not c.stream_k],
-                         ids=lambda c: c.short())
+@pytest.mark.parametrize("cfg", [c for c in SMALL_M if c.block_m == 16 and c.split_k == 1], ids=lambda c: c.short())
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_low_rank_decode_tiles(cfg, device):
     """A LoRA projection at decode (``rms_linear`` with its low-rank pair, 1 and 5 rows, R = 8) on each 16-row

@@ -119,34 +119,6 @@ def test_split_k_deterministic():
         assert torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)), key
 
 
-@pytest.mark.parametrize("m, n, k", [(20, 100, 16), (20, 100, 80), (5, 40, 200), (5, 20, 200)],
-                         ids=["whole-tiles", "two-owners", "ranges-across-tiles", "three-owners"])
-@pytest.mark.parametrize("name", sorted(SPLIT_K_PROGRAMS))
-def test_stream_k(check, name, m, n, k):
-    """Stream-K on 3 programs (the interpreter's grid): 8 tiles of one K step (every tile whole in one
-    program), 8 tiles of 5 steps (some shared by two programs), 2 tiles of 13 steps (a range over both) and one
-    tile of 13 steps (shared by all three): the numerics rule holds, RowPartial outputs keep their
-    [M, cdiv(N, BLOCK_N)] layout, one launch, the counters back at zero."""
-    cfg = KernelConfig(16, 32, 16, 1, 4, epilogue_split=2, group_m=1, stream_k=True)
-    program = SPLIT_K_PROGRAMS[name]()
-    backend = TritonBackend(config=cfg)
-    outs = check(program, m, n, k, torch.float16, backend=backend)
-    assert backend.launches == 1
-    assert not arrivals.counters(torch.device("cpu"), 8).any()
-    for o in program.outputs:
-        if isinstance(o, RowPartial):
-            assert outs[o.name].shape == (m, -(-n // 32))
-
-
-def test_stream_k_deterministic():
-    program = library.residual_rms_stats()
-    a, b, tensors = random_inputs(program, 5, 66, 208, torch.float16, "cpu")
-    backend = TritonBackend(config=KernelConfig(16, 32, 16, 1, 4, group_m=1, stream_k=True))
-    first, second = (backend.run(bind(program, a, b, dict(tensors))) for _ in range(2))
-    for key in first:
-        assert torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)), key
-
-
 def test_split_k_refusals():
     with pytest.raises(ValueError, match="split_k"):
         KernelConfig(16, 32, 16, 1, 4, tma_epilogue=True, split_k=2)
@@ -157,13 +129,8 @@ def test_split_k_refusals():
     tensors = dict(a2=torch.randn(3, 8, dtype=torch.float16), b2=torch.randn(64, 8, dtype=torch.float16),
                    rstd=torch.rand(3) + 0.5)
     backend = TritonBackend(config=KernelConfig(16, 32, 16, 1, 4, group_m=1, split_k=2))
-    with pytest.raises(ProgramError, match="rms_linear: split_k > 1 and stream_k are not supported with a low-rank"):
+    with pytest.raises(ProgramError, match="rms_linear: split_k > 1 is not supported with a low-rank"):
         backend.run(bind(program, a, b, tensors))
-    backend = TritonBackend(config=KernelConfig(16, 32, 16, 1, 4, group_m=1, stream_k=True))
-    with pytest.raises(ProgramError, match="rms_linear: split_k > 1 and stream_k are not supported with a low-rank"):
-        backend.run(bind(program, a, b, tensors))
-    with pytest.raises(ValueError, match="stream_k only for a persistent configuration"):
-        KernelConfig(16, 32, 16, 1, 4, split_k=2, stream_k=True)
 
 
 @pytest.mark.parametrize("inverse", [False, True], ids=["rope", "inverse"])
@@ -574,11 +541,10 @@ def test_names_of_the_generated_kernels_are_mangled(name):
     assert f"{ids[name]}_ptr" in program_source(program)
 
 
-@pytest.mark.parametrize("function", ["split_k_kernel", "stream_k_kernel"])
 @pytest.mark.parametrize("name", ["residual_rms_stats", "rms_qkv_rope"])
-def test_split_k_kernel_compiles_for_sm90(name, function):
-    """The one-launch split-K and stream-K kernels compile for Hopper without a GPU (TMA mainloop, PDL, bf16);
-    their PTX arrives with one acquire-release atomic at GPU scope and reads the partials past L1."""
+def test_split_k_kernel_compiles_for_sm90(name):
+    """The one-launch split-K kernel compiles for Hopper without a GPU (TMA mainloop, PDL, bf16); its PTX
+    arrives with one acquire-release atomic at GPU scope and reads the partials past L1."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -586,16 +552,15 @@ def test_split_k_kernel_compiles_for_sm90(name, function):
     from codagen.backends.triton.backend import load_kernel
     from codagen.epilogue.ir import TileInput
     program = library.PROGRAMS[name]()
-    kernel = load_kernel(program, dtypes="sm90-compile-check", arch="sm_90x", interpret=False, function=function)
+    kernel = load_kernel(program, dtypes="sm90-compile-check", arch="sm_90x", interpret=False,
+                         function="split_k_kernel")
     signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "partial_ptr": "*fp32", "arrivals_ptr": "*i32"}
     for input_name, e in program.inputs.items():
         signature[f"{input_name}_ptr"] = "*bf16" if isinstance(e, TileInput) else "*fp32"
     for out in program.outputs:
         signature[f"{out.name}_ptr"] = "*fp32" if out.name.startswith("partial") else "*bf16"
-    stream_k = function == "stream_k_kernel"
-    signature.update({"M": "i32", "N": "i32", "K": "i32"} | ({"SHARERS": "i32"} if stream_k else {}))
-    constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, **({} if stream_k else {"SPLIT_K": 2}),
-                      EPILOGUE_SPLIT=1, SUB_N=64,
+    signature.update({"M": "i32", "N": "i32", "K": "i32"})
+    constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, EPILOGUE_SPLIT=1, SUB_N=64,
                       TMA_MAINLOOP=True, TMA_EPILOGUE=False, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
                       FLATTEN=True, INTERPRETER=False, PDL=True, PREFETCH_K=512)
     signature.update({k: "constexpr" for k in constexprs})

@@ -73,7 +73,6 @@ class _Launch:
     pdl: bool = False  # launched as a programmatic dependent (decode rows: .dependent_launch)
     pingpong_kernel: object = None  # loaded on first use
     split_k_kernel: object = None  # loaded on first use
-    stream_k_kernel: object = None  # loaded on first use
     pingpong_slots: dict = field(default_factory=dict)  # piece width -> tile-operand slots
     metas: dict = field(default_factory=dict)  # config -> the kernel's constexpr arguments
 
@@ -88,12 +87,6 @@ class _Launch:
             self.split_k_kernel = load_kernel(program, dtypes=self.dtypes, arch=self.arch, interpret=self.interpret,
                                               function="split_k_kernel")
         return self.split_k_kernel
-
-    def stream_k(self, program: Program):
-        if self.stream_k_kernel is None:
-            self.stream_k_kernel = load_kernel(program, dtypes=self.dtypes, arch=self.arch, interpret=self.interpret,
-                                               function="stream_k_kernel")
-        return self.stream_k_kernel
 
 
 def _dependent_launch_meta(launch: _Launch) -> dict:
@@ -197,9 +190,6 @@ class TritonBackend:
         if cfg.split_k > 1:
             self._launch_split_k(bound, launch, cfg, outs)
             return
-        if cfg.stream_k:
-            self._launch_stream_k(bound, launch, cfg, outs)
-            return
         args = _persistent_arguments(bound, launch, outs)
         grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
         if launch.interpret:
@@ -228,27 +218,6 @@ class TritonBackend:
             ahead.launch_kernel(kernel, grid, *args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.launches += 1
 
-    def _launch_stream_k(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
-        """Stream-K, one launch: one equal range of the tiles x K steps per program; a tile several programs share
-        gets their fp32 partial tiles in a scratch ``[tiles, sharers, BLOCK_M, BLOCK_N]``, summed by the last of
-        them (an arrival counter per tile: :mod:`.arrivals`)."""
-        kernel = launch.stream_k(bound.program)
-        grid, meta = launch.metas.get(cfg) or self._stream_k_meta(bound, launch, cfg)
-        tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
-        k_tiles = cdiv(launch.k, cfg.block_k)
-        least = tiles * k_tiles // grid[0]  # units of the smallest range
-        sharers = k_tiles if least == 0 else min(k_tiles, cdiv(k_tiles, least) + 1)
-        partial = torch.empty(tiles * sharers * cfg.block_m * cfg.block_n, dtype=torch.float32, device=bound.device)
-        args = [bound.a, bound.b, partial, arrivals.counters(bound.device, tiles)] + _epilogue_tensors(bound, outs)
-        args += [launch.m, launch.n, launch.k, sharers]
-        if launch.interpret:
-            with interpreting():
-                kernel[grid](*args, **meta)
-        else:
-            _set_allocator()
-            ahead.launch_kernel(kernel, grid, *args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        self.launches += 1
-
     def _compile_ahead(self, bound: BoundProgram, launch: _Launch, pool: list[KernelConfig]) -> None:
         """Compile the persistent kernel of every config in ``pool`` at once, in worker threads (Triton's
         compiler releases the GIL, and ``ptxas`` is a process of its own), so that timing them one after
@@ -257,9 +226,9 @@ class TritonBackend:
         tensor), nothing is allocated. A config that fails here fails again, and is handled, when timed."""
         calls = []
         for cfg in pool:
-            # compiled when timed: the ping-pong kernel's host-side descriptors need the outputs; split-K and
-            # stream-K are other kernels of the module
-            if cfg.schedule == "pingpong" or cfg.split_k > 1 or cfg.stream_k:
+            # compiled when timed: the ping-pong kernel's host-side descriptors need the outputs; split-K is
+            # another kernel of the module
+            if cfg.schedule == "pingpong" or cfg.split_k > 1:
                 continue
             outs = {name: bound.tensors[name] if shape is None else dtype
                     for name, shape, dtype in bound.output_specs(cfg.block_m, cfg.block_n)}
@@ -294,17 +263,6 @@ class TritonBackend:
                     TMA_EPILOGUE=False, UPCAST_OPERANDS=launch.upcast, DOT_PRECISION=launch.precision,
                     FLATTEN=not launch.interpret, INTERPRETER=launch.interpret, **_dependent_launch_meta(launch))
         launch.metas[cfg] = self._grid(bound, launch, num_tiles * cfg.split_k), meta
-        return launch.metas[cfg]
-
-    def _stream_k_meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple[int], dict]:
-        """``(grid, constexpr arguments)`` of a stream-K launch, kept in ``launch.metas``: a program per SM, or per
-        unit of work where there are fewer."""
-        units = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n) * max(cdiv(launch.k, cfg.block_k), 1)
-        meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPILOGUE_SPLIT=cfg.epilogue_split,
-                    SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop, TMA_EPILOGUE=False,
-                    UPCAST_OPERANDS=launch.upcast, DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret,
-                    INTERPRETER=launch.interpret, **_dependent_launch_meta(launch))
-        launch.metas[cfg] = self._grid(bound, launch, units), meta
         return launch.metas[cfg]
 
     def _meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple[int], dict]:
@@ -390,9 +348,9 @@ class TritonBackend:
     # -- tuning ------------------------------------------------------------------------------------
     def _choose(self, bound: BoundProgram, launch: _Launch, interpret: bool) -> KernelConfig:
         if self.config is not None:
-            if (self.config.split_k > 1 or self.config.stream_k) and bound.program.gemm.low_rank:
-                raise ProgramError(f"{bound.program.name}: split_k > 1 and stream_k are not supported with a "
-                                   f"low-rank operand pair; use split_k=1, stream_k=False")
+            if self.config.split_k > 1 and bound.program.gemm.low_rank:
+                raise ProgramError(f"{bound.program.name}: split_k > 1 is not supported with a low-rank operand "
+                                   f"pair; use split_k=1")
             if self.config.schedule == "pingpong":
                 name = bound.program.name
                 if (reason := pingpong_unsupported()) is not None:

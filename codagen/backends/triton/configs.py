@@ -4,9 +4,7 @@ A :class:`KernelConfig` fixes everything the launch chooses: tile sizes, pipelin
 epilogue is cut (``epilogue_split``: the accumulator's column halves are processed one after the other,
 halving the epilogue's live registers) and whether epilogue tiles move through TMA descriptors
 (``tma_epilogue``: the copy engine stages them in shared memory) or plain pointer loads/stores, and
-``split_k``: K cut in that many ranges, the epilogue run on their sum by each tile's last range (decode shapes);
-``stream_k``: the tiles x K steps cut into one equal range per SM, a shared tile summed by its last program
-(decode shapes).
+``split_k``: K cut in that many ranges, the epilogue run on their sum by each tile's last range (decode shapes).
 
 Candidates are pruned *before* compiling by two estimates:
 
@@ -61,7 +59,7 @@ from .gluon_support import pingpong_available
 
 __all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "atomic_write", "TuningCache",
            "INTERPRETER_CONFIG", "PINGPONG", "heuristic", "gemm_layout", "interpreter_config", "SMALL_M",
-           "SMALL_M_ROWS", "STREAM_K_FIRST", "small_m_order"]
+           "SMALL_M_ROWS", "small_m_order"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +74,6 @@ class KernelConfig:
     group_m: int = 8
     schedule: str = "persistent"
     split_k: int = 1
-    stream_k: bool = False
 
     def __post_init__(self):
         if self.schedule not in ("persistent", "pingpong"):
@@ -85,9 +82,6 @@ class KernelConfig:
             raise ValueError(f"split_k must be >= 1, and > 1 only for a persistent configuration with the pointer "
                              f"epilogue, got split_k={self.split_k} ({self.schedule}, "
                              f"tma_epilogue={self.tma_epilogue})")
-        if self.stream_k and (self.schedule != "persistent" or self.tma_epilogue or self.split_k > 1):
-            raise ValueError(f"stream_k only for a persistent configuration with the pointer epilogue and split_k=1, "
-                             f"got {self.schedule}, tma_epilogue={self.tma_epilogue}, split_k={self.split_k}")
         splits = (4, 8) if self.schedule == "pingpong" else (1, 2, 4)
         if self.epilogue_split not in splits:
             raise ValueError(f"epilogue_split of a {self.schedule} configuration must be one of {splits}, "
@@ -104,14 +98,14 @@ class KernelConfig:
         if self.schedule == "pingpong":
             return f"{tile} pingpong split{self.epilogue_split}"
         short = f"{tile} split{self.epilogue_split} {'tma' if self.tma_epilogue else 'ptr'}"
-        return short + (f" k{self.split_k}" if self.split_k > 1 else "") + (" sk" if self.stream_k else "")
+        return short + (f" k{self.split_k}" if self.split_k > 1 else "")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
     @staticmethod
     def from_json(d: dict) -> KernelConfig:
-        return KernelConfig(**d)  # (a table written before stream_k existed has no such key: the default)
+        return KernelConfig(**d)
 
 
 #: the interpreter runs every program instance in numpy: small tiles keep the CPU tests fast
@@ -164,32 +158,24 @@ _FP32 = (KernelConfig(64, 64, 32, 3, 4, epilogue_split=1),)
 # 4096-wide model: 64), K is split in 2 or 4 ranges so that more programs stream the weight at once.
 # :func:`small_m_order` picks the first guess (measured: docs/notes/decode-gemms.md).
 SMALL_M_ROWS = 64
-_SIXTEEN_ROWS = tuple(KernelConfig(16, block_n, block_k, stages, 4, epilogue_split=1, group_m=1, split_k=split_k,
-                                   stream_k=stream_k)
-                      for block_n, block_k, stages, split_k, stream_k in (
-                          (64, 256, 4, 1, False), (64, 256, 4, 2, False), (64, 256, 4, 4, False),
-                          (64, 256, 4, 1, True), (128, 128, 6, 1, False), (128, 128, 6, 2, False),
-                          (128, 128, 6, 1, True), (32, 256, 6, 1, False), (256, 64, 6, 1, False)))
+_SIXTEEN_ROWS = tuple(KernelConfig(16, block_n, block_k, stages, 4, epilogue_split=1, group_m=1, split_k=split_k)
+                      for block_n, block_k, stages, split_k in (
+                          (64, 256, 4, 1), (64, 256, 4, 2), (64, 256, 4, 4), (128, 128, 6, 1), (128, 128, 6, 2),
+                          (32, 256, 6, 1), (256, 64, 6, 1)))
 _SIXTY_FOUR_ROWS = tuple(KernelConfig(64, block_n, 128, stages, 4, epilogue_split=1, group_m=1)
                          for block_n, stages in ((128, 4), (64, 6), (32, 8), (16, 8)))
 SMALL_M = _SIXTEEN_ROWS + _SIXTY_FOUR_ROWS
-#: up to 16 rows the first guess is the first tile under stream-K (else: K split as below)
-STREAM_K_FIRST = False
 
 
 def small_m_order(m: int, n: int, num_sms: int) -> list[KernelConfig]:
     """The decode configurations for ``m`` rows and ``n`` columns, best guess first: the pool's first tile
-    (16 x 64 columns up to 16 rows, 64 x 128 above), under stream-K (:data:`STREAM_K_FIRST`, up to 16 rows) or
-    with K split in the most ranges the pool holds for it that still give at most one program per SM; then the
-    rest of the pool."""
+    (16 x 64 columns up to 16 rows, 64 x 128 above), with K split in the most ranges the pool holds for it
+    that still give at most one program per SM; then the rest of the pool."""
     pool = _SIXTEEN_ROWS if m <= 16 else _SIXTY_FOUR_ROWS
     first = pool[0]
     tiles = -(-m // first.block_m) * -(-n // first.block_n)
-    if STREAM_K_FIRST and m <= 16:
-        guess = dataclasses.replace(first, stream_k=True)
-    else:
-        guess = max((cfg for cfg in pool if dataclasses.replace(cfg, split_k=1) == first
-                     and (cfg.split_k == 1 or cfg.split_k * tiles <= num_sms)), key=lambda cfg: cfg.split_k)
+    guess = max((cfg for cfg in pool if dataclasses.replace(cfg, split_k=1) == first
+                 and (cfg.split_k == 1 or cfg.split_k * tiles <= num_sms)), key=lambda cfg: cfg.split_k)
     return [guess] + [cfg for cfg in pool if cfg != guess]
 
 
@@ -240,8 +226,7 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
     segments = program.column_groups()
     if small_m:  # the decode tiles alone, unless none holds whole segments (heads wider than 128 columns)
         fitting = tuple(cfg for cfg in small_m_order(m, n, num_sms) if _holds_segments(cfg, segments)
-                        and ((cfg.split_k == 1 and not cfg.stream_k) or not program.gemm.low_rank))
-        # (the low-rank loop: unsplit only)
+                        and (cfg.split_k == 1 or not program.gemm.low_rank))  # the low-rank loop: unsplit only
         pool = fitting or pool
     pingpong_pool = ()
     if major == 9 and tma and tma_epilogue and operand_bytes == 2 and not small_m and pingpong_available():

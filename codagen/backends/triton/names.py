@@ -23,8 +23,7 @@ RESERVED_NAMES = frozenset("""
     a b a2 b2 acc bar cast_for_store col0 col_ok col_ok_b col_ok_double col_ok_half cols cols_b cols_double
     cols_half column_halves column_pieces cos_sin empty fence_async_shared float gl gluon input_bars
     first_k first_pid_m first_pid_n input_bars_0 input_bars_1 iteration k_ok k_tiles_per_split lines low_rank_steps
-    offsets ok part partial_ptr prefetch_weight_rows split arrivals_ptr last_to_arrive end_unit finishes
-    first_owner first_unit k_begin k_end last_owner owner programs slot_offsets slots unit units SHARERS
+    offsets ok part partial_ptr prefetch_weight_rows split arrivals_ptr last_to_arrive
     work_id off_r offs_r r_ok r_tile k_steps k_tile k_tiles local
     mainloop mbarrier
     merge_logsumexp my_tiles next_vectors num_pid_m num_pid_n num_tiles off_k off_m off_n offs_k

@@ -14,10 +14,7 @@ order of output tiles; ``column_halves``; ``cast_for_store``; ``merge_logsumexp`
 ``<name>_split_k_kernel``
                          the same GEMM with K cut in ``SPLIT_K`` ranges (decode shapes, programs
                          without a low-rank pair): partial tiles to fp32 scratch; the last split of
-                         a tile to finish sums them in split order and runs the same epilogue;
-``<name>_stream_k_kernel``
-                         the same GEMM's tiles x K steps in one equal range per program, a tile
-                         shared by several summed in program order by the last of them (decode).
+                         a tile to finish sums them in split order and runs the same epilogue.
 
 With ``PDL`` (programmatic dependent launch, decode shapes: :mod:`..dependent_launch`) both kernels start
 by letting the next kernel launch (``gdc_launch_dependents``) and wait for the earlier ones (``gdc_wait``)
@@ -484,7 +481,6 @@ def {name}_kernel(
 '''
     if not low_rank:
         src += _split_k_kernel(program, setup, kbody, inputs, outputs, descs, split_call, row_stores, ind)
-        src += _stream_k_kernel(program, setup, kbody, inputs, outputs, descs, split_call, row_stores, ind)
     return src
 
 
@@ -543,72 +539,3 @@ def {name}_split_k_kernel(
 {ind(chr(10).join(row_stores), 12)}
 '''
 
-
-def _stream_k_kernel(program: Program, setup: str, kbody: str, inputs: list[str], outputs: list[str],
-                     descs: list[str], split_call: str, row_stores: list[str], ind) -> str:
-    """The stream-K kernel of a program, one launch: ``<name>_stream_k_kernel`` cuts the GEMM's
-    ``tiles x k_tiles`` units of work (one output tile's BLOCK_K columns of K each) into one contiguous range
-    per program, as equal as integers allow: program ``p`` runs units ``[p U / P, (p + 1) U / P)``. A tile
-    whose units one program holds runs as in the persistent kernel. A tile shared by several programs gets
-    one fp32 partial tile from each, in slot ``p - first owner``; the last of them to finish
-    (:func:`..arrivals.last_to_arrive`) sums the slots in program order, a fixed order, and runs the epilogue
-    (pointer loads and stores). Every SM streams the same share of the weight, whatever the tile count: for
-    decode shapes, whose few tiles leave SMs idle or a last round of tiles half full."""
-    name = program.name
-    pointer_params = ", ".join(inputs + outputs)
-    dependent_launch = _dependent_launch(
-        program, "(first_unit // k_tiles) // num_pid_n, (first_unit // k_tiles) % num_pid_n",
-        "(first_unit % k_tiles) * BLOCK_K")
-    placeholders = "\n".join(f"{d} = {d[:-len('_desc')]}_ptr  # pointer epilogue: placeholder" for d in descs)
-    return f'''
-
-@triton.jit
-def {name}_stream_k_kernel(
-        a_ptr, b_ptr, partial_ptr, arrivals_ptr, {pointer_params}, M, N, K, SHARERS,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr,
-        UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr,
-        PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
-    """Stream-K: program p runs units [p U / P, (p + 1) U / P) of the tiles x K steps; a tile shared by several
-    programs is summed in program order by the last of them, which runs the {name} epilogue.
-    ``partial``: [tiles, SHARERS, BLOCK_M, BLOCK_N] fp32, SHARERS the most programs one tile can have."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    units = num_pid_m * num_pid_n * k_tiles
-    programs = tl.num_programs(0)
-    first_unit = (tl.program_id(0).to(tl.int64) * units // programs).to(tl.int32)
-    end_unit = ((tl.program_id(0).to(tl.int64) + 1) * units // programs).to(tl.int32)
-{ind(dependent_launch, 4)}
-{ind(setup, 4)}
-{ind(placeholders, 4)}
-    slot_offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-
-    unit = first_unit
-    while unit < end_unit:
-        tile_id = unit // k_tiles
-        k_begin = unit % k_tiles
-        k_end = tl.minimum(k_tiles, k_begin + (end_unit - unit))
-        pid_m = tile_id // num_pid_n
-        pid_n = tile_id % num_pid_n
-{ind(_TILE_START, 8)}
-        for k_tile in range(k_begin, k_end):
-            off_k = k_tile * BLOCK_K
-{ind(kbody, 12)}
-        # the programs holding this tile's units: owner(u) = ceil((u + 1) P / U) - 1
-        first_owner = (((tile_id.to(tl.int64) * k_tiles + 1) * programs + units - 1) // units - 1).to(tl.int32)
-        last_owner = ((((tile_id.to(tl.int64) + 1) * k_tiles) * programs + units - 1) // units - 1).to(tl.int32)
-        finishes = first_owner == last_owner
-        if first_owner != last_owner:
-            slots = partial_ptr + tile_id.to(tl.int64) * SHARERS * (BLOCK_M * BLOCK_N)
-            tl.store(slots + (tl.program_id(0) - first_owner) * (BLOCK_M * BLOCK_N) + slot_offsets, acc)
-            finishes = last_to_arrive(arrivals_ptr + tile_id, last_owner - first_owner + 1)
-            if finishes:  # every owner's partial is stored: their sum in program order
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for owner in range(0, last_owner - first_owner + 1):
-                    acc += tl.load(slots + owner * (BLOCK_M * BLOCK_N) + slot_offsets, cache_modifier=".cg")
-        if finishes:
-{ind(split_call, 12)}
-{ind(chr(10).join(row_stores), 12)}
-        unit += k_end - k_begin
-'''
