@@ -217,6 +217,9 @@ def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str],
     """Appends one record per (case, provider) to ``records`` and calls ``save`` after each case, so a run cut
     short keeps what it measured."""
     from transformers import LlamaForCausalLM
+    # transformers' forward wrapper is one function for every model: a fresh recompilation budget per model, or
+    # the second model's compiled decode steps run eagerly once Dynamo's recompile limit is reached
+    torch._dynamo.reset()
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(shape.config(layers)).to(dtype).eval()

@@ -124,7 +124,7 @@ def test_split_k_refusals():
         KernelConfig(16, 32, 16, 1, 4, tma_epilogue=True, split_k=2)
     with pytest.raises(ValueError, match="split_k"):
         KernelConfig(16, 32, 16, 1, 4, split_k=0)
-    program = library.rms_linear().with_low_rank()  # its generated module has no split-K pair
+    program = library.rms_linear().with_low_rank()  # its generated module has no split-K kernel
     a, b = torch.randn(3, 32, dtype=torch.float16), torch.randn(64, 32, dtype=torch.float16)
     tensors = dict(a2=torch.randn(3, 8, dtype=torch.float16), b2=torch.randn(64, 8, dtype=torch.float16),
                    rstd=torch.rand(3) + 0.5)
