@@ -157,12 +157,17 @@ _KERNEL_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_row_kernels_under_interpreter(fresh_seed):
+def run_under_interpreter(script: str, seed: int, done: str) -> None:
+    """``script`` (its ``SEED`` replaced by ``seed``) in a fresh interpreter with ``TRITON_INTERPRET=1`` (set
+    before Triton is imported), from the repository root; it must exit 0 and print ``done``."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    script = _KERNEL_SCRIPT.replace("SEED", str(fresh_seed))
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).resolve().parents[2])
-    assert result.returncode == 0 and "kernels ok" in result.stdout, result.stdout + result.stderr
+    result = subprocess.run([sys.executable, "-c", script.replace("SEED", str(seed))], env=env, capture_output=True,
+                            text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0 and done in result.stdout, result.stdout + result.stderr
+
+
+def test_row_kernels_under_interpreter(fresh_seed):
+    run_under_interpreter(_KERNEL_SCRIPT, fresh_seed, "kernels ok")
 
 
 # Greedy append: logits a column of a [batch, 2, vocab] tensor (row stride 2 * vocab), vocab not a multiple of the
@@ -222,11 +227,7 @@ _GREEDY_SCRIPT = textwrap.dedent("""
 
 
 def test_greedy_append_under_interpreter(fresh_seed):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    script = _GREEDY_SCRIPT.replace("SEED", str(fresh_seed))
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).resolve().parents[2])
-    assert result.returncode == 0 and "greedy ok" in result.stdout, result.stdout + result.stderr
+    run_under_interpreter(_GREEDY_SCRIPT, fresh_seed, "greedy ok")
 
 
 def test_greedy_append_refuses_what_it_cannot_take():

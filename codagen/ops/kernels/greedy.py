@@ -123,6 +123,8 @@ def greedy_append_triton(logits: torch.Tensor, tokens: torch.Tensor, generated: 
         raise ValueError(f"logits: expected torch.float16, torch.bfloat16 or torch.float32 (exact in the fp32 "
                          f"partials), got {logits.dtype}")
     batch, vocab = logits.shape
+    if batch >= arrivals.MAX_COUNTERS:  # an arrival counter per row and one for the step
+        raise ValueError(f"logits: at most {arrivals.MAX_COUNTERS - 1} rows, got {batch}")
     if logits.stride(1) != 1 and vocab > 1:
         raise ValueError(f"logits: expected column stride 1 (any row stride), got strides {tuple(logits.stride())}")
     chunks = cdiv(vocab, CHUNK)
