@@ -545,28 +545,12 @@ def test_names_of_the_generated_kernels_are_mangled(name):
 def test_split_k_kernel_compiles_for_sm90(name):
     """The one-launch split-K kernel compiles for Hopper without a GPU (TMA mainloop, PDL, bf16); its PTX
     arrives with one acquire-release atomic at GPU scope and reads the partials past L1."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from codagen.backends.triton.backend import load_kernel
-    from codagen.epilogue.ir import TileInput
-    program = library.PROGRAMS[name]()
-    kernel = load_kernel(program, dtypes="sm90-compile-check", arch="sm_90x", interpret=False,
-                         function="split_k_kernel")
-    signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "partial_ptr": "*fp32", "arrivals_ptr": "*i32"}
-    for input_name, e in program.inputs.items():
-        signature[f"{input_name}_ptr"] = "*bf16" if isinstance(e, TileInput) else "*fp32"
-    for out in program.outputs:
-        signature[f"{out.name}_ptr"] = "*fp32" if out.name.startswith("partial") else "*bf16"
-    signature.update({"M": "i32", "N": "i32", "K": "i32"})
+    from tests.sm90 import sm90_ptx
     constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, EPILOGUE_SPLIT=1, SUB_N=64,
                       TMA_MAINLOOP=True, TMA_EPILOGUE=False, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
                       FLATTEN=True, INTERPRETER=False, PDL=True, PREFETCH_K=512)
-    signature.update({k: "constexpr" for k in constexprs})
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
-    ptx = compiled.asm["ptx"]
+    leading = {"a_ptr": "*bf16", "b_ptr": "*bf16", "partial_ptr": "*fp32", "arrivals_ptr": "*i32"}
+    ptx = sm90_ptx(library.PROGRAMS[name](), "split_k_kernel", leading, ("M", "N", "K"), constexprs, 4, 4)
     assert ptx.count("atom.global.gpu.acq_rel.add") == 1, \
         [line for line in ptx.splitlines() if "atom" in line]
     assert "ld.global.cg" in ptx

@@ -158,27 +158,13 @@ def test_pingpong_refuses_low_rank_programs():
 def test_persistent_kernel_compiles_for_sm90(name):
     """The generated ``tl`` kernel with the R loop compiles for Hopper (TMA mainloop and epilogue, bf16)
     without a GPU, and its PTX holds the tensor-core instructions of both loops."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from codagen.backends.triton.backend import load_kernel
-    from codagen.epilogue.ir import TileInput
-    program = library.PROGRAMS[name]().with_low_rank()
-    kernel = load_kernel(program, dtypes="sm90-compile-check", arch="sm_90x", interpret=False)
-    signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "a2_ptr": "*bf16", "b2_ptr": "*bf16"}
-    for input_name, e in program.inputs.items():
-        signature[f"{input_name}_ptr"] = "*bf16" if isinstance(e, TileInput) else "*fp32"
-    for out in program.outputs:
-        signature[f"{out.name}_ptr"] = "*fp32" if out.name.startswith("partial") else "*bf16"
-    signature.update({"M": "i32", "N": "i32", "K": "i32", "R": "i32"})
+    from tests.sm90 import sm90_ptx
     constexprs = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, BLOCK_R=16, EPILOGUE_SPLIT=2, SUB_N=64,
                       TMA_MAINLOOP=True, TMA_EPILOGUE=True, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
                       FLATTEN=True, INTERPRETER=False, PDL=False, PREFETCH_K=0)
-    signature.update({k: "constexpr" for k in constexprs})
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
-    ptx = compiled.asm["ptx"]
+    leading = {"a_ptr": "*bf16", "b_ptr": "*bf16", "a2_ptr": "*bf16", "b2_ptr": "*bf16"}
+    ptx = sm90_ptx(library.PROGRAMS[name]().with_low_rank(), "kernel", leading, ("M", "N", "K", "R"), constexprs,
+                   8, 3)
     assert "wgmma.mma_async" in ptx or "mma.sync" in ptx
 
 
