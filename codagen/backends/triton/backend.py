@@ -89,12 +89,6 @@ class _Launch:
         return self.split_k_kernel
 
 
-def _dependent_launch_meta(launch: _Launch) -> dict:
-    """The constexprs and launch option of programmatic dependent launch (:mod:`.dependent_launch`)."""
-    return {**dependent_launch.launch_options(launch.pdl),
-            "PREFETCH_K": dependent_launch.PREFETCH_K if launch.pdl else 0}
-
-
 def _tma_ok(t: torch.Tensor) -> bool:
     """TMA needs a 16-byte aligned base, a row stride that is a non-zero multiple of 16 bytes."""
     if t.dim() != 2 or t.shape[1] == 0:
@@ -188,28 +182,13 @@ class TritonBackend:
             self.launches += 1
             return
         if cfg.split_k > 1:
-            self._launch_split_k(bound, launch, cfg, outs)
-            return
-        args = _persistent_arguments(bound, launch, outs)
-        grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
-        if launch.interpret:
-            with interpreting():
-                launch.kernel[grid](*args, **meta)
+            kernel = launch.split_k(program)
+            grid, meta = launch.metas.get(cfg) or self._split_k_meta(bound, launch, cfg)
+            args = _split_k_arguments(bound, launch, cfg, outs)
         else:
-            _set_allocator()
-            ahead.launch_kernel(launch.kernel, grid, *args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        self.launches += 1
-
-    def _launch_split_k(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
-        """Split K, one launch: each of the ``split_k`` K ranges of an output tile writes its fp32 partial product
-        to a scratch ``[split_k * M, N]``; the tile's last range to finish (an arrival counter per tile:
-        :mod:`.arrivals`) sums them in split order and runs the epilogue."""
-        kernel = launch.split_k(bound.program)
-        grid, meta = launch.metas.get(cfg) or self._split_k_meta(bound, launch, cfg)
-        partial = torch.empty(cfg.split_k * launch.m, launch.n, dtype=torch.float32, device=bound.device)
-        tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
-        args = [bound.a, bound.b, partial, arrivals.counters(bound.device, tiles)] + _epilogue_tensors(bound, outs)
-        args += [launch.m, launch.n, launch.k]
+            kernel = launch.kernel
+            grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
+            args = _persistent_arguments(bound, launch, outs)
         if launch.interpret:
             with interpreting():
                 kernel[grid](*args, **meta)
@@ -257,23 +236,16 @@ class TritonBackend:
     def _split_k_meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple[int], dict]:
         """``(grid, constexpr arguments)`` of a split-K launch, kept in ``launch.metas``: persistent over
         tiles x K ranges."""
-        num_tiles = cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
-        meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                    EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
-                    TMA_EPILOGUE=False, UPCAST_OPERANDS=launch.upcast, DOT_PRECISION=launch.precision,
-                    FLATTEN=not launch.interpret, INTERPRETER=launch.interpret, **_dependent_launch_meta(launch))
-        launch.metas[cfg] = self._grid(bound, launch, num_tiles * cfg.split_k), meta
+        meta = dict(_common_meta(launch, cfg), SPLIT_K=cfg.split_k, TMA_EPILOGUE=False)
+        launch.metas[cfg] = self._grid(bound, launch, _tiles(launch, cfg) * cfg.split_k), meta
         return launch.metas[cfg]
 
     def _meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple[int], dict]:
         """``(grid, constexpr arguments)`` of a persistent launch of ``cfg``, kept in ``launch.metas``:
         they depend on the call signature and the config only."""
-        grid = self._grid(bound, launch, cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n))
-        meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                    EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop,
-                    TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok, UPCAST_OPERANDS=launch.upcast,
-                    DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret,
-                    **_dependent_launch_meta(launch))
+        grid = self._grid(bound, launch, _tiles(launch, cfg))
+        meta = dict(_common_meta(launch, cfg), GROUP_M=cfg.group_m,
+                    TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok)
         if bound.program.gemm.low_rank:  # the rank loop's step: at least the dot's minimum inner size 16, at most
             # BLOCK_K
             meta["BLOCK_R"] = max(16, min(cfg.block_k, 1 << (bound.r - 1).bit_length()))
@@ -470,6 +442,30 @@ def _persistent_arguments(bound: BoundProgram, launch: _Launch, outs: dict) -> l
     low_rank = program.gemm.low_rank
     args = [bound.a, bound.b] + ([bound.tensors["a2"], bound.tensors["b2"]] if low_rank else [])
     return args + _epilogue_tensors(bound, outs) + [launch.m, launch.n, launch.k] + ([bound.r] if low_rank else [])
+
+
+def _split_k_arguments(bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict) -> list:
+    """The split-K kernel's positional arguments: operands, a scratch ``[split_k * M, N]`` for the K ranges' fp32
+    partial tiles, an arrival counter per output tile (its last range sums the partials: :mod:`.arrivals`),
+    inputs, outputs, sizes."""
+    partial = torch.empty(cfg.split_k * launch.m, launch.n, dtype=torch.float32, device=bound.device)
+    return ([bound.a, bound.b, partial, arrivals.counters(bound.device, _tiles(launch, cfg))]
+            + _epilogue_tensors(bound, outs) + [launch.m, launch.n, launch.k])
+
+
+def _tiles(launch: _Launch, cfg: KernelConfig) -> int:
+    """Output tiles of a launch of ``cfg``."""
+    return cdiv(launch.m, cfg.block_m) * cdiv(launch.n, cfg.block_n)
+
+
+def _common_meta(launch: _Launch, cfg: KernelConfig) -> dict:
+    """The constexprs every GEMM kernel of a module takes, the persistent and the split-K one alike, with
+    programmatic dependent launch's (:mod:`.dependent_launch`: its ``PDL`` constexpr and launch option)."""
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPILOGUE_SPLIT=cfg.epilogue_split,
+                SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop, UPCAST_OPERANDS=launch.upcast,
+                DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret,
+                PREFETCH_K=dependent_launch.PREFETCH_K if launch.pdl else 0,
+                **dependent_launch.launch_options(launch.pdl))
 
 
 def _epilogue_tensors(bound: BoundProgram, outs: dict) -> list:
