@@ -555,3 +555,17 @@ def test_split_k_kernel_compiles_for_sm90(name):
         [line for line in ptx.splitlines() if "atom" in line]
     assert "ld.global.cg" in ptx
     assert "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.parametrize("value, on_by_default, off_by_default", [
+    (None, True, False), ("", True, False), ("0", False, False), (" False ", False, False), ("no", False, False),
+    ("1", True, True), ("YES", True, True), ("true", True, True), ("2", True, False), ("off", True, False)])
+def test_env_flag(monkeypatch, value, on_by_default, off_by_default):
+    """A switch on by default turns off only for 0/false/no; one off by default turns on only for 1/true/yes."""
+    from codagen.backends.triton.switches import env_flag
+    if value is None:
+        monkeypatch.delenv("CODAGEN_TEST_SWITCH", raising=False)
+    else:
+        monkeypatch.setenv("CODAGEN_TEST_SWITCH", value)
+    assert env_flag("CODAGEN_TEST_SWITCH", default=True) is on_by_default
+    assert env_flag("CODAGEN_TEST_SWITCH", default=False) is off_by_default

@@ -29,6 +29,8 @@ import torch
 from triton.runtime import _async_compile
 from triton.runtime.jit import MockTensor
 
+from .switches import env_flag
+
 __all__ = ["dry_run", "launch_kernel", "operand", "tracing", "byte_offset", "wait"]
 
 _tracing: contextvars.ContextVar[bool] = contextvars.ContextVar("codagen_compile_ahead", default=False)
@@ -40,10 +42,6 @@ def tracing() -> bool:
     return _tracing.get()
 
 
-def _enabled() -> bool:
-    return os.environ.get("CODAGEN_COMPILE_AHEAD", "1").strip().lower() not in ("0", "false", "no")
-
-
 def _on_cuda(values) -> bool:
     return any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
 
@@ -52,7 +50,7 @@ def dry_run(impl: Callable, args: tuple, kwargs: dict) -> None:
     """Run ``impl`` (a codagen op's implementation) on fake CUDA tensors, compiling the kernels it would
     launch in worker threads; its results are discarded (the op's fake implementation gives the outputs)."""
     global _mode
-    if not _enabled() or not (_on_cuda(args) or _on_cuda(kwargs.values())):
+    if not env_flag("CODAGEN_COMPILE_AHEAD", default=True) or not (_on_cuda(args) or _on_cuda(kwargs.values())):
         return
     if _mode is None:
         _mode = _async_compile.AsyncCompileMode(ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2),

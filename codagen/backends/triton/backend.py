@@ -27,6 +27,7 @@ from .configs import KernelConfig, TuningCache, candidates, gemm_layout, interpr
 from .gluon_support import pingpong_unsupported
 from .interpreter import interpreting
 from .modules import load_kernel, program_source
+from .switches import env_flag
 from .tuning import TRITON_DTYPE, kernel_hash, tuning_key
 
 __all__ = ["TritonBackend", "program_source", "load_kernel", "tuning_key", "kernel_hash", "SUPPORTED_DTYPES"]
@@ -357,12 +358,12 @@ class TritonBackend:
 
     def _times(self, key: str) -> bool:
         """Whether a call with tuning key ``key`` times its candidates (on its first use)."""
-        return self._autotuning() and (key not in self.tuning or _env_flag("CODAGEN_TRITON_RETUNE"))
+        return self._autotuning() and (key not in self.tuning or env_flag("CODAGEN_TRITON_RETUNE", default=False))
 
     def _autotuning(self) -> bool:
         if self.autotune is not None:
             return self.autotune
-        return _env_flag("CODAGEN_TRITON_AUTOTUNE")
+        return env_flag("CODAGEN_TRITON_AUTOTUNE", default=False)
 
     def _candidates(self, bound: BoundProgram, launch: _Launch) -> list[KernelConfig]:
         """The configurations this GPU can run for these tensors, best guess first."""
@@ -471,10 +472,6 @@ def _common_meta(launch: _Launch, cfg: KernelConfig) -> dict:
 def _epilogue_tensors(bound: BoundProgram, outs: dict) -> list:
     """What every kernel's epilogue takes, in order: the program's inputs, then its outputs."""
     return [bound.tensors[name] for name in bound.program.inputs] + [outs[o.name] for o in bound.program.outputs]
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes")
 
 
 def _without_low_rank(bound: BoundProgram) -> BoundProgram:

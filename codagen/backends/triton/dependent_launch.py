@@ -19,19 +19,17 @@ one before it as usual.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from codagen.backends.device import capability
 
 from .configs import SMALL_M_ROWS
+from .switches import env_flag
 
 __all__ = ["enabled", "launch_options", "DEPENDENT_LAUNCH_ROWS", "PREFETCH_K"]
 
 #: rows (the decode batch) up to which GEMMs and finishers launch as programmatic dependents; 0: none
-DEPENDENT_LAUNCH_ROWS = (0 if os.environ.get("CODAGEN_DEPENDENT_LAUNCH", "1").strip().lower() in ("0", "false", "no")
-                         else SMALL_M_ROWS)
+DEPENDENT_LAUNCH_ROWS = SMALL_M_ROWS if env_flag("CODAGEN_DEPENDENT_LAUNCH", default=True) else 0
 #: K columns of its first tile's weight rows a dependent GEMM prefetches into L2 before it waits (0: none)
 PREFETCH_K = 512
 
