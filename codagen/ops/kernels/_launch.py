@@ -41,8 +41,7 @@ else:
     TRITON_AVAILABLE = True
 
 __all__ = ["triton", "tl", "cos_sin", "sigmoid", "launch_kernel", "dependent_launch", "arrivals", "last_to_arrive",
-           "launcher", "dispatcher",
-           "use_triton", "interpreting", "row_block", "next_power_of_2", "cdiv"]
+           "launcher", "dispatcher", "use_triton", "interpreting", "row_block", "next_power_of_2", "cdiv"]
 
 #: widest block of a row kernel that loops over its row
 MAX_BLOCK = 2048
