@@ -13,7 +13,10 @@ mask (slots past the current length are ``-inf``: a static cache's shape does no
   cache's token-major view with ``seqused_k`` (the valid slots per row, a device tensor), query heads grouped
   over their KV head by the kernel (torch 2.11 reads ``seqused_k`` only in the packed form: the result differs);
 - ``flash_varlen``: the same kernel's packed form with ``seqused_k`` (batch 1: the cache's one row is its
-  packed keys).
+  packed keys);
+- ``flex``: ``torch.compile(flex_attention)`` with ``enable_gqa=True`` and a block mask of the slots before
+  each row's length (a device tensor read by its ``mask_mod``), built once outside the timed calls:
+  Inductor's flex-decoding kernel (the cache split over programs) and its two reductions.
 
 Each is captured in a CUDA graph of ``--calls`` calls over distinct caches (their bytes exceed L2), replayed;
 microseconds per call, with the cache's bytes over that time as a bandwidth.
@@ -34,6 +37,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from codagen.bench.common import environment
 
 SHAPES = {"llama3-8b": (32, 8, 128), "llama3-1b": (32, 8, 64)}  # heads, kv heads, head dim
+
+
+_compiled_flex = None
+
+
+def _flex_attention():
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
 
 
 def ways(q, k, v, mask, lengths):
@@ -72,11 +86,22 @@ def ways(q, k, v, mask, lengths):
             q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cum_q, cum_k, 1, k.shape[2], 0.0,
             False, False, seqused_k=lengths)[0]
         return out.transpose(0, 1)[None]
+    def before_length(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    block_mask = []
+
+    def flex():
+        if not block_mask:
+            from torch.nn.attention.flex_attention import create_block_mask
+            block_mask.append(create_block_mask(before_length, batch, None, 1, k.shape[2], device=q.device))
+        return _flex_attention()(q, k, v, block_mask=block_mask[0], enable_gqa=True)
     return {"sdpa": sdpa, "sdpa_efficient": sdpa_efficient, "sdpa_grouped": sdpa_grouped, "matmul": matmul,
-            "flash_lengths": flash_lengths, "flash_varlen": flash_varlen}
+            "flash_lengths": flash_lengths, "flash_varlen": flash_varlen, "flex": flex}
 
 
-def bench(model: str, batch: int, length: int, max_cache_len: int, calls: int, rounds: int) -> list[dict]:
+def bench(model: str, batch: int, length: int, max_cache_len: int, calls: int, rounds: int,
+          names: list[str] | None = None) -> list[dict]:
     heads, kv_heads, head_dim = SHAPES[model]
     caches = [(torch.randn(batch, kv_heads, max_cache_len, head_dim, device="cuda", dtype=torch.bfloat16),
                torch.randn(batch, kv_heads, max_cache_len, head_dim, device="cuda", dtype=torch.bfloat16))
@@ -87,7 +112,7 @@ def bench(model: str, batch: int, length: int, max_cache_len: int, calls: int, r
     lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
     reference = None
     records = []
-    for name in ways(q, *caches[0], mask, lengths):
+    for name in names or ways(q, *caches[0], mask, lengths):
         fns = [ways(q, k, v, mask, lengths)[name] for k, v in caches]
         try:
             out = fns[0]()
@@ -133,10 +158,12 @@ def main(argv=None) -> int:
     parser.add_argument("--max-cache-len", type=int, default=2112)
     parser.add_argument("--calls", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--ways", nargs="+", help="these ways only (the first is the reference of the difference)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     records = [r for model in args.models for batch in args.batch
-               for r in bench(model, batch, args.length, args.max_cache_len, args.calls, args.rounds)]
+               for r in bench(model, batch, args.length, args.max_cache_len, args.calls, args.rounds,
+                             args.ways)]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": environment(), "records": records}, f, indent=1)
