@@ -7,7 +7,9 @@ variant's launch settings (:mod:`codagen.backends.triton.dependent_launch`):
 - ``plain``: every kernel in stream order;
 - ``pdl``: the decode GEMMs, their split-K passes and finishers launched as programmatic dependents;
 - ``pdl+prefetch<K>``: as ``pdl``, each GEMM program prefetching K columns of its first tile's weight
-  rows into L2 before it waits.
+  rows into L2 before it waits;
+- ``...+l2-<MB>M``: the first MB MiB of each layer's O-proj and gate/up weights prefetched into L2 beside
+  its attention (``codagen.models.hf_cache.ATTENTION_PREFETCH_BYTES``).
 
 A step's time is a median over rounds of ``--replays`` back-to-back replays of the captured step (CUDA
 events around them), the variants alternating per round (the GPU's clock moves between rounds:
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 
@@ -31,15 +34,34 @@ from codagen.backends import get_backend
 from codagen.backends.triton import dependent_launch
 from codagen.bench.common import environment
 from codagen.bench.generate import MODELS, copy_bandwidth_gbps
+from codagen.models import hf_cache
 from codagen.models.decode import GreedyDecoder
 
-#: variant -> (dependent-launch rows, prefetched K columns)
-VARIANTS = {"plain": (0, 0), "pdl": (64, 0), "pdl+prefetch512": (64, 512), "pdl+prefetch2048": (64, 2048)}
+VARIANT = re.compile(r"(?P<plain>plain)|pdl(\+prefetch(?P<prefetch_k>\d+))?(\+l2-(?P<l2_mb>\d+)M)?")
+
+
+def settings(name: str) -> dict:
+    """Variant ``name``'s launch settings: ``plain``, or ``pdl[+prefetch<K>][+l2-<MB>M]``."""
+    match = VARIANT.fullmatch(name)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"variant: expected plain or pdl[+prefetch<K>][+l2-<MB>M], got {name!r}")
+    prefetch_k = int(match["prefetch_k"] or 0)
+    if prefetch_k & (prefetch_k - 1) or 0 < prefetch_k < 64:
+        raise argparse.ArgumentTypeError(f"variant {name!r}: the prefetched columns must be a power of two >= 64")
+    return {"rows": 0 if match["plain"] else dependent_launch.SMALL_M_ROWS, "prefetch_k": prefetch_k,
+            "attention_prefetch_bytes": int(match["l2_mb"] or 0) << 20}
+
+
+def variant(name: str) -> str:
+    settings(name)
+    return name
 
 
 def set_variant(name: str) -> None:
     """The launch settings of variant ``name``; the backend plans its calls again under them."""
-    dependent_launch.DEPENDENT_LAUNCH_ROWS, dependent_launch.PREFETCH_K = VARIANTS[name]
+    chosen = settings(name)
+    dependent_launch.DEPENDENT_LAUNCH_ROWS, dependent_launch.PREFETCH_K = chosen["rows"], chosen["prefetch_k"]
+    hf_cache.ATTENTION_PREFETCH_BYTES = chosen["attention_prefetch_bytes"]
     get_backend("triton").clear_plans()
 
 
@@ -81,7 +103,7 @@ def bench_model(name: str, variants: list[str], batch: int, context: int, replay
     for variant in variants:
         ms = statistics.median(times[variant])
         records.append({"model": name, "layers": shape.layers, "batch": batch, "context": context,
-                        "variant": variant, "rows": VARIANTS[variant][0], "prefetch_k": VARIANTS[variant][1],
+                        "variant": variant, **settings(variant),
                         "median_ms": ms, "rounds_ms": times[variant], "bytes_per_step": bytes_per_step,
                         "limit_ms": limit_ms, "of_limit": limit_ms / ms,
                         "tokens_equal_plain": bool(torch.equal(tokens[variant], tokens[variants[0]]))})
@@ -95,7 +117,7 @@ def bench_model(name: str, variants: list[str], batch: int, context: int, replay
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["llama3-8b", "llama3-1b"])
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", type=variant, default=["plain", "pdl", "pdl+prefetch512"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--replays", type=int, default=100)
