@@ -7,9 +7,7 @@ variant's launch settings (:mod:`codagen.backends.triton.dependent_launch`):
 - ``plain``: every kernel in stream order;
 - ``pdl``: the decode GEMMs, their split-K passes and finishers launched as programmatic dependents;
 - ``pdl+prefetch<K>``: as ``pdl``, each GEMM program prefetching K columns of its first tile's weight
-  rows into L2 before it waits;
-- ``...+l2-<MB>M``: the first MB MiB of each layer's O-proj and gate/up weights prefetched into L2 beside
-  its attention (``codagen.models.hf_cache.ATTENTION_PREFETCH_BYTES``).
+  rows into L2 before it waits.
 
 A step's time is a median over rounds of ``--replays`` back-to-back replays of the captured step (CUDA
 events around them), the variants alternating per round (the GPU's clock moves between rounds:
@@ -34,25 +32,24 @@ from codagen.backends import get_backend
 from codagen.backends.triton import dependent_launch
 from codagen.bench.common import environment
 from codagen.bench.generate import MODELS, copy_bandwidth_gbps
-from codagen.models import hf_cache
 from codagen.models.decode import GreedyDecoder
 
-VARIANT = re.compile(r"(?P<plain>plain)|pdl(\+prefetch(?P<prefetch_k>\d+))?(\+l2-(?P<l2_mb>\d+)M)?")
+VARIANT = re.compile(r"(?P<plain>plain)|pdl(\+prefetch(?P<prefetch_k>\d+))?")
 
 
 def settings(name: str) -> dict:
-    """Variant ``name``'s launch settings: ``plain``, or ``pdl[+prefetch<K>][+l2-<MB>M]``."""
+    """Variant ``name``'s launch settings: ``plain``, or ``pdl[+prefetch<K>]``."""
     match = VARIANT.fullmatch(name)
     if match is None:
-        raise argparse.ArgumentTypeError(f"variant: expected plain or pdl[+prefetch<K>][+l2-<MB>M], got {name!r}")
+        raise argparse.ArgumentTypeError(f"variant: expected plain or pdl[+prefetch<K>], got {name!r}")
     prefetch_k = int(match["prefetch_k"] or 0)
     if prefetch_k & (prefetch_k - 1) or 0 < prefetch_k < 64:
         raise argparse.ArgumentTypeError(f"variant {name!r}: the prefetched columns must be a power of two >= 64")
-    return {"rows": 0 if match["plain"] else dependent_launch.SMALL_M_ROWS, "prefetch_k": prefetch_k,
-            "attention_prefetch_bytes": int(match["l2_mb"] or 0) << 20}
+    return {"rows": 0 if match["plain"] else dependent_launch.SMALL_M_ROWS, "prefetch_k": prefetch_k}
 
 
 def variant(name: str) -> str:
+    """``--variants``' type: ``name``, refused unless :func:`settings` reads it."""
     settings(name)
     return name
 
@@ -61,7 +58,6 @@ def set_variant(name: str) -> None:
     """The launch settings of variant ``name``; the backend plans its calls again under them."""
     chosen = settings(name)
     dependent_launch.DEPENDENT_LAUNCH_ROWS, dependent_launch.PREFETCH_K = chosen["rows"], chosen["prefetch_k"]
-    hf_cache.ATTENTION_PREFETCH_BYTES = chosen["attention_prefetch_bytes"]
     get_backend("triton").clear_plans()
 
 
@@ -117,7 +113,7 @@ def bench_model(name: str, variants: list[str], batch: int, context: int, replay
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["llama3-8b", "llama3-1b"])
-    parser.add_argument("--variants", nargs="+", type=variant, default=["plain", "pdl", "pdl+prefetch512"])
+    parser.add_argument("--variants", nargs="+", type=variant, default=["plain", "pdl", "pdl+prefetch256"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--replays", type=int, default=100)

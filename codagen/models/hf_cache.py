@@ -23,7 +23,6 @@ sliding-window layers). Anything else (quantized, offloaded, encoder-decoder, le
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import weakref
 from collections.abc import Callable, Sequence
@@ -32,8 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from codagen import ops
-from codagen.ops.kernels import half_split_heads, l2_prefetch_beside, static_cache_write
-from codagen.ops.kernels._launch import use_triton
+from codagen.ops.kernels import half_split_heads, static_cache_write
 
 from .llama import AttentionSpec, BlockWeights, block_out_mlp, block_qkv
 
@@ -43,11 +41,6 @@ __all__ = ["inference_blocks", "new_dynamic_cache", "check_cache", "attention_ma
 _SUPPORTED_CACHES = ("DynamicCache", "StaticCache")
 _SUPPORTED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
 
-
-#: bytes of a decode layer's next weights (its O-proj's, then its gate/up's) prefetched into L2 beside its
-#: attention while a CUDA graph captures the step, for up to ATTENTION_PREFETCH_ROWS rows (0: none)
-ATTENTION_PREFETCH_BYTES = 0
-ATTENTION_PREFETCH_ROWS = 64
 
 # model -> (what the fused weights were built from, the fused weights)
 _FUSED_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -213,16 +206,6 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
     return out.transpose(1, 2).reshape(b * s, h * hd)
 
 
-def _next_weights_into_l2(blk: BlockWeights, x: torch.Tensor):
-    """Beside a captured decode step's attention, which leaves the memory system mostly idle, the first
-    :data:`ATTENTION_PREFETCH_BYTES` of the O-proj and gate/up weights into L2 (:func:`l2_prefetch_beside`);
-    else nothing."""
-    if (ATTENTION_PREFETCH_BYTES and x.shape[0] <= ATTENTION_PREFETCH_ROWS and use_triton(x)
-            and torch.cuda.is_current_stream_capturing()):
-        return l2_prefetch_beside([blk.o, blk.gate_up], ATTENTION_PREFETCH_BYTES)
-    return contextlib.nullcontext()
-
-
 def decoder_stack_with_cache(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: torch.Tensor, eps: float,
                              spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor, cache,
                              masks: dict):
@@ -233,7 +216,6 @@ def decoder_stack_with_cache(x: torch.Tensor, blocks: Sequence[BlockWeights], fi
     for layer_idx, (blk, next_norm) in enumerate(zip(blocks, norms[1:])):
         q, k, v, x = block_qkv(blk, x, normed, rstd, spec, positions, frequencies, eps)
         mask = masks["sliding" if blk.sliding_window is not None else "full"]
-        with _next_weights_into_l2(blk, x):
-            attn = cached_attention(q, k, v, spec, cache, layer_idx, mask)
+        attn = cached_attention(q, k, v, spec, cache, layer_idx, mask)
         x, normed, rstd = block_out_mlp(blk, attn, x, next_norm, eps)
     return x, normed, rstd

@@ -30,8 +30,9 @@ __all__ = ["enabled", "launch_options", "DEPENDENT_LAUNCH_ROWS", "PREFETCH_K"]
 
 #: rows (the decode batch) up to which GEMMs and finishers launch as programmatic dependents; 0: none
 DEPENDENT_LAUNCH_ROWS = SMALL_M_ROWS if env_flag("CODAGEN_DEPENDENT_LAUNCH", default=True) else 0
-#: K columns of its first tile's weight rows a dependent GEMM prefetches into L2 before it waits (0: none)
-PREFETCH_K = 512
+#: K columns of its first tile's weight rows a dependent GEMM prefetches into L2 before it waits (0: none; a power
+#: of two >= 64): docs/notes/decode-weight-prefetch.md
+PREFETCH_K = 256
 
 
 def enabled(rows: int, device: torch.device) -> bool:

@@ -18,9 +18,7 @@
 - :mod:`.kv_cache`: a decode step's K and V into a ``transformers`` ``StaticLayer``'s slots and its Q into
   the cache's half-split head order, one launch;
 - :mod:`.greedy`: a decode step's greedy token (each row's argmax of the logits) into the next step's input
-  and the generated tokens, and the step counter advanced, one launch;
-- :mod:`.prefetch`: a weight's first bytes into L2 beside a kernel that leaves the memory system idle,
-  one launch (a hint: its twin does nothing).
+  and the generated tokens, and the step counter advanced, one launch.
 
 Each comes as ``foo_ref`` (PyTorch), ``foo_triton`` (one launch of a module-level ``@triton.jit`` kernel)
 and the dispatcher ``foo`` (:mod:`._launch`): the kernel for CUDA tensors when the selected backend is
@@ -53,7 +51,6 @@ from .finish import (
 )
 from .greedy import greedy_append, greedy_append_ref, greedy_append_triton
 from .kv_cache import half_split_heads, static_cache_write, static_cache_write_ref, static_cache_write_triton
-from .prefetch import l2_prefetch, l2_prefetch_beside, l2_prefetch_ref, l2_prefetch_triton
 from .rms_norm import rms_norm_stats, rms_norm_stats_ref, rms_norm_stats_triton
 from .rope import rope_backward, rope_backward_ref, rope_backward_triton
 from .rope_qk_norm import (
@@ -77,4 +74,4 @@ __all__ = ["rms_norm_stats", "rms_norm_stats_ref", "rms_norm_stats_triton", "rop
            "finish_cross_entropy", "finish_cross_entropy_ref", "finish_cross_entropy_triton", "CROSS_ENTROPY_LAUNCH",
            "CROSS_ENTROPY_GROUP", "QK_NORM_LAUNCH", "static_cache_write", "static_cache_write_ref",
            "static_cache_write_triton", "half_split_heads", "greedy_append", "greedy_append_ref",
-           "greedy_append_triton", "l2_prefetch", "l2_prefetch_ref", "l2_prefetch_triton", "l2_prefetch_beside"]
+           "greedy_append_triton"]
