@@ -7,9 +7,7 @@ variant's launch settings (:mod:`codagen.backends.triton.dependent_launch`):
 - ``plain``: every kernel in stream order;
 - ``pdl``: the decode GEMMs, their split-K passes and finishers launched as programmatic dependents;
 - ``pdl+prefetch<K>``: as ``pdl``, each GEMM program prefetching K columns of its first tile's weight
-  rows into L2 before it waits;
-- ``...+finisher``: the O-proj's and down-proj's ``rstd`` by the finisher launch after the GEMM, not by
-  the GEMM's own last tiles (``codagen.ops.residual.RSTD_IN_LAUNCH_ROWS = 0``).
+  rows into L2 before it waits.
 
 A step's time is a median over rounds of ``--replays`` back-to-back replays of the captured step (CUDA
 events around them), the variants alternating per round (the GPU's clock moves between rounds:
@@ -35,24 +33,19 @@ from codagen.backends.triton import dependent_launch
 from codagen.bench.common import environment
 from codagen.bench.generate import MODELS, copy_bandwidth_gbps
 from codagen.models.decode import GreedyDecoder
-from codagen.ops import residual
 
-#: the op's default, restored by the variants without ``+finisher``
-RSTD_IN_LAUNCH_ROWS = residual.RSTD_IN_LAUNCH_ROWS
-VARIANT = re.compile(r"((?P<plain>plain)|pdl(\+prefetch(?P<prefetch_k>\d+))?)(?P<finisher>\+finisher)?")
+VARIANT = re.compile(r"(?P<plain>plain)|pdl(\+prefetch(?P<prefetch_k>\d+))?")
 
 
 def settings(name: str) -> dict:
-    """Variant ``name``'s launch settings: ``plain`` or ``pdl[+prefetch<K>]``, then optionally ``+finisher``."""
+    """Variant ``name``'s launch settings: ``plain``, or ``pdl[+prefetch<K>]``."""
     match = VARIANT.fullmatch(name)
     if match is None:
-        raise argparse.ArgumentTypeError(f"variant: expected plain or pdl[+prefetch<K>], then optionally +finisher, "
-                                         f"got {name!r}")
+        raise argparse.ArgumentTypeError(f"variant: expected plain or pdl[+prefetch<K>], got {name!r}")
     prefetch_k = int(match["prefetch_k"] or 0)
     if prefetch_k & (prefetch_k - 1) or 0 < prefetch_k < 64:
         raise argparse.ArgumentTypeError(f"variant {name!r}: the prefetched columns must be a power of two >= 64")
-    return {"rows": 0 if match["plain"] else dependent_launch.SMALL_M_ROWS, "prefetch_k": prefetch_k,
-            "rstd_in_launch_rows": 0 if match["finisher"] else RSTD_IN_LAUNCH_ROWS}
+    return {"rows": 0 if match["plain"] else dependent_launch.SMALL_M_ROWS, "prefetch_k": prefetch_k}
 
 
 def variant(name: str) -> str:
@@ -65,7 +58,6 @@ def set_variant(name: str) -> None:
     """The launch settings of variant ``name``; the backend plans its calls again under them."""
     chosen = settings(name)
     dependent_launch.DEPENDENT_LAUNCH_ROWS, dependent_launch.PREFETCH_K = chosen["rows"], chosen["prefetch_k"]
-    residual.RSTD_IN_LAUNCH_ROWS = chosen["rstd_in_launch_rows"]
     get_backend("triton").clear_plans()
 
 

@@ -50,6 +50,4 @@ def finished(program: Program, outs: dict[str, torch.Tensor]) -> dict[str, torch
         elif isinstance(o, ColPartial):
             v = v.sum(0)
         done[o.name] = v
-    for r in program.rstd_outputs():
-        done[r.name] = outs[r.name].double()
     return done

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 
 def sm90_ptx(program, function: str, leading: dict[str, str], sizes: tuple[str, ...], constexprs: dict,
-             num_warps: int, num_stages: int, trailing: dict[str, str] | None = None) -> str:
+             num_warps: int, num_stages: int) -> str:
     """PTX of ``program``'s ``<name>_<function>`` for sm_90 with bf16 operands: ``leading`` the pointer
     arguments before the epilogue's (name -> Triton type), then the epilogue's inputs and outputs (tile values
-    bf16, vectors and partials fp32), then the int32 ``sizes``, then ``trailing`` (name -> Triton type), then
-    ``constexprs``."""
+    bf16, vectors and partials fp32), then the int32 ``sizes``, then ``constexprs``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -21,7 +20,6 @@ def sm90_ptx(program, function: str, leading: dict[str, str], sizes: tuple[str, 
     for out in program.outputs:
         signature[f"{out.name}_ptr"] = "*fp32" if out.name.startswith("partial") else "*bf16"
     signature.update({size: "i32" for size in sizes})
-    signature.update(trailing or {})
     signature.update({k: "constexpr" for k in constexprs})
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,

@@ -102,10 +102,8 @@ def test_tune_buckets_records_the_block_benchmarks_fused_calls():
     shapes = {"smoke-gqa": block.SMOKE_SHAPES["smoke-gqa"]}
     calls = tune_buckets.block_calls(shapes, "smoke-gqa", 1, 128, 1, 32, torch.device("cpu"), torch.float32)
     programs = {bound.program.name for _, bound in calls}
-    # 32 rows: the O-proj and down-proj finish rstd in their launch (residual_rms_rstd); the step's LM head:
-    # rms_linear + CE
-    assert {"rms_qkv_rope", "residual_rms_rstd", "rms_gate_up_swiglu", "swiglu_backward", "rms_norm_backward",
-            "weight_grad", "input_grad", "rms_linear"} <= programs
+    assert {"rms_qkv_rope", "residual_rms_stats", "rms_gate_up_swiglu", "swiglu_backward", "rms_norm_backward",
+            "weight_grad", "input_grad", "rms_linear"} <= programs  # the step's LM head: rms_linear + CE
     assert {name.split()[0] for name, _ in calls} == {"smoke-gqa", "smoke-gqa-x1"}
     assert all(bound.m > 0 and bound.a.device.type == "cpu" for _, bound in calls)
     assert "run" not in vars(backend) and backend.autotune is None

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 import torch
 
 from codagen.epilogue.bind import BoundProgram, cdiv
-from codagen.epilogue.finish import rstd_from_partial_sumsq
 from codagen.epilogue.ir import ColPartial, Expr, Program, RowPartial, Store
 from codagen.epilogue.primitives.rope import rope_ref
 from codagen.epilogue.primitives.segment_sum import segment_sum_ref
@@ -75,8 +74,6 @@ class ReferenceBackend:
                 target.copy_(target.to(value.dtype) + value if out.accumulate else value)
             elif isinstance(out, RowPartial):
                 outs[out.name].copy_(self._row_partial(value, out.reduction, out.value.width.columns(self.block_n)))
-                if out.rstd is not None:
-                    outs[out.rstd.name].copy_(rstd_from_partial_sumsq(outs[out.name], width, out.rstd.eps))
             elif isinstance(out, ColPartial):
                 outs[out.name].copy_(self._col_partial(value))
         return outs

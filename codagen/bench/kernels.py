@@ -157,8 +157,8 @@ def gemm(program: Program, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def eager_epilogue(program: Program, acc: torch.Tensor, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The program's epilogue as plain PyTorch ops on a GEMM output ``acc`` (fp32 math).
 
-    Reductions are whole-row / whole-column (``RowPartial`` -> [M, 1], its ``Rstd`` -> [M], ``ColPartial`` ->
-    [1, N*w]): what an unfused implementation computes. Accumulated stores add into ``tensors[name]`` in place.
+    Reductions are whole-row / whole-column (``RowPartial`` -> [M, 1], ``ColPartial`` -> [1, N*w]):
+    what an unfused implementation computes. Accumulated stores add into ``tensors[name]`` in place.
     """
     values = evaluate_epilogue(program, acc.float(), tensors)
     outs = {}
@@ -174,8 +174,6 @@ def eager_epilogue(program: Program, acc: torch.Tensor, tensors: dict[str, torch
                 outs[o.name] = v.to(dtype)
         elif isinstance(o, RowPartial):
             outs[o.name] = v.sum(-1, keepdim=True) if o.reduction == "sum" else torch.logsumexp(v, -1, keepdim=True)
-            if o.rstd is not None:
-                outs[o.rstd.name] = torch.rsqrt(outs[o.name][:, 0] / v.shape[1] + o.rstd.eps)
         else:
             assert isinstance(o, ColPartial)
             outs[o.name] = v.sum(0, keepdim=True)

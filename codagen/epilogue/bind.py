@@ -97,8 +97,6 @@ class BoundProgram:
                 continue
             dtype = self.store_dtype(out) if isinstance(out, Store) else self.compute_dtype
             specs.append((out.name, self.output_shape(out, block_m, block_n), dtype))
-            if isinstance(out, RowPartial) and out.rstd is not None:
-                specs.append((out.rstd.name, (self.m,), self.compute_dtype))
         return tuple(specs)
 
     def allocate_outputs(self, block_m: int, block_n: int, specs: tuple | None = None) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import NamedTuple, Union
 import torch
 
 __all__ = [
-    "Width", "Gemm", "Expr", "Store", "Rstd", "RowPartial", "ColPartial", "Output", "Program", "ProgramError",
+    "Width", "Gemm", "Expr", "Store", "RowPartial", "ColPartial", "Output", "Program", "ProgramError",
     "STORE_DTYPES", "PRIMITIVES", "primitive", "as_expr", "broadcast", "need_tile", "check_name", "check_shape",
     "Example",
 ]
@@ -317,35 +317,16 @@ class Store:
 
 
 @dataclass(frozen=True)
-class Rstd:
-    """A ``RowPartial`` sum of squares finished in the GEMM's launch: output ``name`` [M] in fp32,
-    ``rstd[m] = rsqrt(sum_t partial[m, t] / columns + eps)`` (``columns``: the partial's value's, N * w).
-
-    The row block's last column tile to finish sums the block's partials in tile order (an arrival counter:
-    ``codagen.backends.triton.arrivals``), so no finishing launch follows and the result is deterministic.
-    """
-    name: str
-    eps: float
-
-    def __post_init__(self):
-        check_name(self.name, "Rstd")
-        if not isinstance(self.eps, float) or not self.eps >= 0.0:
-            raise ProgramError(f"Rstd {self.name!r}: eps must be a float >= 0, got {self.eps!r}")
-
-
-@dataclass(frozen=True)
 class RowPartial:
     """Tile-local reduction along N: output ``name`` [M, n_tiles] in fp32, one value per (row, N-tile).
 
     ``reduction="sum"``: sum over the tile's valid columns. ``"logsumexp"``: online max + sum-exp,
     stored as ``max + log(sum exp(x - max))``; partials merge with a logsumexp over tiles.
-    Columns past the matrix edge are excluded. ``n_tiles`` is chosen by the backend. ``rstd``: a sum
-    also finished into an :class:`Rstd` output in the same launch.
+    Columns past the matrix edge are excluded. ``n_tiles`` is chosen by the backend.
     """
     name: str
     value: Expr
     reduction: str = "sum"
-    rstd: Rstd | None = None
 
     def __post_init__(self):
         check_name(self.name, "RowPartial")
@@ -354,15 +335,9 @@ class RowPartial:
         if self.reduction not in ("sum", "logsumexp"):
             raise ProgramError(f"RowPartial {self.name!r}: reduction must be 'sum' or 'logsumexp', "
                                f"got {self.reduction!r}")
-        if self.rstd is not None and (not isinstance(self.rstd, Rstd) or self.reduction != "sum"):
-            raise ProgramError(f"RowPartial {self.name!r}: rstd must be an Rstd of a 'sum' reduction, got "
-                               f"{self.rstd!r} of {self.reduction!r}")
 
     def describe(self, value: str) -> str:
-        partial = f"{self.name}[m, tile_n] <- {self.reduction}_n({value})  (float32 partial)"
-        if self.rstd is None:
-            return partial
-        return f"{partial}, finished in the launch: {self.rstd.name}[m] <- rsqrt(mean + {self.rstd.eps!r})"
+        return f"{self.name}[m, tile_n] <- {self.reduction}_n({value})  (float32 partial)"
 
     def __str__(self) -> str:
         return self.describe(str(self.value))
@@ -423,7 +398,7 @@ class Program:
         object.__setattr__(self, "outputs", tuple(self.outputs))
         if not self.outputs:
             raise ProgramError(f"program {self.name!r} has no outputs")
-        names = [o.name for o in self.outputs] + [r.name for r in self.rstd_outputs()]
+        names = [o.name for o in self.outputs]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ProgramError(f"program {self.name!r}: output names repeat: {sorted(dup)}")
@@ -458,18 +433,6 @@ class Program:
                         f"and {e!r}")
                 found[e.name] = e
         return types.MappingProxyType(found)
-
-    def rstd_outputs(self) -> tuple[Rstd, ...]:
-        """The :class:`Rstd` outputs of the program's row partials, in output order."""
-        return tuple(o.rstd for o in self.rstd_partials())
-
-    def rstd_partials(self) -> tuple[RowPartial, ...]:
-        """The row partials finished into an :class:`Rstd` output in the launch, in output order."""
-        return self._rstd_partials
-
-    @functools.cached_property
-    def _rstd_partials(self) -> tuple[RowPartial, ...]:
-        return tuple(o for o in self.outputs if isinstance(o, RowPartial) and o.rstd is not None)
 
     @functools.cached_property
     def _accumulated_outputs(self) -> tuple[str, ...]:
@@ -542,13 +505,9 @@ class Program:
     def renamed(self, names: Mapping[str, str]) -> Program:
         """The same program with inputs and outputs renamed by ``names`` (old -> new; absent ones kept)."""
         memo: dict[Expr, Expr] = {}
-
-        def renamed_output(o: Output) -> Output:
-            changes = {"name": names.get(o.name, o.name), "value": _renamed(o.value, names, memo)}
-            if isinstance(o, RowPartial) and o.rstd is not None:
-                changes["rstd"] = dataclasses.replace(o.rstd, name=names.get(o.rstd.name, o.rstd.name))
-            return dataclasses.replace(o, **changes)
-        return Program(self.name, self.gemm, tuple(renamed_output(o) for o in self.outputs), doc=self.doc)
+        outputs = tuple(dataclasses.replace(o, name=names.get(o.name, o.name), value=_renamed(o.value, names, memo))
+                        for o in self.outputs)
+        return Program(self.name, self.gemm, outputs, doc=self.doc)
 
 
 def _renamed(e: Expr, names: Mapping[str, str], memo: dict[Expr, Expr]) -> Expr:

@@ -25,8 +25,7 @@ segmented reductions  ``SegmentSum``: per row, the sum over each aligned group o
                       columns, broadcast back onto the group (per-head statistics: QK-norm); a
                       group never straddles a tile, so backends need tile widths that are multiples
                       of ``size``
-partial reductions    ``RowPartial`` along N: one fp32 per (row, N-tile), sum or logsumexp, a sum of
-                      squares optionally finished into ``Rstd`` [M] in the launch;
+partial reductions    ``RowPartial`` along N: one fp32 per (row, N-tile), sum or logsumexp;
                       ``ColPartial`` along M: one fp32 per (M-tile, column), sum
 stores                ``Store`` main/extra outputs, each with its dtype; ``accumulate=True`` adds
                       into a caller-given tensor (gradient accumulation)
@@ -34,8 +33,7 @@ stores                ``Store`` main/extra outputs, each with its dtype; ``accum
 
 This module is the IR as it is imported: the frame and every registered primitive. Reductions are
 tile-local partials; the library finishes them (``codagen.epilogue.finish``) with an
-O(#tiles)-per-row pass, so results are deterministic. The one finish a GEMM does itself is ``Rstd``: the
-row block's last column tile to finish (an arrival counter) sums the block's partials in tile order.
+O(#tiles)-per-row pass, so no GEMM needs cross-tile communication and results are deterministic.
 """
 from __future__ import annotations
 
@@ -50,7 +48,6 @@ from .core import (
     Program,
     ProgramError,
     RowPartial,
-    Rstd,
     Store,
     Width,
 )
@@ -59,5 +56,5 @@ from .primitives.unary import UNARY_OPS
 
 globals().update(PRIMITIVES)  # Accumulator, RowVector, ... and any primitive module added
 
-__all__ = ["Width", "Gemm", "Expr", "Store", "RowPartial", "Rstd", "ColPartial", "Output", "Program", "ProgramError",
+__all__ = ["Width", "Gemm", "Expr", "Store", "RowPartial", "ColPartial", "Output", "Program", "ProgramError",
            "UNARY_OPS", "BINARY_OPS", "STORE_DTYPES", "PRIMITIVES", *primitives.__all__]

@@ -5,8 +5,8 @@ the residual stream ``x`` is split around the GEMMs: the producer stores ``x``, 
 per-tile partial sums of ``x^2``; ``rstd = rsqrt(mean(x^2) + eps)`` is finished from those; the
 consumer GEMM multiplies its accumulator by ``rstd`` (a row scale commutes with ``@ W^T``).
 
-Forward:  F1/F3 :func:`residual_rms_stats` (:func:`residual_rms_rstd`: ``rstd`` finished in the launch),
-          F2 :func:`rms_gate_up_swiglu`, F4 :func:`rms_qkv_rope`, LM head :func:`rms_lm_head_cross_entropy`.
+Forward:  F1/F3 :func:`residual_rms_stats`, F2 :func:`rms_gate_up_swiglu`, F4 :func:`rms_qkv_rope`,
+          LM head :func:`rms_lm_head_cross_entropy`.
 Backward: B2/B6 :func:`rms_norm_backward`, B4 :func:`swiglu_backward`, LM head
           :func:`rms_lm_head_cross_entropy_backward`, B3/B5/B7/B9 :func:`weight_grad`, B8 :func:`input_grad`.
 (B1, RoPE backward, is elementwise and not a GEMM: see ``codagen.ops``.)
@@ -28,7 +28,6 @@ from .ir import (
     Rope,
     RowPartial,
     RowVector,
-    Rstd,
     ScalarInput,
     SegmentSum,
     Store,
@@ -39,8 +38,7 @@ from .ir import (
     Width,
 )
 
-__all__ = ["linear", "input_grad", "weight_grad", "rms_linear", "residual_rms_stats", "residual_rms_rstd",
-           "rms_gate_up_swiglu",
+__all__ = ["linear", "input_grad", "weight_grad", "rms_linear", "residual_rms_stats", "rms_gate_up_swiglu",
            "rms_qkv_rope", "rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward",
            "rms_norm_backward", "swiglu_backward", "PROGRAMS"]
 
@@ -90,19 +88,6 @@ def residual_rms_stats() -> Program:
         Store("normed", x * ColVector("norm_weight")),
         RowPartial("partial_sumsq", Unary("square", x)),
     ), doc=residual_rms_stats.__doc__)
-
-
-@functools.cache
-def residual_rms_rstd(eps: float = 1e-5) -> Program:
-    """F1/F3 with the statistics finished in the launch: :func:`residual_rms_stats`'s outputs and
-    ``rstd = rsqrt(sum_t partial_sumsq / N + eps)`` [M] (an :class:`~codagen.epilogue.ir.Rstd`), so that no
-    finishing launch follows the GEMM (decode steps: a launch each)."""
-    x = acc + TileInput("residual")
-    return Program("residual_rms_rstd", Gemm.linear(), (
-        Store("residual_out", x),
-        Store("normed", x * ColVector("norm_weight")),
-        RowPartial("partial_sumsq", Unary("square", x), rstd=Rstd("rstd", float(eps))),
-    ), doc=residual_rms_rstd.__doc__)
 
 
 @functools.cache
@@ -247,5 +232,5 @@ def swiglu_backward() -> Program:
 
 #: name -> factory of every library program (defaults for the ones with options)
 PROGRAMS = {f.__name__: f for f in (
-    linear, input_grad, weight_grad, rms_linear, residual_rms_stats, residual_rms_rstd, rms_gate_up_swiglu,
-    rms_qkv_rope, rms_lm_head_cross_entropy, rms_lm_head_cross_entropy_backward, rms_norm_backward, swiglu_backward)}
+    linear, input_grad, weight_grad, rms_linear, residual_rms_stats, rms_gate_up_swiglu, rms_qkv_rope,
+    rms_lm_head_cross_entropy, rms_lm_head_cross_entropy_backward, rms_norm_backward, swiglu_backward)}

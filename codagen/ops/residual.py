@@ -51,22 +51,11 @@ def rms_norm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, 
 # ==================================================================================================
 # F1/F3: out-projection + residual + RMSNorm statistics
 # ==================================================================================================
-#: rows (decode steps) up to which the GEMM finishes ``rstd`` in its own launch (``library.residual_rms_rstd``);
-#: more rows take the finisher launch, since the ping-pong schedule that training shapes run keeps no arrival
-#: counters
-RSTD_IN_LAUNCH_ROWS = 64
-
-
 @custom_op("out_proj_residual_rms", fake=lambda residual, **_: (torch.empty_like(residual), torch.empty_like(residual),
                                                                stats_like(residual, residual.shape[0])))
 def out_proj_residual_rms_op(inp: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
                              lora_u: Tensor | None, lora_b: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(x = inp @ W_eff^T + residual, normed = x * norm_weight, rstd)``: one GEMM, which finishes ``rstd`` itself
-    up to :data:`RSTD_IN_LAUNCH_ROWS` rows, else followed by the rstd finisher."""
-    if residual.shape[0] <= RSTD_IN_LAUNCH_ROWS:
-        out = run(library.residual_rms_rstd(eps), inp, weight, lora_u, lora_b, residual=residual,
-                  norm_weight=norm_weight)
-        return out["residual_out"], out["normed"], out["rstd"]
+    """``(x = inp @ W_eff^T + residual, normed = x * norm_weight, rstd)``, one GEMM + the rstd finisher."""
     out = run(library.residual_rms_stats(), inp, weight, lora_u, lora_b, residual=residual, norm_weight=norm_weight)
     rstd = kernels.finish_rstd(out["partial_sumsq"], residual.shape[1], eps)
     return out["residual_out"], out["normed"], rstd

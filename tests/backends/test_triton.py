@@ -86,8 +86,8 @@ def test_epilogue_split(check, name, split, block_n, tma):
 
 
 SPLIT_K_PROGRAMS = {name: library.PROGRAMS[name] for name in (
-    "residual_rms_stats", "residual_rms_rstd", "rms_qkv_rope", "rms_gate_up_swiglu", "rms_linear",
-    "rms_lm_head_cross_entropy", "weight_grad", "input_grad", "rms_norm_backward", "swiglu_backward")}
+    "residual_rms_stats", "rms_qkv_rope", "rms_gate_up_swiglu", "rms_linear", "rms_lm_head_cross_entropy",
+    "weight_grad", "input_grad", "rms_norm_backward", "swiglu_backward")}
 SPLIT_K_PROGRAMS["weight_grad_accumulate"] = lambda: library.weight_grad(True, "float32")
 
 
@@ -117,38 +117,6 @@ def test_split_k_deterministic():
     first, second = (backend.run(bind(program, a, b, dict(tensors))) for _ in range(2))
     for key in first:
         assert torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)), key
-
-
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_rstd_in_launch_matches_the_finisher(split_k):
-    """``residual_rms_rstd``: the row block's last column tile finishes ``rstd`` from the block's partials as
-    the finisher does (its twin, on the same partials, within fp32 rounding), for two row blocks of three
-    column tiles each, persistent and with K split, in one launch; the arrival counters are back at zero.
-    (Bitwise against the finisher's kernel: ``test_gpu_rstd_in_launch_is_the_finishers``.)"""
-    from codagen.ops.kernels import finish_rstd_ref
-    program = library.residual_rms_rstd(1e-5)
-    a, b, tensors = random_inputs(program, 20, 96, 80, torch.float32, "cpu")
-    backend = TritonBackend(config=KernelConfig(16, 32, 16, 1, 4, group_m=1, split_k=split_k))
-    outs = backend.run(bind(program, a, b, dict(tensors)))
-    assert backend.launches == 1 and outs["partial_sumsq"].shape == (20, 3)
-    torch.testing.assert_close(outs["rstd"], finish_rstd_ref(outs["partial_sumsq"], 96, 1e-5), rtol=2e-7, atol=0)
-    assert not arrivals.counters(torch.device("cpu"), 3).any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows, split_k", [(1, 2), (5, 1), (64, 1)])
-def test_gpu_rstd_in_launch_is_the_finishers(rows, split_k):
-    """On the GPU (bf16, the 8B O-proj's 4096 x 4096): the in-launch ``rstd`` is the finisher kernel's on the same
-    partials to an ulp (the compiler may fuse the mean's scale and eps into one rounding), and bitwise the same
-    twice in a row (deterministic), persistent and with K split."""
-    from codagen.ops.kernels import finish_rstd_triton
-    program = library.residual_rms_rstd(1e-5)
-    a, b, tensors = random_inputs(program, rows, 4096, 4096, torch.bfloat16, "cuda")
-    backend = TritonBackend(config=KernelConfig(16, 64, 256, 4, 4, group_m=1, split_k=split_k))
-    first, second = (backend.run(bind(program, a, b, dict(tensors))) for _ in range(2))
-    torch.testing.assert_close(first["rstd"], finish_rstd_triton(first["partial_sumsq"], 4096, 1e-5), rtol=2.5e-7,
-                               atol=0)
-    assert torch.equal(first["rstd"], second["rstd"]) and torch.equal(first["normed"], second["normed"])
 
 
 def test_split_k_refusals():
@@ -537,8 +505,7 @@ def test_reserved_names_cover_the_generated_kernels():
         library.rms_gate_up_swiglu().with_low_rank(), library.weight_grad().with_low_rank()]
     operands = {"a", "b", "a2", "b2"}
     for program in programs:
-        own = (set(program.inputs) | {o.name for o in program.outputs} | {r.name for r in program.rstd_outputs()}
-               | {program.name} | operands)
+        own = set(program.inputs) | {o.name for o in program.outputs} | {program.name} | operands
         sources = [persistent.generate(program)]
         if pingpong.refusal(program) is None:
             sources += [pingpong.generate(program), pingpong.generate(program, timeline=True)]
@@ -588,28 +555,6 @@ def test_split_k_kernel_compiles_for_sm90(name):
         [line for line in ptx.splitlines() if "atom" in line]
     assert "ld.global.cg" in ptx
     assert "griddepcontrol.wait" in ptx
-
-
-@pytest.mark.parametrize("function, arrivals", [("kernel", 1), ("split_k_kernel", 2)])
-def test_rstd_in_launch_compiles_for_sm90(function, arrivals):
-    """``residual_rms_rstd``'s kernels compile for Hopper without a GPU (pointer mainloop, PDL, bf16): the
-    row block's finish arrives with one more acquire-release atomic at GPU scope than the kernel had (split K:
-    the tile's K ranges, then the row block) and reads the row partials past L1."""
-    from tests.sm90 import sm90_ptx
-    constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EPILOGUE_SPLIT=1, SUB_N=64, TMA_MAINLOOP=False,
-                      TMA_EPILOGUE=False, UPCAST_OPERANDS=False, DOT_PRECISION="tf32", FLATTEN=False,
-                      INTERPRETER=False, PDL=True, PREFETCH_K=256, RSTD_TILES=64)  # FLATTEN: backend._rstd_meta
-    leading = {"a_ptr": "*bf16", "b_ptr": "*bf16"}
-    if function == "split_k_kernel":
-        constexprs["SPLIT_K"] = 2
-        leading.update({"partial_ptr": "*fp32", "arrivals_ptr": "*i32"})
-    else:
-        constexprs["GROUP_M"] = 1
-    trailing = {"row_arrivals_ptr": "*i32", "rstd_ptr": "*fp32", "rstd_scale": "fp32", "rstd_eps": "fp32"}
-    ptx = sm90_ptx(library.residual_rms_rstd(), function, leading, ("M", "N", "K"), constexprs, 4, 4, trailing)
-    assert ptx.count("atom.global.gpu.acq_rel.add") == arrivals, \
-        [line for line in ptx.splitlines() if "atom" in line]
-    assert "ld.global.cg" in ptx
 
 
 @pytest.mark.parametrize("value, on_by_default, off_by_default", [

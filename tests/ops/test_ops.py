@@ -329,7 +329,6 @@ def test_embedding_matches_torch_and_zeroes_the_padding_row():
 # ==================================================================================================
 def test_programs_per_op(monkeypatch):
     from codagen.backends.reference import ReferenceBackend
-    from codagen.ops.residual import RSTD_IN_LAUNCH_ROWS
 
     ran = []
     run = ReferenceBackend.run
@@ -352,14 +351,10 @@ def test_programs_per_op(monkeypatch):
     q_norm, k_norm = norm_weight()[:HEAD_DIM], norm_weight()[:HEAD_DIM]
     assert programs(ops.rms_qkv_rope, *stats(x, gamma), rand(QKV, D), torch.arange(M), frequencies, q_norm, k_norm,
                     HEADS) == (["rms_qkv_rope_qk_norm"], ["rms_norm_backward", "weight_grad"])  # + the B1 row kernel
-    # up to RSTD_IN_LAUNCH_ROWS rows the GEMM finishes rstd itself; more rows take the finisher kernel
     assert programs(ops.out_proj_residual_rms, rand(M, 4), rand(D, 4), x, gamma, EPS) == (
-        ["residual_rms_rstd"], ["input_grad", "weight_grad"])
-    rows = RSTD_IN_LAUNCH_ROWS + 1
-    assert programs(ops.out_proj_residual_rms, rand(rows, 4), rand(D, 4), rand(rows, D), gamma, EPS) == (
         ["residual_rms_stats"], ["input_grad", "weight_grad"])
     assert programs(ops.swiglu_mlp_residual_rms, *stats(x, gamma), rand(2 * FFN, D), rand(D, FFN), gamma, EPS) == (
-        ["rms_gate_up_swiglu", "residual_rms_rstd"],
+        ["rms_gate_up_swiglu", "residual_rms_stats"],
         ["swiglu_backward", "weight_grad", "rms_norm_backward", "weight_grad"])
     target = torch.randint(0, VOCAB, (M,))
     # training: the gradient is made in the forward pass (+ the cross-entropy row kernel); backward only scales

@@ -189,7 +189,7 @@ class TritonBackend:
         else:
             kernel = launch.kernel
             grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
-            args = _persistent_arguments(bound, launch, cfg, outs)
+            args = _persistent_arguments(bound, launch, outs)
         if launch.interpret:
             with interpreting():
                 kernel[grid](*args, **meta)
@@ -213,7 +213,7 @@ class TritonBackend:
             outs = {name: bound.tensors[name] if shape is None else dtype
                     for name, shape, dtype in bound.output_specs(cfg.block_m, cfg.block_n)}
             grid, meta = launch.metas.get(cfg) or self._meta(bound, launch, cfg)
-            calls.append(functools.partial(launch.kernel.warmup, *_persistent_arguments(bound, launch, cfg, outs),
+            calls.append(functools.partial(launch.kernel.warmup, *_persistent_arguments(bound, launch, outs),
                                            grid=grid, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         if len(calls) < 2:
             return
@@ -237,8 +237,7 @@ class TritonBackend:
     def _split_k_meta(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> tuple[tuple[int], dict]:
         """``(grid, constexpr arguments)`` of a split-K launch, kept in ``launch.metas``: persistent over
         tiles x K ranges."""
-        meta = dict(_common_meta(launch, cfg), **_rstd_meta(bound, launch, cfg), SPLIT_K=cfg.split_k,
-                    TMA_EPILOGUE=False)
+        meta = dict(_common_meta(launch, cfg), SPLIT_K=cfg.split_k, TMA_EPILOGUE=False)
         launch.metas[cfg] = self._grid(bound, launch, _tiles(launch, cfg) * cfg.split_k), meta
         return launch.metas[cfg]
 
@@ -246,7 +245,7 @@ class TritonBackend:
         """``(grid, constexpr arguments)`` of a persistent launch of ``cfg``, kept in ``launch.metas``:
         they depend on the call signature and the config only."""
         grid = self._grid(bound, launch, _tiles(launch, cfg))
-        meta = dict(_common_meta(launch, cfg), **_rstd_meta(bound, launch, cfg), GROUP_M=cfg.group_m,
+        meta = dict(_common_meta(launch, cfg), GROUP_M=cfg.group_m,
                     TMA_EPILOGUE=cfg.tma_epilogue and launch.tma_epilogue_ok)
         if bound.program.gemm.low_rank:  # the rank loop's step: at least the dot's minimum inner size 16, at most
             # BLOCK_K
@@ -438,55 +437,21 @@ class TritonBackend:
         return triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
 
 
-def _persistent_arguments(bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict) -> list:
-    """The persistent kernel's positional arguments: operands, the low-rank pair, inputs, outputs, sizes, then
-    what an Rstd finished in the launch takes (:func:`_rstd_arguments`)."""
+def _persistent_arguments(bound: BoundProgram, launch: _Launch, outs: dict) -> list:
+    """The persistent kernel's positional arguments: operands, the low-rank pair, inputs, outputs, sizes."""
     program = bound.program
     low_rank = program.gemm.low_rank
     args = [bound.a, bound.b] + ([bound.tensors["a2"], bound.tensors["b2"]] if low_rank else [])
-    args += _epilogue_tensors(bound, outs) + [launch.m, launch.n, launch.k] + ([bound.r] if low_rank else [])
-    if program.rstd_partials():
-        args += _rstd_arguments(bound, launch, cfg, outs, arrivals.counters(bound.device, _row_blocks(launch, cfg)))
-    return args
+    return args + _epilogue_tensors(bound, outs) + [launch.m, launch.n, launch.k] + ([bound.r] if low_rank else [])
 
 
 def _split_k_arguments(bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict) -> list:
     """The split-K kernel's positional arguments: operands, a scratch ``[split_k * M, N]`` for the K ranges' fp32
     partial tiles, an arrival counter per output tile (its last range sums the partials: :mod:`.arrivals`),
-    inputs, outputs, sizes, then what an Rstd finished in the launch takes (its row blocks' counters follow the
-    tiles' in the same buffer)."""
+    inputs, outputs, sizes."""
     partial = torch.empty(cfg.split_k * launch.m, launch.n, dtype=torch.float32, device=bound.device)
-    tiles = _tiles(launch, cfg)
-    finished = bool(bound.program.rstd_partials())
-    counters = arrivals.counters(bound.device, tiles + (_row_blocks(launch, cfg) if finished else 0))
-    args = [bound.a, bound.b, partial, counters] + _epilogue_tensors(bound, outs) + [launch.m, launch.n, launch.k]
-    if finished:
-        args += _rstd_arguments(bound, launch, cfg, outs, counters[tiles:])
-    return args
-
-
-def _rstd_arguments(bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict,
-                    row_counters: torch.Tensor) -> list:
-    """The row blocks' arrival counters, then per Rstd output its tensor, ``1 / columns`` and ``eps``."""
-    args = [row_counters]
-    for partial in bound.program.rstd_partials():
-        args += [outs[partial.rstd.name], 1.0 / partial.value.width.columns(launch.n), partial.rstd.eps]
-    return args
-
-
-def _rstd_meta(bound: BoundProgram, launch: _Launch, cfg: KernelConfig) -> dict:
-    """The constexprs of an Rstd finished in the launch (none without one): ``RSTD_TILES``, a power of two of
-    at least the column tiles a row block's last tile loads at once, and ``FLATTEN`` off: Triton 3.6's
-    nested-loop fusion fails on the persistent loop around the finish's branch (the op runs these programs
-    for decode rows, a tile or two per program, where flattening has nothing to overlap)."""
-    if not bound.program.rstd_partials():
-        return {}
-    return {"RSTD_TILES": 1 << (cdiv(launch.n, cfg.block_n) - 1).bit_length(), "FLATTEN": False}
-
-
-def _row_blocks(launch: _Launch, cfg: KernelConfig) -> int:
-    """Row blocks of a launch of ``cfg``."""
-    return cdiv(launch.m, cfg.block_m)
+    return ([bound.a, bound.b, partial, arrivals.counters(bound.device, _tiles(launch, cfg))]
+            + _epilogue_tensors(bound, outs) + [launch.m, launch.n, launch.k])
 
 
 def _tiles(launch: _Launch, cfg: KernelConfig) -> int:

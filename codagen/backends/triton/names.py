@@ -23,7 +23,7 @@ RESERVED_NAMES = frozenset("""
     a b a2 b2 acc bar cast_for_store col0 col_ok col_ok_b col_ok_double col_ok_half cols cols_b cols_double
     cols_half column_halves column_pieces cos_sin empty fence_async_shared float gl gluon input_bars
     first_k first_pid_m first_pid_n input_bars_0 input_bars_1 iteration k_ok k_tiles_per_split lines low_rank_steps
-    offsets ok part partial_ptr prefetch_weight_rows split arrivals_ptr last_to_arrive row_arrivals_ptr tiles
+    offsets ok part partial_ptr prefetch_weight_rows split arrivals_ptr last_to_arrive
     work_id off_r offs_r r_ok r_tile k_steps k_tile k_tiles local
     mainloop mbarrier
     merge_logsumexp my_tiles next_vectors num_pid_m num_pid_n num_tiles off_k off_m off_n offs_k
@@ -31,8 +31,8 @@ RESERVED_NAMES = frozenset("""
     row_ok_P row_ok_H row_ok_a rows rows_64 rows_a sigmoid slot slot_index stamp stamp_slot stamping
     tile_coords tile_id tile_index tile_ok tile_ok_double tile_ok_half timeline_ptr tl tma triton turn vectors
     BK BLOCK_K BLOCK_M BLOCK_N BLOCK_R BM BN B_NK DOT_PRECISION EPILOGUE_SPLIT FLATTEN GROUP_M H INTERPRETER
-    IN_SLOTS J K M N OUT_BUFFERS P PDL PIECES PREFETCH_K R PIECE_N RING RSTD_TILES SPLIT_K SUB_N TIMELINE_TILES
-    TMA_EPILOGUE TMA_MAINLOOP
+    IN_SLOTS J K M N OUT_BUFFERS P PDL PIECES PREFETCH_K R PIECE_N RING SPLIT_K SUB_N TIMELINE_TILES TMA_EPILOGUE
+    TMA_MAINLOOP
     UPCAST_OPERANDS WHICH
     """.split())
 
@@ -51,7 +51,7 @@ def _taken(name: str) -> bool:
 def kernel_names(program: Program) -> Mapping[str, str]:
     """Input/output name -> its identifier in the generated kernels (the name itself unless it collides
     with the generators' own identifiers or, once mangled, with another of the program's names)."""
-    names = list(program.inputs) + [o.name for o in program.outputs] + [r.name for r in program.rstd_outputs()]
+    names = list(program.inputs) + [o.name for o in program.outputs]
     chosen: dict[str, str] = {}
     used = {name for name in names if not _taken(name)}
     for name in names:

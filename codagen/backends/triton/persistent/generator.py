@@ -10,8 +10,7 @@ order of output tiles; ``column_halves``; ``cast_for_store``; ``merge_logsumexp`
 ``<name>_kernel``        the persistent GEMM: each program walks output tiles ``tile_id = pid,
                          pid + num_programs, ...``; per tile, a K loop of ``acc += A_tile @ B_tile``
                          (TMA tensor-descriptor loads, or masked pointer loads), then the epilogue on
-                         ``EPILOGUE_SPLIT`` column halves of ``acc``, then the RowPartial stores (and,
-                         for an ``Rstd``, the row block's last column tile finishes it);
+                         ``EPILOGUE_SPLIT`` column halves of ``acc``, then the RowPartial stores;
 ``<name>_split_k_kernel``
                          the same GEMM with K cut in ``SPLIT_K`` ranges (decode shapes, programs
                          without a low-rank pair): partial tiles to fp32 scratch; the last split of
@@ -234,35 +233,6 @@ def _signature_names(program: Program) -> tuple[list[str], list[str], list[str]]
     return inputs, outputs, descs
 
 
-def _rstd_params(program: Program) -> str:
-    """The kernel parameters of the :class:`~codagen.epilogue.ir.Rstd` outputs finished in the launch (after
-    the sizes): the row blocks' arrival counters, then each output's pointer, ``1 / columns`` and ``eps``."""
-    finished = program.rstd_partials()
-    if not finished:
-        return ""
-    return ", ".join(["row_arrivals_ptr"] + [f"{o.rstd.name}_ptr, {o.rstd.name}_scale, {o.rstd.name}_eps"
-                                             for o in finished])
-
-
-def _rstd_finish(program: Program) -> list[str]:
-    """After a tile stored its row partials: the row block's last column tile to finish (its arrival counter)
-    loads the block's ``num_pid_n <= RSTD_TILES`` partials (one masked load: a loop here would stop Triton
-    flattening the persistent loop) and stores ``rsqrt(sum * scale + eps)``."""
-    finished = program.rstd_partials()
-    if not finished:
-        return []
-    lines = ["if last_to_arrive(row_arrivals_ptr + pid_m, num_pid_n):  # every column tile of the row block stored",
-             "    tiles = tl.arange(0, RSTD_TILES)"]
-    for o in finished:
-        total = f"{o.rstd.name}_total"
-        lines += [f"    {total} = tl.sum(tl.load({o.name}_ptr + rows.to(tl.int64)[:, None] * num_pid_n + tiles[None, :],",
-                  "                          mask=(rows < M)[:, None] & (tiles < num_pid_n)[None, :], other=0.0,",
-                  "                          cache_modifier=\".cg\"), axis=1)",
-                  f"    tl.store({o.rstd.name}_ptr + rows, 1.0 / tl.sqrt({total} * {o.rstd.name}_scale + "
-                  f"{o.rstd.name}_eps), mask=rows < M)"]
-    return lines
-
-
 def _mainloop(program: Program) -> tuple[str, str]:
     """(descriptor set-up, K-loop body) for the program's operand layouts."""
     gemm = program.gemm
@@ -438,14 +408,13 @@ def generate(program: Program, header: str = "") -> str:
                     f"    {call('acc_2', 'off_n + 2 * SUB_N', '_2')}",
                     f"    {call('acc_3', 'off_n + 3 * SUB_N', '_3')}"]
     split_lines += [f"    {line}" for line in merge("_01", "_0", "_1") + merge("_23", "_2", "_3") + merge("", "_01", "_23")]
-    row_stores = []  # the tile's row partials, then any Rstd finished from them
+    row_stores = []
     if row_pieces:
         row_stores += ["rows = off_m + tl.arange(0, BLOCK_M)",
                        "partial_offsets = rows.to(tl.int64) * num_pid_n + pid_n  # [M, cdiv(N, BLOCK_N)] partials"]
         for out, pieces in row_pieces:
             value = pieces[0] if out.reduction == "sum" else f"{pieces[0]} + tl.log({pieces[1]})"
             row_stores.append(f"tl.store({out.name}_ptr + partial_offsets, {value}, mask=rows < M)  # {out.reduction}")
-    row_stores += _rstd_finish(program)
     split_call = "\n".join(split_lines)
 
     def ind(text: str, n: int) -> str:
@@ -459,12 +428,12 @@ def generate(program: Program, header: str = "") -> str:
     low_rank_loop = ind(_low_rank_loop(program), 8) if low_rank else ""
     kernel_args = ",\n        ".join(filter(None, [
         "a_ptr, b_ptr" + (", a2_ptr, b2_ptr" if low_rank else ""), ", ".join(inputs), ", ".join(outputs),
-        "M, N, K" + (", R" if low_rank else ""), _rstd_params(program),
+        "M, N, K" + (", R" if low_rank else ""),
         "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr"
         + (", BLOCK_R: tl.constexpr" if low_rank else ""),
         "EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr",
         "UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr",
-        "PDL: tl.constexpr, PREFETCH_K: tl.constexpr" + (", RSTD_TILES: tl.constexpr" if program.rstd_partials() else ""),
+        "PDL: tl.constexpr, PREFETCH_K: tl.constexpr",
     ]))
 
     src = f'''\
@@ -525,8 +494,6 @@ def _split_k_kernel(program: Program, setup: str, kbody: str, inputs: list[str],
     (decode) and few columns, where ``cdiv(N, BLOCK_N)`` tiles would leave SMs idle and every K loop long."""
     name = program.name
     pointer_params = ", ".join(inputs + outputs)
-    rstd_params = f" {_rstd_params(program)}," if program.rstd_partials() else ""
-    rstd_constexpr = ", RSTD_TILES: tl.constexpr" if program.rstd_partials() else ""
     # the first work item of a program: tile pid // SPLIT_K, split pid % SPLIT_K (the loop below)
     dependent_launch = _dependent_launch(
         program, "(tl.program_id(0) // SPLIT_K) // num_pid_n, (tl.program_id(0) // SPLIT_K) % num_pid_n",
@@ -536,11 +503,11 @@ def _split_k_kernel(program: Program, setup: str, kbody: str, inputs: list[str],
 
 @triton.jit
 def {name}_split_k_kernel(
-        a_ptr, b_ptr, partial_ptr, arrivals_ptr, {pointer_params}, M, N, K,{rstd_params}
+        a_ptr, b_ptr, partial_ptr, arrivals_ptr, {pointer_params}, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr,
         UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr,
-        PDL: tl.constexpr, PREFETCH_K: tl.constexpr{rstd_constexpr}):
+        PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
     """Split-K: partial[split] = op(A)[:, K range of split] @ op(B)[K range of split, :] in fp32; the tile's last
     split sums its SPLIT_K partials in split order and runs the {name} epilogue on the sum."""
     num_pid_m = tl.cdiv(M, BLOCK_M)

@@ -31,8 +31,6 @@ def supports(program: Program) -> str | None:
     """Why the ping-pong generator cannot take ``program`` (None if it can)."""
     if program.gemm.a_layout != "mk":
         return "A must be [M, K] (the weight-gradient layout has no epilogue worth overlapping)"
-    if program.rstd_outputs():
-        return "an Rstd finished in the launch (the consumer warpgroups keep no arrival counters)"
     for e in program.expressions():
         if (reason := e.pingpong_refusal()) is not None:
             return reason
