@@ -166,13 +166,8 @@ def decoder_stack(x: torch.Tensor, layers, final_norm: torch.Tensor, eps: float,
     """:func:`codagen.models.llama.module_stack` over fused HF layers: one ``layer.fused(...)`` call per block.
     Under sequence parallelism the blocks take and return this rank's rows; the head gets every row back."""
     parallel = layers[0].fused.parallel if len(layers) else None
-    sequence_parallel = parallel is not None and parallel[1]
-    if sequence_parallel:
-        x = tensor_parallel.sequence_rows(x, parallel[0])
-    x, normed, rstd = module_stack(x, [layer.fused for layer in layers],
-                                   [tensor_parallel.local(layer.input_layernorm.weight) for layer in layers],
-                                   [tensor_parallel.local(layer.post_attention_layernorm.weight) for layer in layers],
-                                   final_norm, eps, spec, positions, frequencies, checkpoints)
-    if sequence_parallel:
-        x, normed, rstd = (tensor_parallel.all_rows(t, parallel[0]) for t in (x, normed, rstd))
-    return x, normed, rstd
+    sequence_mesh = parallel[0] if parallel is not None and parallel[1] else None
+    return tensor_parallel.on_sequence_rows(x, sequence_mesh, lambda x: module_stack(
+        x, [layer.fused for layer in layers], [tensor_parallel.local(layer.input_layernorm.weight) for layer in layers],
+        [tensor_parallel.local(layer.post_attention_layernorm.weight) for layer in layers], final_norm, eps, spec,
+        positions, frequencies, checkpoints))

@@ -27,6 +27,7 @@ and two reduce-scatters of ``M d``. Both add the all-reduces of the norm weights
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -38,7 +39,8 @@ from codagen import ops
 from .llama import AttentionSpec, BlockWeights, attention, block_qkv
 
 __all__ = ["qkv_rank_major", "qkv_from_rank_major", "shard_block_weights", "replicate_parameters", "local",
-           "rank_block", "parallel_block", "sequence_rows", "rows_of", "all_rows"]
+           "rank_block", "parallel_block", "sequence_rows", "rows_of", "all_rows",
+           "on_sequence_rows"]
 
 
 def qkv_rank_major(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, ranks: int) -> torch.Tensor:
@@ -125,6 +127,15 @@ def sequence_rows(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         raise ValueError(f"codagen: sequence parallelism needs batch * seq ({x.shape[0]} tokens) to be a multiple "
                          f"of the tensor-parallel degree ({mesh.size()})")
     return rows_of(x, mesh)
+
+
+def on_sequence_rows(x: torch.Tensor, mesh: DeviceMesh | None, stack: Callable[[torch.Tensor], tuple]) -> tuple:
+    """``stack(x)``, a decoder stack over the residual stream ``x`` returning ``(x, normed, rstd)``; under sequence
+    parallelism over ``mesh`` on this rank's rows of ``x`` (:func:`sequence_rows`), with every rank's rows of the
+    three gathered back for the head (:func:`all_rows`). ``mesh`` None: no sequence parallelism."""
+    if mesh is None:
+        return stack(x)
+    return tuple(all_rows(t, mesh) for t in stack(sequence_rows(x, mesh)))
 
 
 def _gradient_reduced(t: torch.Tensor | None, mesh: DeviceMesh) -> torch.Tensor | None:

@@ -245,16 +245,13 @@ class _CodagenDecoder:
         x = self.tok_embeddings(tokens).reshape(batch * seq, -1)
         spec = AttentionSpec(batch, seq, self.n_heads, self.n_kv_heads, self.head_dim)
         norms = list(self.block_norms.values())
-        sequence_parallel = self.tp_mesh is not None and self.sequence_parallel
-        if sequence_parallel:
-            x = tensor_parallel.sequence_rows(x, self.tp_mesh)
+        sequence_mesh = self.tp_mesh if self.tp_mesh is not None and self.sequence_parallel else None
         local = tensor_parallel.local  # under tensor parallelism the norms and the head are replicated DTensors
         final_norm = local(self.final_norm.weight)
-        x, normed, rstd = module_stack(x, list(self.layers.values()), [local(n.attention_norm.weight) for n in norms],
-                                       [local(n.ffn_norm.weight) for n in norms], final_norm, self.eps, spec,
-                                       positions.reshape(-1).float(), self.frequencies())
-        if sequence_parallel:
-            x, normed, rstd = (tensor_parallel.all_rows(t, self.tp_mesh) for t in (x, normed, rstd))
+        x, normed, rstd = tensor_parallel.on_sequence_rows(x, sequence_mesh, lambda x: module_stack(
+            x, list(self.layers.values()), [local(n.attention_norm.weight) for n in norms],
+            [local(n.ffn_norm.weight) for n in norms], final_norm, self.eps, spec, positions.reshape(-1).float(),
+            self.frequencies()))
         if self._skip_lm_head:  # torchtitan's ChunkedLossWrapper applies the LM head itself, chunk by chunk
             return F.rms_norm(x, (x.shape[1],), final_norm.to(x.dtype), self.eps).view(batch, seq, -1)
         logits = ops.rms_linear(x, normed, rstd, final_norm.to(x.dtype), local(self.lm_head.weight))
