@@ -26,6 +26,7 @@ microseconds per call, with the cache's bytes over that time as a bandwidth.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -39,15 +40,11 @@ from codagen.bench.common import environment
 SHAPES = {"llama3-8b": (32, 8, 128), "llama3-1b": (32, 8, 64)}  # heads, kv heads, head dim
 
 
-_compiled_flex = None
-
-
+@functools.cache
 def _flex_attention():
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    """``torch.compile(flex_attention)``, compiled once for every way and shape."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def ways(q, k, v, mask, lengths):
@@ -86,6 +83,7 @@ def ways(q, k, v, mask, lengths):
             q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cum_q, cum_k, 1, k.shape[2], 0.0,
             False, False, seqused_k=lengths)[0]
         return out.transpose(0, 1)[None]
+
     def before_length(b, h, q_idx, kv_idx):
         return kv_idx < lengths[b]
 

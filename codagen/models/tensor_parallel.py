@@ -39,8 +39,7 @@ from codagen import ops
 from .llama import AttentionSpec, BlockWeights, attention, block_qkv
 
 __all__ = ["qkv_rank_major", "qkv_from_rank_major", "shard_block_weights", "replicate_parameters", "local",
-           "rank_block", "parallel_block", "sequence_rows", "rows_of", "all_rows",
-           "on_sequence_rows"]
+           "rank_block", "parallel_block", "sequence_rows", "rows_of", "all_rows", "on_sequence_rows"]
 
 
 def qkv_rank_major(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, ranks: int) -> torch.Tensor:
