@@ -38,8 +38,8 @@ _modules_lock = threading.Lock()
 def load_kernel(program: Program, *, dtypes: str, arch: str, interpret: bool, schedule: str = "persistent",
                 function: str = "kernel"):
     """The ``<name>_<function>`` JIT function (``kernel``, or the persistent module's ``split_k_kernel``) of
-    ``program``'s ``schedule`` module, from a real file
-    in the cache. The file name hashes the program, dtypes, arch, schedule and library versions."""
+    ``program``'s ``schedule`` module, from a real file in the cache. The file name hashes the program, dtypes,
+    arch, schedule and library versions."""
     key_text = "\n".join([program_key(program), dtypes, arch, library_versions()] +
                          ([f"pingpong {pingpong.GENERATOR_VERSION}"] if schedule == "pingpong" else []))
     digest = source_hash(key_text)

@@ -150,7 +150,9 @@ def _finish(partial: torch.Tensor, *, over_rows: bool, dtype: torch.dtype, scale
     out = torch.empty(n_out, dtype=dtype, device=partial.device)
     if n_out:
         outs, tiles = _finish_step(n_out, n_tiles)
-        pdl = dependent_launch.enabled(n_out, partial.device)  # False for CPU tensors (the interpreter)
+        # a row finisher (one output per row) of a decode-sized GEMM launches as its dependent; a column finisher's
+        # outputs are columns, not the GEMM's rows. (False for CPU tensors: the interpreter.)
+        pdl = not over_rows and dependent_launch.enabled(n_out, partial.device)
         launch_kernel(_finish_partials_kernel, (cdiv(n_out, outs),), partial, out, n_out, n_tiles, out_stride,
                       tile_stride, scale, eps, RSQRT=rsqrt, OUTS=outs, TILES=tiles,
                       **dependent_launch.launch_options(pdl))
