@@ -392,6 +392,9 @@ class Program:
     gemm: Gemm
     outputs: tuple[Output, ...]
     doc: str = field(default="", compare=False)
+    #: a program whose tuned choices stand in for this one's until it has its own: the same GEMM with
+    #: more epilogue work (an inference program's training twin, which also stores what backward needs)
+    tuning_stand_in: Program | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         check_name(self.name, "Program")
@@ -507,7 +510,9 @@ class Program:
         memo: dict[Expr, Expr] = {}
         outputs = tuple(dataclasses.replace(o, name=names.get(o.name, o.name), value=_renamed(o.value, names, memo))
                         for o in self.outputs)
-        return Program(self.name, self.gemm, outputs, doc=self.doc)
+        stand_in = self.tuning_stand_in
+        return Program(self.name, self.gemm, outputs, doc=self.doc,
+                       tuning_stand_in=None if stand_in is None else stand_in.renamed(names))
 
 
 def _renamed(e: Expr, names: Mapping[str, str], memo: dict[Expr, Expr]) -> Expr:
@@ -524,4 +529,6 @@ def _renamed(e: Expr, names: Mapping[str, str], memo: dict[Expr, Expr]) -> Expr:
 @functools.cache
 def _with_low_rank(program: Program) -> Program:
     gemm = Gemm(program.gemm.a_layout, program.gemm.b_layout, low_rank=True)
-    return Program(program.name, gemm, program.outputs, doc=program.doc)
+    stand_in = program.tuning_stand_in
+    return Program(program.name, gemm, program.outputs, doc=program.doc,
+                   tuning_stand_in=None if stand_in is None else stand_in.with_low_rank())

@@ -91,21 +91,24 @@ def residual_rms_stats() -> Program:
 
 
 @functools.cache
-def rms_gate_up_swiglu() -> Program:
+def rms_gate_up_swiglu(save_preact: bool = True) -> Program:
     """F2: rstd-scaled gate/up projection + SwiGLU, weight rows interleaved ``(g0, u0, g1, u1, ...)``.
 
     ``z = rstd[m] * (a @ b^T)``; outputs ``preact = z`` (saved for backward, [M, 2F]) and
     ``out[m, j] = silu(z[m, 2j]) * z[m, 2j+1]`` ([M, F]).
+    ``save_preact=False`` (program ``rms_gate_up_swiglu_inference``): ``out`` alone, for a forward without
+    backward (prefill, decode), which then writes a third of the bytes.
     """
     z = acc * rstd
-    return Program("rms_gate_up_swiglu", Gemm.linear(), (
-        Store("preact", z),
-        Store("out", SwiGLU(z)),
-    ), doc=rms_gate_up_swiglu.__doc__)
+    act = Store("out", SwiGLU(z))
+    if not save_preact:
+        return Program("rms_gate_up_swiglu_inference", Gemm.linear(), (act,), doc=rms_gate_up_swiglu.__doc__,
+                       tuning_stand_in=rms_gate_up_swiglu())
+    return Program("rms_gate_up_swiglu", Gemm.linear(), (Store("preact", z), act), doc=rms_gate_up_swiglu.__doc__)
 
 
 @functools.cache
-def rms_qkv_rope(qk_norm_head_dim: int | None = None, qk_norm_eps: float = 1e-6) -> Program:
+def rms_qkv_rope(qk_norm_head_dim: int | None = None, qk_norm_eps: float = 1e-6, save_preact: bool = True) -> Program:
     """F4: rstd-scaled QKV projection + RoPE on interleaved pairs, optionally with QK-norm before RoPE.
 
     ``z = rstd[m] * (a @ b^T)``; ``qkv[m, 2j:2j+2] = rotate(y[m, 2j:2j+2], positions[m] * frequencies[j])``.
@@ -123,7 +126,8 @@ def rms_qkv_rope(qk_norm_head_dim: int | None = None, qk_norm_eps: float = 1e-6)
     adjacent-pair column order of the fused weight. The output ``preact = z`` [M, N] (before QK-norm
     and RoPE) is saved for backward: the QK-norm backward needs the pre-norm head, and recovering it
     from ``qkv`` would divide by the norm weight. N must be a multiple of ``hd`` and kernels need
-    epilogue tiles of whole heads.
+    epilogue tiles of whole heads. ``save_preact=False`` (program ``rms_qkv_rope_qk_norm_inference``): ``qkv``
+    alone, for a forward without backward.
     """
     z = acc * rstd
     if qk_norm_head_dim is None:
@@ -137,10 +141,11 @@ def rms_qkv_rope(qk_norm_head_dim: int | None = None, qk_norm_eps: float = 1e-6)
         raise ProgramError(f"rms_qkv_rope: qk_norm_eps must be a positive float, got {qk_norm_eps!r}")
     qk_rstd = Unary("rsqrt", SegmentSum(Unary("square", z), hd) * (1.0 / hd) + float(qk_norm_eps))
     y = z * (ColVector("qk_norm_weight") * qk_rstd + ColVector("qk_passthrough"))
-    return Program("rms_qkv_rope_qk_norm", Gemm.linear(), (
-        Store("qkv", Rope(y, RowVector("positions"), ColVector("frequencies", Width.HALF))),
-        Store("preact", z),
-    ), doc=rms_qkv_rope.__doc__)
+    qkv = Store("qkv", Rope(y, RowVector("positions"), ColVector("frequencies", Width.HALF)))
+    if not save_preact:
+        return Program("rms_qkv_rope_qk_norm_inference", Gemm.linear(), (qkv,), doc=rms_qkv_rope.__doc__,
+                       tuning_stand_in=rms_qkv_rope(hd, qk_norm_eps))
+    return Program("rms_qkv_rope_qk_norm", Gemm.linear(), (qkv, Store("preact", z)), doc=rms_qkv_rope.__doc__)
 
 
 @functools.cache

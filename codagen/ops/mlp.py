@@ -52,6 +52,14 @@ def _rms_gate_up_swiglu_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor,
     return out["out"], out["preact"]
 
 
+@custom_op("rms_gate_up_swiglu_inference", fake=lambda normed, gate_up_weight, **_: _fake_gate_up(
+    normed, gate_up_weight)[0])
+def _rms_gate_up_swiglu_inference_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None,
+                                     lora_b: Tensor | None) -> Tensor:
+    """F2 without ``preact``: the forward of a model that runs no backward (prefill, decode)."""
+    return run(library.rms_gate_up_swiglu(save_preact=False), normed, gate_up_weight, lora_u, lora_b, rstd=rstd)["out"]
+
+
 @custom_op("rms_gate_up_swiglu_backward", fake=_fake_gate_up_backward)
 def _rms_gate_up_swiglu_backward_op(grad_act: Tensor, preact: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
                                     gate_up_weight: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
@@ -107,12 +115,16 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
     ``(dg, du)`` and ``mean_z_dz = sum (g dg + u du) / d``, then the RMSNorm-backward GEMM and ``grad_W``.
     Prefer :func:`swiglu_mlp_residual_rms`, which moves the SwiGLU backward into the down-projection's epilogue.
     ``low_rank``: as in :func:`rms_qkv_rope` (``b``'s rows interleaved like ``gate_up_weight``'s).
-    Saved: ``preact``, ``x``, ``rstd``.
+    Saved: ``preact``, ``x``, ``rstd``; with autograd off (``torch.no_grad``) nothing, and ``preact`` is not stored.
     """
     x, normed, rstd, norm_weight, gate_up_weight = _checked_gate_up_inputs(x, normed, rstd, norm_weight,
                                                                            gate_up_weight)
     d = x.shape[1]
     low_rank = check.low_rank("low_rank", low_rank, d, gate_up_weight.shape[0], x)
+    if not torch.is_grad_enabled():
+        lora_a, lora_b, lora_scale = lora_args(low_rank)
+        return _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight,
+                                                low_rank_operand(normed, lora_a, lora_scale), lora_b)
     return _RmsGateUpSwiglu.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight,
                                   *lora_args(low_rank))
 
@@ -243,7 +255,8 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     B6 as in :func:`rms_gate_up_swiglu`, F3 with ``(scale * act @ a^T, b)``, B4 with ``(scale * grad_x_out @ b,
     a)``. A weight that requires no gradient gets no weight-gradient GEMM (B5, B7).
     Saved: ``preact`` (until B4 has run), ``x``, ``rstd``; ``act`` and ``n = RMSNorm(x)`` are recomputed.
-    With autograd off (``torch.no_grad``, inference) the two GEMMs run without autograd nodes.
+    With autograd off (``torch.no_grad``, inference) the two GEMMs run without autograd nodes, and F2 stores
+    ``act`` alone (no ``preact``).
     """
     x, normed, rstd, norm_weight, gate_up_weight = _checked_gate_up_inputs(x, normed, rstd, norm_weight,
                                                                            gate_up_weight)
@@ -256,10 +269,10 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     next_norm_weight = check.vector("next_norm_weight", next_norm_weight, d, "[features]", x)
     gate_up_low_rank = check.low_rank("gate_up_low_rank", gate_up_low_rank, d, 2 * ffn, x)
     down_low_rank = check.low_rank("down_low_rank", down_low_rank, ffn, d, x)
-    if not torch.is_grad_enabled():  # inference: the two GEMMs without autograd nodes or the gradient slot
+    if not torch.is_grad_enabled():  # inference: the two GEMMs without preact, autograd nodes or gradient slot
         lora_a, lora_b, lora_scale = lora_args(gate_up_low_rank)
-        act, _ = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, low_rank_operand(normed, lora_a, lora_scale),
-                                        lora_b)
+        act = _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight,
+                                               low_rank_operand(normed, lora_a, lora_scale), lora_b)
         lora_a, lora_b, lora_scale = lora_args(down_low_rank)
         return out_proj_residual_rms_op(act, down_weight, x, next_norm_weight, check.eps(eps),
                                         low_rank_operand(act, lora_a, lora_scale), lora_b)

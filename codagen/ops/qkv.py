@@ -124,16 +124,34 @@ def _fake_qk_norm_forward(normed, qkv_weight, **_):
     return normed.new_empty(shape), normed.new_empty(shape)
 
 
+def _run_qk_norm(save_preact: bool, normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor,
+                 frequencies: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int, eps: float,
+                 lora_u: Tensor | None, lora_b: Tensor | None) -> dict[str, Tensor]:
+    head_dim = q_norm_weight.shape[0]
+    qk_norm_weight, qk_passthrough = _qk_norm_columns(
+        q_norm_weight, k_norm_weight, num_heads, kv_heads_of(qkv_weight.shape[0], head_dim, num_heads))
+    return run(library.rms_qkv_rope(head_dim, eps, save_preact), normed, qkv_weight, lora_u, lora_b, rstd=rstd,
+               positions=positions, frequencies=frequencies, qk_norm_weight=qk_norm_weight,
+               qk_passthrough=qk_passthrough)
+
+
 @custom_op("rms_qkv_rope_qk_norm", fake=_fake_qk_norm_forward)
 def _rms_qkv_rope_qk_norm_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
                              q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
                              eps: float, lora_u: Tensor | None, lora_b: Tensor | None) -> tuple[Tensor, Tensor]:
-    head_dim = q_norm_weight.shape[0]
-    qk_norm_weight, qk_passthrough = _qk_norm_columns(
-        q_norm_weight, k_norm_weight, num_heads, kv_heads_of(qkv_weight.shape[0], head_dim, num_heads))
-    out = run(library.rms_qkv_rope(head_dim, eps), normed, qkv_weight, lora_u, lora_b, rstd=rstd, positions=positions,
-              frequencies=frequencies, qk_norm_weight=qk_norm_weight, qk_passthrough=qk_passthrough)
+    out = _run_qk_norm(True, normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
+                       num_heads, eps, lora_u, lora_b)
     return out["qkv"], out["preact"]
+
+
+@custom_op("rms_qkv_rope_qk_norm_inference", fake=lambda **kwargs: _fake_qk_norm_forward(**kwargs)[0])
+def _rms_qkv_rope_qk_norm_inference_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor,
+                                       frequencies: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
+                                       num_heads: int, eps: float, lora_u: Tensor | None,
+                                       lora_b: Tensor | None) -> Tensor:
+    """The QK-norm forward without ``preact``: for a model that runs no backward (prefill, decode)."""
+    return _run_qk_norm(False, normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
+                        num_heads, eps, lora_u, lora_b)["qkv"]
 
 
 def _fake_qk_norm_backward(x, norm_weight, qkv_weight, q_norm_weight, k_norm_weight, weight_grad, input_grad, lora_a,
@@ -233,7 +251,8 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
 
     Saved: ``qkv`` (attention keeps it alive anyway), ``x``, ``rstd``; with QK-norm ``preact = z``
     [M, N] instead of ``qkv`` (one extra activation of qkv's size: the norm's backward needs the
-    pre-norm heads; ``rho`` is recomputed from it). ``n = RMSNorm(x)`` is recomputed.
+    pre-norm heads; ``rho`` is recomputed from it). ``n = RMSNorm(x)`` is recomputed. With autograd off
+    (``torch.no_grad``) nothing is saved and ``preact`` is not stored.
     """
     x = check.activation("x", x)
     m, d = x.shape
@@ -274,6 +293,12 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     eps = check.eps(qk_norm_eps, "qk_norm_eps")
     kv_cols = kv_rows // 2 * head_dim
     split_sizes = check.split_sizes("split_sizes", split_sizes, rows, (num_heads * head_dim, kv_cols, kv_cols))
+    if not torch.is_grad_enabled():  # inference: no autograd node, no preact
+        lora_a, lora_b, lora_scale = lora
+        qkv = _rms_qkv_rope_qk_norm_inference_op(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight,
+                                                 k_norm_weight, num_heads, eps,
+                                                 low_rank_operand(normed, lora_a, lora_scale), lora_b)
+        return _outputs((*_split_outputs(qkv, split_sizes), x), pass_residual)
     out = _RmsQkvRopeQkNorm.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
                                   frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps, split_sizes,
                                   *lora)

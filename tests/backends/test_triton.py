@@ -169,6 +169,28 @@ def test_segment_sum(check):
         check(program, 45, 192, 40, torch.float16, backend=TritonBackend(config=cfg))
 
 
+INFERENCE_PROGRAMS = {"rms_gate_up_swiglu_inference": lambda: library.rms_gate_up_swiglu(save_preact=False),
+                      "rms_qkv_rope_qk_norm_inference": lambda: library.rms_qkv_rope(16, 1e-6, save_preact=False)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("name", sorted(INFERENCE_PROGRAMS))
+def test_inference_program(check, name, dtype):
+    """The forwards without ``preact``: their one output as their training twin computes it."""
+    program = INFERENCE_PROGRAMS[name]()
+    assert program.name == name and [o.name for o in program.outputs] == [o.name for o in program.outputs
+                                                                          if o.name != "preact"]
+    assert {o.name for o in program.tuning_stand_in.outputs} == {o.name for o in program.outputs} | {"preact"}
+    check(program, 7, 96, 40, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(INFERENCE_PROGRAMS))
+def test_gpu_inference_program(check, name):
+    check(INFERENCE_PROGRAMS[name](), 1000, 1536, 1024, torch.bfloat16, device="cuda")
+    check(INFERENCE_PROGRAMS[name](), 1, 1536, 1024, torch.bfloat16, device="cuda")  # a decode row
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("head_dim, shape", [(16, (7, 96, 40)), (32, (129, 128, 48)), (16, (1, 64, 24))])
 def test_qk_norm_program(check, head_dim, shape, dtype):

@@ -92,6 +92,25 @@ def test_other_versions_gpus_and_programs(table):
     assert table.choose(key_at(program, 16384, 2048, 8192), gemm_layout(program), program, pool, 8192)[1] == "heuristic"
 
 
+def test_tuning_relatives_stand_in_nearest_first():
+    """An untuned key looks up its relatives' entries in turn: the program without its low-rank pair, then its
+    ``tuning_stand_in`` (an inference program's training twin), that without the pair."""
+    from codagen.backends.triton.backend import _tuning_relatives
+    from codagen.bench.kernels import random_inputs
+    program = library.rms_gate_up_swiglu(save_preact=False)
+    a, b, tensors = random_inputs(program, 16384, 28672, 4096, torch.bfloat16, "meta")
+    low_rank = dict(a2=a.new_empty(16384, 8), b2=b.new_empty(28672, 8))
+    bound = bind(program.with_low_rank(), a, b, dict(tensors, **low_rank))
+    relatives = [(r.program.name, r.program.gemm.low_rank, sorted(r.tensors)) for r in _tuning_relatives(bound)]
+    assert relatives == [("rms_gate_up_swiglu_inference", False, ["rstd"]),
+                         ("rms_gate_up_swiglu", True, ["a2", "b2", "rstd"]),
+                         ("rms_gate_up_swiglu", False, ["rstd"])]
+    twin = library.rms_gate_up_swiglu()
+    assert (key_at(twin, 16384, 28672, 4096) == tuning_key("NVIDIA H200", _tuning_relatives(
+        bound_at(library.rms_gate_up_swiglu(save_preact=False), 16384, 28672, 4096))[0], True, True, VERSIONS))
+    assert _tuning_relatives(bound_at(twin, 16384, 28672, 4096)) == []
+
+
 def test_an_entry_these_operands_cannot_run_gives_its_fastest_candidate(table):
     """A bucket's ping-pong choice, for operands the ping-pong kernel cannot take (no TMA epilogue):
     the entry's fastest timed candidate of the pool that can run."""

@@ -62,8 +62,11 @@ def _every_public_op():
     head = _leaf(VOCAB, D, scale=0.2)
     logits = ops.rms_linear(h, normed, rstd, gamma, head)
     loss = ops.rms_lm_head_cross_entropy(h, normed, rstd, gamma, head, torch.randint(0, VOCAB, (M,)))
-    with torch.no_grad():
+    with torch.no_grad():  # the forwards without the tensors backward would need
         eval_loss = ops.rms_lm_head_cross_entropy(h, normed, rstd, gamma, head, torch.randint(0, VOCAB, (M,)))
+        ops.rms_gate_up_swiglu(h, normed, rstd, gamma, _leaf(2 * FFN, D, scale=0.2), low_rank=lora(2 * FFN, D))
+        ops.rms_qkv_rope(x, normed, rstd, gamma, _leaf(QKV, D, scale=0.2), positions, freqs, _leaf(HD), _leaf(HD),
+                         num_heads=HEADS)
     embedded = ops.embedding(torch.randint(0, VOCAB, (M,)), _leaf(VOCAB, D), padding_idx=0)
     total = (loss + eval_loss + logits.sum() + act.sum() + qk.sum() + k.sum() + v.sum() + embedded.sum())
     total.backward()

@@ -367,6 +367,41 @@ def test_programs_per_op(monkeypatch):
     assert ran == ["rms_lm_head_cross_entropy"]
 
 
+def test_inference_forward_stores_nothing_for_backward(monkeypatch):
+    """Under ``no_grad`` the ops that save a pre-activation for backward run its inference program (which does
+    not store it), and return what their training forward returns, bitwise."""
+    from codagen.backends.reference import ReferenceBackend
+
+    ran = []
+    run = ReferenceBackend.run
+    monkeypatch.setattr(ReferenceBackend, "run", lambda self, bound: ran.append(bound.program.name) or run(self, bound))
+    x, gamma = rand(M, D), norm_weight()
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM).double()
+    cases = {
+        "rms_gate_up_swiglu": (lambda: ops.rms_gate_up_swiglu(*stats(x, gamma), rand(2 * FFN, D)),
+                               ["rms_gate_up_swiglu_inference"]),
+        "swiglu_mlp_residual_rms": (
+            lambda: ops.swiglu_mlp_residual_rms(*stats(x, gamma), rand(2 * FFN, D), rand(D, FFN), gamma, EPS),
+            ["rms_gate_up_swiglu_inference", "residual_rms_stats"]),
+        "rms_qkv_rope with QK-norm": (
+            lambda: ops.rms_qkv_rope(*stats(x, gamma), rand(QKV, D), torch.arange(M), frequencies, rand(HEAD_DIM),
+                                     rand(HEAD_DIM), HEADS, split_sizes=(HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,
+                                                                         KV_HEADS * HEAD_DIM), pass_residual=True),
+            ["rms_qkv_rope_qk_norm_inference"]),
+    }
+    for name, (call, inference_programs) in cases.items():
+        torch.manual_seed(0)
+        trained = call()
+        torch.manual_seed(0)
+        ran.clear()
+        with torch.no_grad():
+            inferred = call()
+        assert ran == inference_programs, name
+        for got, want in zip(inferred if isinstance(inferred, tuple) else (inferred,),
+                             trained if isinstance(trained, tuple) else (trained,), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=0, msg=name)
+
+
 # ==================================================================================================
 # The row kernels' reference twins (the Triton kernels are checked against them in test_ops_triton.py)
 # ==================================================================================================

@@ -347,11 +347,10 @@ class TritonBackend:
             cfg, source = self._tune(bound, launch, pool, key), "timed"
         else:
             lookup = key
-            if bound.program.gemm.low_rank and key not in self.tuning:
-                # a low-rank program adds a short R loop to its base program's mainloop: until it has a
-                # choice of its own, the base program's choice (or its fastest persistent candidate) stands in
-                base_key = self._tuning_key(_without_low_rank(bound), launch)
-                lookup = base_key if base_key in self.tuning else key
+            if key not in self.tuning:  # until it has a choice of its own, the nearest tuned relative's stands in
+                lookup = next((stand_in for stand_in in (self._tuning_key(relative, launch)
+                                                         for relative in _tuning_relatives(bound))
+                               if stand_in in self.tuning), key)
             cfg, source = self.tuning.choose(lookup, gemm_layout(bound.program), bound.program, pool, bound.k)
         self.choices[key], self.chosen[key] = source, cfg
         return cfg
@@ -474,12 +473,21 @@ def _epilogue_tensors(bound: BoundProgram, outs: dict) -> list:
     return [bound.tensors[name] for name in bound.program.inputs] + [outs[o.name] for o in bound.program.outputs]
 
 
-def _without_low_rank(bound: BoundProgram) -> BoundProgram:
-    """``bound`` as its base program (the same GEMM without the low-rank pair): its tuning key."""
-    program = bound.program
-    base = Program(program.name, Gemm(program.gemm.a_layout, program.gemm.b_layout), program.outputs, doc=program.doc)
-    tensors = {name: t for name, t in bound.tensors.items() if name not in ("a2", "b2")}
-    return BoundProgram(base, bound.a, bound.b, bound.m, bound.n, bound.k, tensors)
+def _tuning_relatives(bound: BoundProgram) -> list[BoundProgram]:
+    """The programs whose tuned choices stand in for ``bound``'s, nearest first: its ``tuning_stand_in`` chain
+    (the same GEMM with more epilogue stores), each program followed by itself without the low-rank pair
+    (which adds a short R loop to the base program's mainloop)."""
+    relatives, program = [], bound.program
+    while program is not None:
+        if program is not bound.program:
+            relatives.append(BoundProgram(program, bound.a, bound.b, bound.m, bound.n, bound.k, bound.tensors))
+        if program.gemm.low_rank:
+            base = Program(program.name, Gemm(program.gemm.a_layout, program.gemm.b_layout), program.outputs,
+                           doc=program.doc)
+            tensors = {name: t for name, t in bound.tensors.items() if name not in ("a2", "b2")}
+            relatives.append(BoundProgram(base, bound.a, bound.b, bound.m, bound.n, bound.k, tensors))
+        program = program.tuning_stand_in
+    return relatives
 
 
 def _smem_limit(device: torch.device) -> int:
