@@ -17,6 +17,14 @@ mask (slots past the current length are ``-inf``: a static cache's shape does no
 - ``flex``: ``torch.compile(flex_attention)`` with ``enable_gqa=True`` and a block mask of the slots before
   each row's length (a device tensor read by its ``mask_mod``), built once outside the timed calls:
   Inductor's flex-decoding kernel (the cache split over programs) and its two reductions.
+- ``split<S>`` (S = 4, 8, 16): flash decoding out of PyTorch's ops. The cache
+  cut into S chunks of slots, each chunk a head of its own: ``[batch, kv_heads, slots, head_dim]`` viewed as
+  ``[batch, kv_heads * S, slots / S, head_dim]`` (no copy); each KV head's query heads as the query rows of
+  each of its chunks; cuDNN's attention op (``aten._scaled_dot_product_cudnn_attention``) returning every
+  chunk's output and logsumexp; then ``torch.compile``'s one kernel of the combine
+  ``out = sum_s softmax_s(lse_s) out_s``. The repeated queries and the chunked mask are built outside the timed
+  calls: a decode step builds its mask once for every layer, and the cache write, which permutes the queries
+  already, could write them repeated.
 
 Each is captured in a CUDA graph of ``--calls`` calls over distinct caches (their bytes exceed L2), replayed;
 microseconds per call, with the cache's bytes over that time as a bandwidth.
@@ -45,6 +53,36 @@ def _flex_attention():
     """``torch.compile(flex_attention)``, compiled once for every way and shape."""
     from torch.nn.attention.flex_attention import flex_attention
     return torch.compile(flex_attention, dynamic=False)
+
+
+SPLITS = (4, 8, 16)
+
+
+@functools.cache
+def _combine():
+    """``out [batch, heads, 1, head_dim]`` of the chunks' ``out_s [batch, kv_heads, S, group, head_dim]`` and
+    ``lse_s [batch, kv_heads, S, group]``: ``sum_s softmax_s(lse) out_s``, compiled to one kernel. A chunk past
+    the length (every slot masked) has ``lse = -inf``: its weight is 0 and its output, which may be NaN, is
+    not read."""
+    def combine(out, lse):
+        batch, kv_heads, _, group, head_dim = out.shape
+        weight = torch.softmax(lse.float(), dim=2)[..., None]
+        mixed = torch.where(weight > 0, weight * out.float(), 0.0).sum(2)
+        return mixed.to(out.dtype).view(batch, kv_heads * group, 1, head_dim)
+    return torch.compile(combine, dynamic=False)
+
+
+def split_inputs(q, k, v, mask, splits: int):
+    """The chunked views of the cache, the repeated query rows and the chunked mask (the ``split<S>`` ways)."""
+    batch, heads, _, head_dim = q.shape
+    kv_heads, slots = k.shape[1], k.shape[2]
+    group, chunk = heads // kv_heads, slots // splits
+    rows = q.view(batch, kv_heads, 1, group, head_dim).expand(batch, kv_heads, splits, group, head_dim)
+    rows = rows.reshape(batch, kv_heads * splits, group, head_dim)
+    chunk_mask = mask.view(batch, 1, splits, 1, chunk).expand(batch, kv_heads, splits, group, chunk)
+    chunk_mask = chunk_mask.reshape(batch, kv_heads * splits, group, chunk)
+    return (rows, k.view(batch, kv_heads * splits, chunk, head_dim), v.view(batch, kv_heads * splits, chunk, head_dim),
+            chunk_mask)
 
 
 def ways(q, k, v, mask, lengths):
@@ -94,8 +132,22 @@ def ways(q, k, v, mask, lengths):
             from torch.nn.attention.flex_attention import create_block_mask
             block_mask.append(create_block_mask(before_length, batch, None, 1, k.shape[2], device=q.device))
         return _flex_attention()(q, k, v, block_mask=block_mask[0], enable_gqa=True)
-    return {"sdpa": sdpa, "sdpa_efficient": sdpa_efficient, "sdpa_grouped": sdpa_grouped, "matmul": matmul,
-            "flash_lengths": flash_lengths, "flash_varlen": flash_varlen, "flex": flex}
+    found = {"sdpa": sdpa, "sdpa_efficient": sdpa_efficient, "sdpa_grouped": sdpa_grouped, "matmul": matmul,
+             "flash_lengths": flash_lengths, "flash_varlen": flash_varlen, "flex": flex}
+
+    def split(splits):
+        inputs = []
+
+        def run():
+            if not inputs:
+                inputs.extend(split_inputs(q, k, v, mask, splits))
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(*inputs, True, 0.0, False, False)[:2]
+            return _combine()(out.view(batch, kv_heads, splits, group, head_dim),
+                              lse.reshape(batch, kv_heads, splits, group))
+        return run
+    for splits in SPLITS:
+        found[f"split{splits}"] = split(splits)
+    return found
 
 
 def bench(model: str, batch: int, length: int, max_cache_len: int, calls: int, rounds: int,
@@ -159,6 +211,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ways", nargs="+", help="these ways only (the first is the reference of the difference)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    torch._dynamo.config.recompile_limit = 64  # the compiled combine (split<S>) specializes on each shape
     records = [r for model in args.models for batch in args.batch
                for r in bench(model, batch, args.length, args.max_cache_len, args.calls, args.rounds,
                              args.ways)]
