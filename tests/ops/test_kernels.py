@@ -120,12 +120,6 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10 * scale, msg=name)
     # StaticLayer write: q, k, v column views of one QKV row block (row stride wider than each), GQA, a cache
     # length L > 0; keys / values poisoned (NaN), so a slot written in error shows, and the new q too
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
     heads, kv_heads, max_len = 4, 2, 7
     for dtype in (torch.float32, torch.float16):
         for batch, seq, head_dim, length in ((1, 1, 8, 3), (3, 2, 64, 5), (3, 1, 64, 0), (3, 2, 8, 2), (1, 2, 8, 6)):
@@ -157,12 +151,24 @@ _KERNEL_SCRIPT = textwrap.dedent("""
 """)
 
 
+# what every interpreter script can use: torch.empty that returns NaN (floating) or -1 (integer) tensors
+_POISONED_EMPTY = textwrap.dedent("""
+    import torch
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+""")
+
+
 def run_under_interpreter(script: str, seed: int, done: str) -> None:
-    """``script`` (its ``SEED`` replaced by ``seed``) in a fresh interpreter with ``TRITON_INTERPRET=1`` (set
-    before Triton is imported), from the repository root; it must exit 0 and print ``done``."""
+    """``script`` (its ``SEED`` replaced by ``seed``, after ``poisoned_empty``'s definition) in a fresh interpreter
+    with ``TRITON_INTERPRET=1`` (set before Triton is imported), from the repository root; it must exit 0 and print
+    ``done``."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", script.replace("SEED", str(seed))], env=env, capture_output=True,
-                            text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    result = subprocess.run([sys.executable, "-c", _POISONED_EMPTY + script.replace("SEED", str(seed))], env=env,
+                            capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0 and done in result.stdout, result.stdout + result.stderr
 
 
@@ -182,11 +188,6 @@ _GREEDY_SCRIPT = textwrap.dedent("""
     from codagen.ops.kernels.greedy import CHUNK
 
     torch.manual_seed(int(SEED))
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -1)
 
     def column(rows):  # rows [batch, vocab] -> the same values as logits[:, -1] of a [batch, 2, vocab] tensor
         wide = torch.randn(rows.shape[0], 2, rows.shape[1]).to(rows.dtype)
