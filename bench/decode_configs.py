@@ -9,8 +9,8 @@ program per tile (``oversubscribed``), beside the same GEMM through ``torch.nn.f
 Each is timed as a decode step runs it: back to back from a CUDA graph, over copies of the weight that keep
 it out of L2. Prints microseconds and the weight read rate (bytes of B / time) per key; ``--json`` writes
 the records (docs/notes/decode-gemms.md). ``--tiles`` adds 16-row tiles to the pool (``--grid none``: only
-them). Decode launches are programmatic dependents (codagen.backends.triton.dependent_launch), so back-to-back
-launches of one GEMM overlap as in the step.
+them), each with its K split on every GEMM. Decode launches are programmatic dependents
+(codagen.backends.triton.dependent_launch), so back-to-back launches of one GEMM overlap as in the step.
 
     PYTHONPATH=. python bench/decode_configs.py --model llama3-8b --batch 1 8 [--tiles 64x128s4] [--json out.json]
 """
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
                   f"({weight_bytes / cublas / 1e6:.2f} TB/s)", flush=True)
             launch = backend._prepare(bound, False, 9)
             fitting = [cfg for cfg in pool if smem_estimate(bound.program, cfg, 2) <= smem_limit
-                       and (cfg.split_k == 1 or bound.n <= 8192)]
+                       and (cfg.split_k == 1 or bound.n <= 8192 or cfg in args.tiles)]
             backend._compile_ahead(bound, launch, fitting)
             row = {"program": name, "m": bound.m, "n": bound.n, "k": bound.k, "weight_bytes": weight_bytes,
                    "cublas_us": cublas, "configs": {}}
