@@ -43,6 +43,11 @@ def programs():
     base += [library.rms_qkv_rope(head_dim, 1e-6) for head_dim in (64, 128)]
     base += [library.rms_norm_backward(grad) for grad in ("add", "accumulate", "none")]
     base += [library.weight_grad(accumulate, dtype) for accumulate in (False, True) for dtype in ("input", "float32")]
+    try:  # the inference programs (a tree from before them has none)
+        base += [library.rms_gate_up_swiglu(save_preact=False)]
+        base += [library.rms_qkv_rope(head_dim, 1e-6, save_preact=False) for head_dim in (64, 128)]
+    except TypeError:
+        pass
     unique = list(dict.fromkeys(base))
     return unique + [p.with_low_rank() for p in unique]
 

@@ -36,6 +36,11 @@ programs = [library.linear(), library.input_grad(), library.rms_linear(), librar
 programs += [library.rms_qkv_rope(head_dim, 1e-6) for head_dim in (64, 128)]
 programs += [library.rms_norm_backward(grad) for grad in ("add", "accumulate", "none")]
 programs += [library.weight_grad(accumulate, dtype) for accumulate in (False, True) for dtype in ("input", "float32")]
+try:  # the inference programs (a tree from before them has none)
+    programs += [library.rms_gate_up_swiglu(save_preact=False)]
+    programs += [library.rms_qkv_rope(head_dim, 1e-6, save_preact=False) for head_dim in (64, 128)]
+except TypeError:
+    pass
 print(json.dumps({program_key(p): f"{p.name}:{kernel_hash(p)}" for p in programs}))
 """
 
