@@ -21,8 +21,8 @@ from ._checks import stats_dtype
 from .low_rank import LowRank
 
 __all__ = ["stats_like", "or_empty", "fake_grad", "run", "low_rank_operand", "low_rank_grads",
-           "low_rank_grad_operand", "lora_args", "consumer_rms_norm_backward", "consumer_backward_outputs",
-           "fake_consumer_grads", "consumer_input_grad", "consumer_gradients"]
+           "low_rank_grad_operand", "lora_args", "low_rank_pair", "consumer_rms_norm_backward",
+           "consumer_backward_outputs", "fake_consumer_grads", "consumer_input_grad", "consumer_gradients"]
 
 
 def stats_like(x: Tensor, length: int) -> Tensor:
@@ -78,6 +78,13 @@ def low_rank_grad_operand(grad: Tensor, lora_b: Tensor | None, scale: float) -> 
 def lora_args(low_rank: LowRank | None) -> tuple[Tensor | None, Tensor | None, float]:
     """``(lora_a, lora_b, lora_scale)``, the Functions' last three inputs."""
     return (None, None, 1.0) if low_rank is None else (low_rank.a, low_rank.b, float(low_rank.scale))
+
+
+def low_rank_pair(inp: Tensor, low_rank: LowRank | None) -> tuple[Tensor | None, Tensor | None]:
+    """``(u, b)``, the forward GEMM's low-rank operand pair for ``low_rank`` (:func:`low_rank_operand`; both None
+    without one): what a forward without autograd passes the op directly."""
+    lora_a, lora_b, scale = lora_args(low_rank)
+    return low_rank_operand(inp, lora_a, scale), lora_b
 
 
 # --- the norm consumer's backward -----------------------------------------------------------------

@@ -23,6 +23,7 @@ from ._fused import (
     low_rank_grad_operand,
     low_rank_grads,
     low_rank_operand,
+    low_rank_pair,
     or_empty,
     run,
     stats_like,
@@ -122,9 +123,7 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
     d = x.shape[1]
     low_rank = check.low_rank("low_rank", low_rank, d, gate_up_weight.shape[0], x)
     if not torch.is_grad_enabled():
-        lora_a, lora_b, lora_scale = lora_args(low_rank)
-        return _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight,
-                                                low_rank_operand(normed, lora_a, lora_scale), lora_b)
+        return _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight, *low_rank_pair(normed, low_rank))
     return _RmsGateUpSwiglu.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight,
                                   *lora_args(low_rank))
 
@@ -270,12 +269,9 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     gate_up_low_rank = check.low_rank("gate_up_low_rank", gate_up_low_rank, d, 2 * ffn, x)
     down_low_rank = check.low_rank("down_low_rank", down_low_rank, ffn, d, x)
     if not torch.is_grad_enabled():  # inference: the two GEMMs without preact, autograd nodes or gradient slot
-        lora_a, lora_b, lora_scale = lora_args(gate_up_low_rank)
-        act = _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight,
-                                               low_rank_operand(normed, lora_a, lora_scale), lora_b)
-        lora_a, lora_b, lora_scale = lora_args(down_low_rank)
+        act = _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight, *low_rank_pair(normed, gate_up_low_rank))
         return out_proj_residual_rms_op(act, down_weight, x, next_norm_weight, check.eps(eps),
-                                        low_rank_operand(act, lora_a, lora_scale), lora_b)
+                                        *low_rank_pair(act, down_low_rank))
     act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed.detach(), rstd.detach(), norm_weight,
                                                             gate_up_weight, *lora_args(gate_up_low_rank))
     return _MlpDownResidualRms.apply(act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight.detach(),

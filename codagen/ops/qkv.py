@@ -23,6 +23,7 @@ from ._fused import (
     fake_consumer_grads,
     lora_args,
     low_rank_operand,
+    low_rank_pair,
     run,
 )
 from .layouts import kv_heads_of
@@ -265,7 +266,8 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     frequencies = check.vector("frequencies", frequencies, qkv_weight.shape[0] // 2, "[qkv features / 2]", x,
                                dtypes=(torch.float32, torch.float64))
     positions = positions.to(stats_dtype(x.dtype))  # angles are computed in fp32 registers
-    lora = lora_args(check.low_rank("low_rank", low_rank, d, qkv_weight.shape[0], x))
+    low_rank = check.low_rank("low_rank", low_rank, d, qkv_weight.shape[0], x)
+    lora = lora_args(low_rank)
     if q_norm_weight is None and k_norm_weight is None:
         if num_heads is not None:
             raise ValueError("num_heads: only used with QK-norm (give q_norm_weight and k_norm_weight too)")
@@ -294,10 +296,8 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     kv_cols = kv_rows // 2 * head_dim
     split_sizes = check.split_sizes("split_sizes", split_sizes, rows, (num_heads * head_dim, kv_cols, kv_cols))
     if not torch.is_grad_enabled():  # inference: no autograd node, no preact
-        lora_a, lora_b, lora_scale = lora
         qkv = _rms_qkv_rope_qk_norm_inference_op(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight,
-                                                 k_norm_weight, num_heads, eps,
-                                                 low_rank_operand(normed, lora_a, lora_scale), lora_b)
+                                                 k_norm_weight, num_heads, eps, *low_rank_pair(normed, low_rank))
         return _outputs((*_split_outputs(qkv, split_sizes), x), pass_residual)
     out = _RmsQkvRopeQkNorm.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
                                   frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps, split_sizes,
