@@ -16,6 +16,8 @@ BENCH_SUITES = {
     "checkpoint": ("codagen.bench.checkpoint",
                    "peak memory and step time of a checkpointed HF Llama, patched and unpatched (GPU)"),
     "lora": ("codagen.bench.lora", "a LoRA fine-tuning step against PEFT eager, torch.compile and Liger (GPU)"),
+    "models": ("codagen.bench.models",
+               "a training step (full, LoRA) of published models' configs against eager, compile and Liger (GPU)"),
     "generate": ("codagen.bench.generate",
                  "prefill and decode with a KV cache against transformers eager and compiled (GPU)"),
 }
