@@ -19,7 +19,7 @@ runs last), ``codagen`` (``codagen.patch``) and ``codagen_compile`` (``codagen.p
 Per model, step, token shape and provider: ``--warmup`` untimed steps (compilation among them; the first step's
 wall time is recorded as ``first_step_s``), ``--timed`` steps timed one by one with CUDA events (the median is
 ``median_ms``), the peak of ``torch.cuda.max_memory_allocated`` over them, and the GPU's idle share of a step:
-one minus the union of the kernels' intervals in a profiled step over the median step time. Records go to
+one minus the union of the kernels' intervals in one more step, profiled, over that step's wall time. Records go to
 ``<out>/<date>-models-<steps>.json`` with a chart beside it. ``--smoke`` runs a tiny config on CPU (fp32) to check
 the harness.
 """
@@ -40,7 +40,7 @@ import codagen
 
 from .common import pyplot, write_results
 
-__all__ = ["main", "ModelConfig", "MODELS", "PROVIDERS", "STEPS", "hf_config", "kernel_busy_ms"]
+__all__ = ["main", "ModelConfig", "MODELS", "PROVIDERS", "STEPS", "hf_config", "idle_share"]
 
 PROVIDERS = ("eager", "compile", "codagen", "codagen_compile", "liger")  # liger last: its patches are global
 STEPS = {"full": None,
@@ -140,23 +140,28 @@ def build(model: ModelConfig, layers: int, step: str, adapter_dtype: str, provid
     return hf_model, torch.compile(hf_model) if provider.endswith("compile") else hf_model
 
 
-def kernel_busy_ms(step, device) -> float | None:
-    """The union of the GPU kernels' (and copies') intervals while ``step()`` runs once, ms; ``None`` off CUDA."""
+def idle_share(step, device) -> tuple[float, float] | None:
+    """One profiled ``step()``: ``(kernel_ms, idle share)``, the union of the GPU's kernel (and copy) intervals and
+    the share of the step's wall time (CUDA events around it) that no kernel covers; ``None`` off CUDA."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start.record()
         step()
+        end.record()
         torch.cuda.synchronize()
     intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                        if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, end = 0.0, float("-inf")
-    for start, stop in intervals:
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
-    return busy / 1e3
+    busy, covered_to = 0.0, float("-inf")
+    for begin, stop in intervals:
+        if stop > covered_to:
+            busy += stop - max(begin, covered_to)
+            covered_to = stop
+    kernel_ms, wall_ms = busy / 1e3, start.elapsed_time(end)
+    return kernel_ms, max(0.0, 1 - kernel_ms / wall_ms)
 
 
 def run_provider(model: ModelConfig, layers: int, step_name: str, adapter_dtype: str, batch: int, seq: int,
@@ -211,8 +216,7 @@ def run_provider(model: ModelConfig, layers: int, step_name: str, adapter_dtype:
     record["losses"] = [float(x) for x in losses]
     if cuda:
         record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-        record["kernel_ms"] = kernel_busy_ms(step, device)
-        record["idle_share"] = max(0.0, 1 - record["kernel_ms"] / record["median_ms"])
+        record["kernel_ms"], record["idle_share"] = idle_share(step, device)
     return record
 
 
