@@ -4,6 +4,7 @@ PEFT out, and each optional dependency's absence or wrong version is named with 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -104,3 +105,44 @@ def test_patch_resolves_on_first_use(tmp_path):
                  "else:\n"
                  "    raise AssertionError('no AttributeError')\n", cwd=tmp_path, path=ROOT)
     assert run.returncode == 0, run.stderr
+
+
+def _linear_on_the_interpreter():
+    import torch
+
+    import codagen
+    a, b = torch.randn(16, 32), torch.randn(16, 32)  # y = a @ b.T on CPU tensors: the Triton interpreter
+    return codagen.execute(codagen.library.linear(), a, b, backend="triton")
+
+
+@pytest.mark.parametrize("version", ["2.3.0", "2.4.1", "3.0.0rc1"])
+def test_interpreter_refuses_numpy_it_breaks_on(monkeypatch, version):
+    numpy = pytest.importorskip("numpy")
+    pytest.importorskip("triton")
+    monkeypatch.setattr(numpy, "__version__", version)
+    with pytest.raises(RuntimeError, match=rf'needs numpy < 2\.3, but numpy {re.escape(version)} is installed: '
+                                           r'pip install "numpy<2\.3".*\.\[interpret\]'):
+        _linear_on_the_interpreter()
+
+
+def test_interpreter_runs_on_numpy_below_2_3(monkeypatch):
+    numpy = pytest.importorskip("numpy")
+    pytest.importorskip("triton")
+    monkeypatch.setattr(numpy, "__version__", "2.2.6")
+    assert _linear_on_the_interpreter()["out"].shape == (16, 16)
+
+
+def test_numpy_only_for_the_interpreter(tmp_path):
+    """Without numpy codagen imports (a GPU needs none) and a CPU launch of the Triton backend names the fix."""
+    pytest.importorskip("triton")
+    run = python("import sys, warnings\n"
+                 "sys.modules['numpy'] = None\n"
+                 "warnings.simplefilter('ignore')\n"  # torch: 'Failed to initialize NumPy'
+                 "import torch, codagen\n"
+                 "try:\n"
+                 "    codagen.execute(codagen.library.linear(), torch.randn(16, 32), torch.randn(16, 32),"
+                 " backend='triton')\n"
+                 "except RuntimeError as error:\n"
+                 "    print(error)\n", cwd=tmp_path, path=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert 'numpy is not installed: pip install "numpy<2.3"' in run.stdout, run.stdout
