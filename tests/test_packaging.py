@@ -146,3 +146,15 @@ def test_numpy_only_for_the_interpreter(tmp_path):
                  "    print(error)\n", cwd=tmp_path, path=ROOT)
     assert run.returncode == 0, run.stderr
     assert 'numpy is not installed: pip install "numpy<2.3"' in run.stdout, run.stdout
+
+
+def test_patch_without_transformers_names_the_extra(tmp_path):
+    run = python("import sys, torch\n"
+                 "sys.modules['transformers'] = None\n"
+                 "import codagen\n"
+                 "try:\n"
+                 "    codagen.patch(torch.nn.Linear(4, 4))\n"
+                 "except ImportError as error:\n"
+                 "    print(type(error).__name__, error)\n", cwd=tmp_path, path=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith('ImportError codagen.patch') and 'pip install -e ".[hf]"' in run.stdout, run.stdout
