@@ -158,3 +158,28 @@ def test_patch_without_transformers_names_the_extra(tmp_path):
                  "    print(type(error).__name__, error)\n", cwd=tmp_path, path=ROOT)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith('ImportError codagen.patch') and 'pip install -e ".[hf]"' in run.stdout, run.stdout
+
+
+def test_readme_installs_from_the_checkout_with_extras_that_exist():
+    """codagen is not on PyPI: every ``pip install`` of codagen in the README installs the checkout, and
+    every extra it names is one of pyproject.toml's."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    lines = [line.split("#")[0].strip() for line in (ROOT / "README.md").read_text().splitlines()
+             if line.strip().startswith("pip install")]
+    assert lines
+    for line in lines:
+        match = re.fullmatch(r'pip install -e (?:\.|"\.\[([\w,]+)\]")', line)
+        assert match is not None, f"README: {line!r} does not install from the checkout (pip install -e \".[...]\")"
+        assert set(filter(None, (match.group(1) or "").split(","))) <= extras, line
+    assert 'pip install -e ".[hf]"' in lines and 'pip install -e ".[torchtitan]"' in lines
+
+
+def test_hf_extra_installs_what_the_trainer_needs():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    accelerate = [r for r in extras["test"] if r.startswith("accelerate")]
+    assert accelerate and [r for r in extras["hf"] if r.startswith("accelerate")] == accelerate
+    assert not any(r.startswith("numpy") for r in tomllib.loads((ROOT / "pyproject.toml").read_text())
+                   ["project"]["dependencies"])
+    assert "numpy<2.3" in extras["interpret"] and "numpy<2.3" in extras["test"]
