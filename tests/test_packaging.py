@@ -4,6 +4,7 @@ PEFT out, and each optional dependency's absence or wrong version is named with 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ PACKAGE_DATA = ["codagen/backends/triton/tuned.json"]
 
 def python(code: str, cwd: Path, path: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter started in ``cwd``, ``path`` (else nothing) as its PYTHONPATH."""
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd)}
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     if path is not None:
         env["PYTHONPATH"] = str(path)
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
