@@ -99,6 +99,8 @@ def test_patch_resolves_on_first_use(tmp_path):
                  "from codagen import patch\n"
                  "from codagen.models import is_patched\n"
                  "assert patch is hf.patch and is_patched is hf.is_patched\n"
+                 "assert codagen.models.Llama is sys.modules['codagen.models.llama'].Llama\n"
+                 "assert codagen.ops is sys.modules['codagen.ops']\n"
                  "try:\n"
                  "    codagen.no_such_name\n"
                  "except AttributeError as error:\n"
