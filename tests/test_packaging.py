@@ -45,6 +45,8 @@ def test_wheel_ships_and_loads_the_tuning_table(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
     assert set(PACKAGE_DATA) <= names, sorted(n for n in names if not n.endswith(".py"))
+    sources = {p.relative_to(source).as_posix() for p in (source / "codagen").rglob("*") if p.is_file()}
+    assert sources - names == set()  # every module and data file of the package, none left behind
 
     site = tmp_path / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
