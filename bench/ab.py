@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument("--base", required=True, help="git revision A, or a directory holding its exported tree")
     parser.add_argument("--head", required=True, help="git revision B, or a directory holding its exported tree")
     parser.add_argument("--out", required=True, help="the JSON to write")
-    parser.add_argument("--models", default="llama3_8b", help="comma-separated models of codagen.bench.kernels")
+    parser.add_argument("--models", default="llama3-8b", help="comma-separated models of codagen.bench.kernels")
     parser.add_argument("--kernels", default=None, help="comma-separated subset of kernel case names")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))

@@ -1,6 +1,6 @@
 """Mainloop tile-configuration sweep: plain-store GEMMs (our template, no epilogue work) vs cuBLAS (GPU).
 
-    PYTHONPATH=. python bench/mainloop_configs.py [--models llama3_8b,d2048] [--out DIR]
+    PYTHONPATH=. python bench/mainloop_configs.py [--models llama3-8b,d2048] [--out DIR]
 
 For the three GEMM layouts of a block (forward ``linear``, input gradient ``input_grad``, weight
 gradient ``weight_grad``) at each model's shapes, times every configuration in ``CONFIGS`` (the shipped
@@ -43,7 +43,7 @@ def shapes(model) -> list[tuple[str, object, int, int, int]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="llama3_8b,d2048")
+    parser.add_argument("--models", default="llama3-8b,d2048")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     records, rows = [], []

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from codagen._cli import command_parser
+from codagen._cli import command_parser, preset_name
 from codagen.backends import get_backend, use_backend
 from codagen.backends.triton.configs import TuningCache
 from codagen.models import patch
@@ -54,10 +54,11 @@ PRESETS = {
 
 
 def model_config(model: str, layers: int):
-    """The ``transformers`` config of a preset name or a ``config.json`` path, with ``layers`` layers."""
+    """The ``transformers`` config of a preset name (``llama3-8b``, or ``llama3_8b``) or a ``config.json`` path,
+    with ``layers`` layers."""
     import transformers
-    if model in PRESETS:
-        fields = dict(PRESETS[model])
+    if preset_name(model) in PRESETS:
+        fields = dict(PRESETS[preset_name(model)])
     else:
         path = Path(model)
         if path.is_dir():

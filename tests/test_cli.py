@@ -1,7 +1,10 @@
-"""The ``codagen`` command line: help for every command and suite, the documented spellings accepted,
-bad arguments a one-line usage error naming the argument (exit 2), never a traceback."""
+"""The ``codagen`` command line: plain-text help for every command and suite, the documented spellings
+accepted (presets in either spelling), bad arguments a one-line usage error naming the argument (exit 2),
+never a traceback; results written under the current directory by default."""
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 
@@ -10,6 +13,8 @@ import torch
 
 from codagen import __main__ as cli
 from codagen import tune
+from codagen._cli import plain_text, preset_name
+from codagen.bench.common import RESULTS_DIR, write_results
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
@@ -28,13 +33,59 @@ def test_module_entry_point():
     assert result.returncode == 0 and "kernels" in result.stdout and "block" in result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("args", [["--help"], ["bench", "--help"], ["bench", "kernels", "--help"],
-                                  ["bench", "block", "--help"], ["demo", "--help"], ["tune", "--help"]])
+#: RST in help text: ``literals``, :role:`targets`, `interpreted text`, directives, a literal block's "::",
+#: escaped backslashes
+RST_MARKUP = re.compile(r"``|:\w+:`|`[^`\s][^`]*`|^\s*\.\. [\w-]+::|\S::$|\\\\", re.MULTILINE)
+HELP_ARGS = [["--help"], ["bench", "--help"], *([name, "--help"] for name in cli.COMMANDS),
+             *(["bench", name, "--help"] for name in cli.BENCH_SUITES)]
+
+
+@pytest.mark.parametrize("args", HELP_ARGS, ids=" ".join)
 def test_help_exits_zero_without_rst_markup(capsys, args):
     code, out, err = run(capsys, *args)
     assert code == 0, err
     assert "usage: codagen" in out
-    assert "``" not in out and ":func:" not in out and ":class:" not in out
+    assert RST_MARKUP.findall(out) == []
+
+
+def test_plain_text_drops_rst_markup():
+    doc = ("Runs ``codagen tune`` (:func:`codagen.patch`, :class:`~codagen.models.Llama`, `text`); C:\\\\dir.\n\n"
+           "Schema::\n\n    {\"env\"}\n\n.. code:: bash\n\n    codagen demo\n")
+    text = plain_text(doc)
+    assert RST_MARKUP.findall(text) == [] and RST_MARKUP.findall(doc)
+    assert text.startswith("Runs codagen tune (codagen.patch, codagen.models.Llama, text); C:\\dir.")
+    assert "Schema:\n\n    {\"env\"}" in text and "    codagen demo" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the parse on a machine without a GPU (no run)")
+@pytest.mark.parametrize("args", [["bench", "kernels", "--models", "d2048,{}"], ["bench", "block", "--shapes", "{}"],
+                                  ["bench", "block", "--model-shape", "{}"], ["bench", "lora", "--shapes", "{}"],
+                                  ["bench", "generate", "--models", "{}"]], ids=" ".join)
+def test_preset_names_in_either_spelling(capsys, args):
+    """A preset is named llama3-8b everywhere; llama3_8b is read as the same name, a wrong one is refused
+    naming the canonical spellings."""
+    for spelling in ("llama3-8b", "llama3_8b", "LLAMA3_8B"):
+        code, _, err = run(capsys, *(a.format(spelling) for a in args))
+        assert code == 2 and "needs a CUDA GPU" in err and "error" not in err, (spelling, err)
+    code, _, err = run(capsys, *(a.format("llama3-9b") for a in args))
+    assert code == 2 and f"{args[2]}: expected one of" in err and "llama3-8b" in err and "'llama3-9b'" in err
+
+
+def test_one_preset_spelling():
+    from codagen.bench import block, generate, kernels, lora
+    for names in (tune.PRESETS, kernels.MODELS, block.SHAPES, lora.SHAPES, generate.MODELS):
+        assert all(preset_name(name) == name for name in names), list(names)
+    assert tune.model_config("llama3_8b", 1).to_dict() == tune.model_config("llama3-8b", 1).to_dict()
+
+
+def test_results_default_to_the_current_directory(tmp_path, monkeypatch):
+    """Without --out a suite writes into codagen-results/ under the current directory: not into the
+    installed package, nor the checkout's tracked bench/results."""
+    monkeypatch.chdir(tmp_path)
+    path = write_results("cli-test", [{"suite": "cli-test"}])
+    assert path.resolve().parent == tmp_path / "codagen-results"
+    assert json.loads(path.read_text())["records"] == [{"suite": "cli-test"}]
+    assert not RESULTS_DIR.is_absolute()
 
 
 def test_every_command_and_suite_is_listed(capsys):

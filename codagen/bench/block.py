@@ -21,8 +21,8 @@ Each block shape runs in three attention cases (``--cases``), every provider und
 (SDPA's ``is_causal``), ``padded`` (25% of the tokens right padding: the last row's second half) and
 ``packed`` (each row four documents of S/2, S/4, S/8, S/8 tokens, RoPE positions restarting per document);
 the masked cases run SDPA on a boolean mask with K/V heads repeated, as Hugging Face's SDPA path does.
-Records go to ``bench/results/<date>-block.json`` (``--out`` to change) with a bar chart beside it;
-every provider runs in its own try/except, and a failure is recorded.
+Records go to ``codagen-results/<date>-block.json`` in the current directory (``--out`` to change) with a
+bar chart beside it; every provider runs in its own try/except, and a failure is recorded.
 ``--smoke`` runs tiny shapes on CPU (wall-clock timing) to check the harness itself.
 """
 from __future__ import annotations
@@ -41,13 +41,13 @@ import torch
 import torch.nn.functional as F
 
 from codagen import ops
-from codagen._cli import command_parser
+from codagen._cli import command_parser, preset_arg
 from codagen.models import Llama, LlamaConfig
 from codagen.models.llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv
 from codagen.models.masks import causal_mask, document_ids
 from codagen.models.reference import rotate_half
 
-from .common import median_ms, peak_gib, pyplot, timed_rounds, wall_ms, write_results
+from .common import OUT_HELP, median_ms, peak_gib, pyplot, timed_rounds, wall_ms, write_results
 
 __all__ = ["main", "BlockShape", "SHAPES"]
 
@@ -474,15 +474,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = command_parser("codagen bench block", __doc__)
     parser.add_argument("--quick", action="store_true", help="LLaMA-3 1B and 8B blocks only; a 2-layer model")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the harness, not speed")
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="block shapes (default: all)")
+    parser.add_argument("--shapes", nargs="+", type=preset_arg(sorted(SHAPES)),
+                        help=f"block shapes: {', '.join(sorted(SHAPES))} (default: all)")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
-    parser.add_argument("--model-shape", default="llama3-1b", choices=sorted(SHAPES), help="the full model's block")
+    parser.add_argument("--model-shape", default="llama3-1b", type=preset_arg(sorted(SHAPES)),
+                        help="the full model's block (one of --shapes' names; default llama3-1b)")
     parser.add_argument("--layers", type=int, help="full model layers (default 4; 2 with --quick; 0: skip)")
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--cases", nargs="+", choices=ATTENTION_CASES, default=list(ATTENTION_CASES),
                         help="attention masks of the block: causal, padded (25%% padding), packed (4 documents a row)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per provider (default 3)")
-    parser.add_argument("--out", help="results folder (default: bench/results)")
+    parser.add_argument("--out", help=OUT_HELP)
     args = parser.parse_args(argv)
 
     if args.smoke:

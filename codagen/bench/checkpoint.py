@@ -15,12 +15,11 @@ Triton tunings at this shape: by default each kernel takes the untimed choice of
 (``CODAGEN_TRITON_AUTOTUNE=1`` times them instead, minutes). A step is forward + backward with fresh
 gradients; ``median_ms`` is the median over ``--steps`` timed steps after two warm-up steps, ``peak_mem_gib``
 the peak allocation of one step above what was allocated before it (the weights). Records go to
-``bench/results/<date>-checkpoint.json``.
+``codagen-results/<date>-checkpoint.json`` in the current directory (``--out`` to change).
 ``--smoke`` runs a tiny model on CPU to check the harness.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
@@ -31,9 +30,10 @@ import warnings
 
 import torch
 
+from codagen._cli import command_parser
 from codagen.models import keep_attention, patch
 
-from .common import peak_gib, write_results
+from .common import OUT_HELP, peak_gib, write_results
 
 __all__ = ["main", "VARIANTS"]
 
@@ -94,8 +94,7 @@ def measure(model, ids, steps: int, device) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="codagen bench checkpoint", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("codagen bench checkpoint", __doc__)
     parser.add_argument("--smoke", action="store_true", help="a tiny model on CPU: checks the harness, not speed")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
     parser.add_argument("--layers", type=int, default=8)
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (default 5)")
-    parser.add_argument("--out", help="results folder (default: bench/results)")
+    parser.add_argument("--out", help=OUT_HELP)
     args = parser.parse_args(argv)
     if args.smoke:
         device, dtype, batch, seq, vocab, layers = torch.device("cpu"), torch.float32, 2, 32, 128, 2

@@ -1,6 +1,6 @@
 """What every benchmark shares: timing, environment record, the JSON results schema.
 
-Schema (one file per run under ``bench/results/``)::
+Schema (one file per run under ``--out``, by default ``codagen-results/`` in the current directory)::
 
     {"env": {"gpu", "torch", "triton", "codagen", "date", ...},
      "records": [{"suite", "name", "pass": "fwd"|"bwd"|"fwd+bwd"|"step", "shape": {...},
@@ -24,9 +24,13 @@ import torch
 import codagen
 
 __all__ = ["environment", "median_ms", "wall_ms", "timed_rounds", "ratio_records", "load_module",
-           "write_results", "RESULTS_DIR"]
+           "write_results", "RESULTS_DIR", "OUT_HELP"]
 
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
+#: where results go without ``--out``: relative, so in the directory the command runs in (never inside the
+#: installed package or the checkout's tracked ``bench/results``)
+RESULTS_DIR = Path("codagen-results")
+#: the help of every suite's ``--out``
+OUT_HELP = f"results folder (default: {RESULTS_DIR}/ in the current directory)"
 
 
 def environment() -> dict:

@@ -23,12 +23,11 @@ Providers (the same model object and weights):
 The physical limit of a decode step: it reads every weight (layers and LM head) and the KV cache of
 the context once. Each decode record has ``bytes_per_step`` (at the mean context of the run), the
 measured device copy bandwidth ``copy_gbps`` (read + write of a 2 GiB copy), ``limit_ms`` = bytes /
-bandwidth and ``of_limit`` = limit_ms / median_ms. Records go to ``bench/results/<date>-generate.json``
+bandwidth and ``of_limit`` = limit_ms / median_ms. Records go to ``codagen-results/<date>-generate.json``
 with a chart beside it. ``--smoke`` runs a tiny model on CPU in seconds (it checks the harness, not speed).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -40,10 +39,11 @@ from pathlib import Path
 import torch
 
 import codagen
+from codagen._cli import command_parser, preset_arg
 from codagen.models.decode import GreedyDecoder
 from codagen.models.hf_cache import cache_field
 
-from .common import median_ms, pyplot, wall_ms, write_results
+from .common import OUT_HELP, median_ms, pyplot, wall_ms, write_results
 
 __all__ = ["main", "ModelShape", "MODELS"]
 
@@ -324,16 +324,16 @@ def plot(records: list[dict], providers: list[str], path: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="codagen bench generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("codagen bench generate", __doc__)
     parser.add_argument("--smoke", action="store_true", help="a tiny model on CPU: checks the harness, not speed")
     parser.add_argument("--quick", action="store_true", help="64 new tokens instead of 256")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="+", type=preset_arg(list(MODELS)), default=list(MODELS),
+                        help=f"{', '.join(MODELS)} (default: both)")
     parser.add_argument("--layers", type=int, nargs="+", help="layers per model (default: 16 for 1B, 8 for 8B)")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS,
                         help="default: all (without compile_static under --smoke: minutes of CPU compilation)")
     parser.add_argument("--new-tokens", type=int, help="decode tokens per run (default 256; 64 with --quick)")
-    parser.add_argument("--out", help="results folder (default: bench/results)")
+    parser.add_argument("--out", help=OUT_HELP)
     args = parser.parse_args(argv)
     providers = list(args.providers or PROVIDERS)
     if args.smoke:

@@ -1,6 +1,6 @@
 """Kernel benchmark: every fused library kernel against cuBLAS and its unfused PyTorch peers (GPU).
 
-    python -m codagen bench kernels [--quick] [--out DIR] [--models d2048,llama3_8b] [--dtype bf16]
+    python -m codagen bench kernels [--quick] [--out DIR] [--models d2048,llama3-8b] [--dtype bf16]
 
 Providers, per kernel and shape (the GEMM has the kernel's exact M, N, K and operand layout):
 
@@ -20,6 +20,7 @@ vocab 32768 (the CODA paper's), and LLaMA-3-8B (d 4096, f 14336, GQA 32/8 heads,
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import math
 import statistics
@@ -29,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from codagen._cli import command_parser, dtype_arg
+from codagen._cli import command_parser, dtype_arg, preset_arg
 from codagen.backends import get_backend
 from codagen.backends.reference import evaluate_epilogue
-from codagen.bench.common import environment, median_ms, timed_rounds, wall_ms, write_results
+from codagen.bench.common import OUT_HELP, environment, median_ms, timed_rounds, wall_ms, write_results
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
 from codagen.epilogue.ir import (
@@ -75,7 +76,7 @@ def _paper(d: int) -> Model:
     return Model(f"d{d}", d, round_up(8 * d // 3, 256), d // 128, d // 128)
 
 
-MODELS = {m.name: m for m in (_paper(2048), _paper(4096), _paper(8192), Model("llama3_8b", 4096, 14336, 32, 8))}
+MODELS = {m.name: m for m in (_paper(2048), _paper(4096), _paper(8192), Model("llama3-8b", 4096, 14336, 32, 8))}
 
 
 @dataclass(frozen=True)
@@ -283,8 +284,8 @@ def markdown(records: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser("codagen bench kernels", __doc__)
     parser.add_argument("--quick", action="store_true", help="LLaMA-3-8B shapes only, shorter timing")
-    parser.add_argument("--out", default=None, help="directory for the JSON results (default bench/results)")
-    parser.add_argument("--models", default=None, help=f"comma-separated subset of {list(MODELS)}")
+    parser.add_argument("--out", default=None, help=OUT_HELP)
+    parser.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--kernels", default=None, help="comma-separated subset of kernel names")
     parser.add_argument("--providers", default="cublas_gemm,codagen,codagen_gemm,eager,compile")
     parser.add_argument("--dtype", type=dtype_arg("bfloat16", "float16"), default=torch.bfloat16,
@@ -293,11 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved timing rounds per kernel, in rotating order (default 3; 1 with --quick)")
     args = parser.parse_args(argv)
+    preset = preset_arg(list(MODELS))
+    try:
+        names = [preset(m) for m in args.models.split(",")] if args.models else None
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"--models: {error}")
     if not torch.cuda.is_available():
         print("codagen bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2
-    models = [MODELS[m] for m in args.models.split(",")] if args.models else (
-        [MODELS["llama3_8b"]] if args.quick else list(MODELS.values()))
+    models = [MODELS[m] for m in names] if names else ([MODELS["llama3-8b"]] if args.quick else list(MODELS.values()))
     warmup_ms, rep_ms = (10, 50) if args.quick else (25, 150)
     providers = args.providers.split(",")
     dtype = args.dtype

@@ -16,12 +16,11 @@ Per provider and shape: the model is built, ``--warmup`` steps run (torch.compil
 them), then ``--steps`` steps are timed one by one with CUDA events; the record holds the median step
 time, tokens/s, the peak of ``torch.cuda.max_memory_allocated`` over the steps (the model included) and
 the losses of the first and last step, compared with eager's. Records go to
-``bench/results/<date>-lora-step-<shapes>[-<providers>].json`` with a chart beside it. ``--smoke`` runs a
+``codagen-results/<date>-lora-step-<shapes>[-<providers>].json`` with a chart beside it. ``--smoke`` runs a
 tiny model on CPU (fp32, wall-clock) to check the harness.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import statistics
@@ -33,8 +32,9 @@ from pathlib import Path
 import torch
 
 import codagen
+from codagen._cli import command_parser, preset_arg
 
-from .common import pyplot, write_results
+from .common import OUT_HELP, pyplot, write_results
 
 __all__ = ["main", "LoraShape", "SHAPES", "PROVIDERS"]
 
@@ -189,10 +189,10 @@ def plot(records: list[dict], providers: list[str], path: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="codagen bench lora", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("codagen bench lora", __doc__)
     parser.add_argument("--smoke", action="store_true", help="a tiny model on CPU: checks the harness, not speed")
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", type=preset_arg(list(SHAPES)), default=list(SHAPES),
+                        help=f"{', '.join(SHAPES)} (default: both)")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=32768)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=32.0)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation among them)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
-    parser.add_argument("--out", help="results folder (default: bench/results)")
+    parser.add_argument("--out", help=OUT_HELP)
     args = parser.parse_args(argv)
 
     if args.smoke:

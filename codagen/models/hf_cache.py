@@ -88,7 +88,13 @@ def load_transformers() -> None:
     2.11 with transformers 5.17)."""
     global _TRANSFORMERS, _CACHE_FIELD
     if _TRANSFORMERS is None:
-        from transformers import cache_utils, masking_utils, modeling_outputs
+        try:
+            from transformers import cache_utils, masking_utils, modeling_outputs
+        except ModuleNotFoundError as error:
+            if error.name != "transformers":
+                raise
+            raise ImportError('codagen.patch runs transformers models and needs transformers: from the codagen '
+                              'checkout, pip install -e ".[hf]"') from error
         _CACHE_FIELD = ("cache" if "cache" in inspect.signature(masking_utils.create_causal_mask).parameters
                         else "past_key_values")
         _TRANSFORMERS = cache_utils, masking_utils, modeling_outputs

@@ -25,7 +25,7 @@ from codagen.epilogue.ir import Gemm, Program, ProgramError, Store
 from . import ahead, arrivals, dependent_launch, pingpong
 from .configs import KernelConfig, TuningCache, candidates, gemm_layout, interpreter_config
 from .gluon_support import pingpong_unsupported
-from .interpreter import interpreting
+from .interpreter import check_numpy, interpreting
 from .modules import load_kernel, program_source
 from .switches import env_flag
 from .tuning import TRITON_DTYPE, kernel_hash, tuning_key
@@ -133,6 +133,7 @@ class TritonBackend:
             raise ProgramError(f"{bound.program.name}: the triton backend multiplies float16, bfloat16 or float32 "
                                f"operands, got a: {bound.dtype}; use backend='reference' for {bound.dtype}")
         if dev.type == "cpu":
+            check_numpy()
             return True, 0
         if dev.type != "cuda":
             raise ProgramError(f"{bound.program.name}: the triton backend runs CUDA tensors (compiled) and CPU "

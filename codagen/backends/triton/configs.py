@@ -48,6 +48,7 @@ import math
 import os
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -327,6 +328,19 @@ class _Key(NamedTuple):
         return sum(abs(a - b) for a, b in zip(self.shape, other.shape)) + (self.versions != other.versions)
 
 
+_warned_missing_table = False
+
+
+def _warn_missing_table(path: Path, error: Exception) -> None:
+    """Warn, once a process, that the shipped table cannot be read (an install without its package data)."""
+    global _warned_missing_table
+    if not _warned_missing_table:
+        _warned_missing_table = True
+        warnings.warn(f"codagen: the shipped tuning table {path} cannot be read ({error}); every shape "
+                      f"without an entry in the user's tuning cache runs an untimed choice. Reinstall codagen "
+                      f"from the checkout (pip install -e .) or run codagen tune.", stacklevel=3)
+
+
 class TuningCache:
     """Tuned configurations by key (GPU name, versions, program, dtypes, shape bucket).
 
@@ -355,8 +369,9 @@ class TuningCache:
             for p in (self.SHIPPED, self.path):
                 try:
                     entries.update(json.loads(p.read_text()))
-                except (OSError, ValueError):
-                    pass
+                except (OSError, ValueError) as error:
+                    if p == self.SHIPPED:
+                        _warn_missing_table(p, error)
             self._entries = entries
         return self._entries
 
