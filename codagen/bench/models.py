@@ -25,7 +25,6 @@ the harness.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 
 import codagen
+from codagen._cli import command_parser
 
 from .common import pyplot, write_results
 
@@ -279,8 +279,7 @@ def plot(records: list[dict], providers: list[str], path: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="codagen bench models", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("codagen bench models", __doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny configs on CPU: checks the harness, not speed")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=["full"])
