@@ -20,8 +20,12 @@ fused layout directly and pays neither.
 What runs differently, and what is refused (``NotImplementedError`` naming the feature; never a silent
 approximation):
 
-- With ``labels`` the loss is the fused LM-head cross-entropy and ``logits`` is ``None`` (never
-  materialized); call without ``labels`` to get logits.
+- With ``labels`` and autograd on (training) the loss is the fused LM-head cross-entropy and ``logits`` is
+  ``None`` (never materialized: no ``[tokens, vocab]`` tensor is stored for backward). Without autograd
+  (``torch.no_grad``: evaluation, ``Trainer.evaluate`` / ``predict``) ``labels`` give the logits and the
+  loss from them in fp32, as transformers does: one LM-head GEMM whose ``[tokens, vocab]`` output is
+  materialized. ``shift_labels`` without ``labels`` give logits and no loss (transformers' rule); with
+  ``labels`` they are the targets.
 - Under autocast everything runs in the autocast dtype (weights cast once per forward).
 - Handled exactly: Q/K/V biases (Qwen2; RoPE is linear, so the rotated bias is added after the fused
   kernel), QK-norm (Qwen3: per-head RMSNorm of Q and K before RoPE, in the QKV GEMM's epilogue; the
@@ -415,7 +419,7 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
                                                             masks)
 
     loss = logits = None
-    if labels is not None or shift_labels is not None:
+    if labels is not None:  # as transformers: shift_labels alone give no loss; with labels they are the targets
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise _refuse("logits_to_keep together with labels")
         if shift_labels is None:  # tokens < n predict n; the last position has no target
@@ -425,7 +429,12 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
             raise ValueError(f"codagen.patch: labels must be [batch, seq] = {(batch, seq)}, got "
                              f"{tuple(shift_labels.shape)} shifted")
         reduction = "mean" if num_items_in_batch is None else "sum"
-        loss = lm_head(h, normed, rstd, norm_weight, head_weight, targets, reduction=reduction)
+        if torch.is_grad_enabled():  # training: the fused cross-entropy, no logits stored
+            loss = lm_head(h, normed, rstd, norm_weight, head_weight, targets, reduction=reduction)
+        else:  # evaluation: the logits (what compute_metrics reads) and, as transformers, the fp32 loss from them
+            logits = lm_head(h, normed, rstd, norm_weight, head_weight, None)
+            loss = nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100, reduction=reduction)
+            logits = logits.view(batch, seq, config.vocab_size)
         if num_items_in_batch is not None:
             loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                            else num_items_in_batch)
