@@ -60,6 +60,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from codagen import ops
+from codagen.ops._checks import index_range
 
 from . import fused_layers, hf_cache, lora, tensor_parallel
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
@@ -74,9 +75,24 @@ _FLASH_ATTENTION_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "ma
 _FREQUENCIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _refuse(feature: str) -> NotImplementedError:
-    return NotImplementedError(f"codagen.patch: {feature} is not supported by the fused kernels; "
-                               f"call codagen.unpatch(model) to run it with transformers")
+# The QK-norm epilogue normalizes each head inside one epilogue sub-tile of the Triton GEMM; the widest of its
+# fp16/bf16 configurations is 128 columns (codagen.backends.triton.configs), so head_dim must divide 128.
+QK_NORM_HEAD_DIMS = (2, 4, 8, 16, 32, 64, 128)
+
+
+def _advice(model: nn.Module | None) -> str:
+    """How to run a refused feature, for the model's state: ``codagen.unpatch`` works on a patched model
+    whose projections are its own; before patching, or with fused parameters, it does not."""
+    if model is None or not is_patched(model):
+        return "run the model without codagen.patch to use it with transformers"
+    if fused_layers.is_fused(model):
+        return ("its fused parameters (codagen.models.sharding) have no transformers forward: load its state_dict() "
+                "(Hugging Face names and layouts) into an unpatched model to run it with transformers")
+    return "call codagen.unpatch(model) to run it with transformers"
+
+
+def _refuse(feature: str, model: nn.Module | None = None) -> NotImplementedError:
+    return NotImplementedError(f"codagen.patch: {feature} is not supported by the fused kernels; {_advice(model)}")
 
 
 def _check_model(model: nn.Module) -> None:
@@ -87,31 +103,31 @@ def _check_model(model: nn.Module) -> None:
                         f"got {type(model).__name__}")
     config = model.config
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-        raise _refuse(f"hidden_act={config.hidden_act!r} (only SiLU/SwiGLU)")
+        raise _refuse(f"hidden_act={config.hidden_act!r} (only SiLU/SwiGLU)", model)
     rotary = model.model.rotary_emb
     rope_type = getattr(rotary, "rope_type", "default")
     if rope_type not in _ROPE_TYPES or getattr(rotary, "attention_scaling", 1.0) != 1.0:
-        raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES} with attention_scaling 1)")
+        raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES} with attention_scaling 1)", model)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
-            raise _refuse(f"MLP biases (layer {i})")
+            raise _refuse(f"MLP biases (layer {i})", model)
         qkv_bias = [getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
         if any(qkv_bias) and not all(qkv_bias):
-            raise _refuse(f"biases on only some of q/k/v_proj (layer {i})")
+            raise _refuse(f"biases on only some of q/k/v_proj (layer {i})", model)
         if not (layer.input_layernorm.variance_epsilon == layer.post_attention_layernorm.variance_epsilon
                 == model.model.norm.variance_epsilon):
-            raise _refuse(f"different eps among the RMSNorms (layer {i})")
+            raise _refuse(f"different eps among the RMSNorms (layer {i})", model)
         qk_norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
         if any(norm is not None for norm in qk_norms):
             if any(norm is None for norm in qk_norms):
-                raise _refuse(f"a norm on only one of q and k (layer {i})")
+                raise _refuse(f"a norm on only one of q and k (layer {i})", model)
             if any(qkv_bias):
-                raise _refuse(f"Q/K/V biases together with QK-norm (layer {i})")
+                raise _refuse(f"Q/K/V biases together with QK-norm (layer {i})", model)
             if any(tuple(norm.weight.shape) != (attn.head_dim,) for norm in qk_norms):
-                raise _refuse(f"QK-norm weights of shape other than [head_dim] = ({attn.head_dim},) (layer {i})")
+                raise _refuse(f"QK-norm weights of shape other than [head_dim] = ({attn.head_dim},) (layer {i})", model)
             if any(norm.variance_epsilon != layer.input_layernorm.variance_epsilon for norm in qk_norms):
-                raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})")
+                raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})", model)
     lora.prepare_adapters(model)
 
 
@@ -128,6 +144,10 @@ def _check_shapes(model: nn.Module) -> None:
         head_dim = attn.head_dim
         if head_dim <= 0 or head_dim % 2:  # RoPE and the fused layouts work on pairs of columns
             raise ValueError(f"codagen.patch: head_dim must be a positive even number, got {head_dim} (layer {i})")
+        if getattr(attn, "q_norm", None) is not None and head_dim not in QK_NORM_HEAD_DIMS:
+            raise ValueError(f"codagen.patch: head_dim = {head_dim} with QK-norm (layer {i}): the Triton QK-norm "
+                             f"epilogue normalizes whole heads inside one epilogue sub-tile of at most 128 columns; "
+                             f"head_dim must be one of {list(QK_NORM_HEAD_DIMS)}")
         expected = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
                     "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim)}
         for name, shape in expected.items():
@@ -147,7 +167,7 @@ def _check_shapes(model: nn.Module) -> None:
         rotary_pairs = model.model.rotary_emb.inv_freq.shape[0]
         if rotary_pairs != head_dim // 2:
             raise _refuse(f"partial rotary embeddings (partial_rotary_factor: {2 * rotary_pairs} of head_dim "
-                          f"{head_dim} channels rotated)")
+                          f"{head_dim} channels rotated)", model)
 
 
 def patch(model: nn.Module) -> nn.Module:
@@ -229,7 +249,7 @@ def _check_hooks(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | No
             fsdp = (" (FSDP2: codagen.models.sharding.fully_shard(model) places the units on the fused blocks)"
                     if isinstance(module, FSDPModule) else "")
             raise _refuse(f"{' and '.join(kinds)} on submodule {name!r} ({type(module).__name__}: the fused decoder "
-                          f"never calls its forward; hooks on the model itself run){fsdp}")
+                          f"never calls its forward; hooks on the model itself run){fsdp}", model)
 
 
 def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, dtype: torch.dtype) -> BlockWeights:
@@ -276,7 +296,8 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     _check_hooks(self, modules)
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
-                      f"documents come from position_ids: DataCollatorWithFlattening(return_flash_attn_kwargs=False))")
+                      f"documents come from position_ids: DataCollatorWithFlattening(return_flash_attn_kwargs=False))",
+                      self)
     # transformers 5.2x names the cache `cache` (`past_key_values` before) and derives positions from it;
     # before, a given cache_position also gives the positions
     cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
@@ -285,24 +306,35 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
         position_ids = cache_position[None]
     if kwargs:
         names = ", ".join(repr(name) for name in sorted(kwargs))
-        raise _refuse(f"the forward argument {names}" if len(kwargs) == 1 else f"each of the forward arguments {names}")
+        raise _refuse(f"the forward argument {names}" if len(kwargs) == 1 else f"each of the forward arguments {names}",
+                      self)
     if cache is None and use_cache:
         cache = hf_cache.new_dynamic_cache(self.config)
     if cache is not None:
+        if fused_layers.is_fused(self):
+            raise _refuse("a KV cache (generate()) on a model with fused parameters (codagen.models.sharding)", self)
         hf_cache.check_cache(cache)
     if output_attentions or output_hidden_states:
-        raise _refuse("output_attentions / output_hidden_states")
+        raise _refuse("output_attentions / output_hidden_states", self)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("codagen.patch: give exactly one of input_ids or inputs_embeds")
+    given, inputs = ("input_ids", input_ids) if inputs_embeds is None else ("inputs_embeds", inputs_embeds)
+    if inputs.dim() != (2 if inputs_embeds is None else 3):
+        raise ValueError(f"codagen.patch: expected [batch, seq] input_ids or [batch, seq, hidden_size] inputs_embeds, "
+                         f"got {given} of shape {tuple(inputs.shape)}")
+    if 0 in inputs.shape[:2]:  # transformers fails on them inside attention
+        raise ValueError(f"codagen.patch: {given} must hold at least one sequence of at least one token, got shape "
+                         f"{tuple(inputs.shape)}")
+    hidden_size = self.model.norm.weight.shape[0]
+    if inputs_embeds is not None and inputs_embeds.shape[-1] != hidden_size:
+        raise ValueError(f"codagen.patch: inputs_embeds must be [batch, seq, hidden_size = {hidden_size}], got shape "
+                         f"{tuple(inputs_embeds.shape)}")
     x = _embed(self.model.embed_tokens, input_ids) if inputs_embeds is None else inputs_embeds
-    if x.dim() != 3:
-        raise ValueError(f"codagen.patch: expected [batch, seq] input_ids or [batch, seq, hidden] inputs_embeds, "
-                         f"got embeddings of shape {tuple(x.shape)}")
     batch, seq, hidden = x.shape
     # with a KV cache the mask spans the cached tokens too (transformers' mask functions read it, a
     # prepared 4-D one as given); without one it is the [batch, seq] padding mask
     if cache is None and attention_mask is not None and attention_mask.dim() != 2:
-        raise _refuse(f"a {attention_mask.dim()}-D attention_mask (give the 2-D [batch, seq] padding mask)")
+        raise _refuse(f"a {attention_mask.dim()}-D attention_mask (give the 2-D [batch, seq] padding mask)", self)
     if cache is None and attention_mask is not None and tuple(attention_mask.shape) != (batch, seq):
         raise ValueError(f"codagen.patch: attention_mask must be [batch, seq] = {(batch, seq)}, "
                          f"got shape {tuple(attention_mask.shape)}")
@@ -387,8 +419,6 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
         return [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
     # adapters switch (set_adapter, disable_adapter) without touching a parameter: fused on every forward
     if fused:
-        if cache is not None:
-            raise _refuse("a KV cache (generate()) on a model with fused parameters (codagen.models.sharding)")
         blocks = None  # each fused block reads its own parameters inside its module call
     elif torch.is_grad_enabled() or adapters:
         # differentiable gathers, rebuilt every forward (traceable: no graph break); a copy kept by an
@@ -421,7 +451,7 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     loss = logits = None
     if labels is not None:  # as transformers: shift_labels alone give no loss; with labels they are the targets
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            raise _refuse("logits_to_keep together with labels")
+            raise _refuse("logits_to_keep together with labels", self)
         if shift_labels is None:  # tokens < n predict n; the last position has no target
             shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         targets = shift_labels.reshape(-1).to(x.device).contiguous()
@@ -432,6 +462,7 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
         if torch.is_grad_enabled():  # training: the fused cross-entropy, no logits stored
             loss = lm_head(h, normed, rstd, norm_weight, head_weight, targets, reduction=reduction)
         else:  # evaluation: the logits (what compute_metrics reads) and, as transformers, the fp32 loss from them
+            index_range("target", targets, config.vocab_size, -100)  # as the fused loss checks them
             logits = lm_head(h, normed, rstd, norm_weight, head_weight, None)
             loss = nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100, reduction=reduction)
             logits = logits.view(batch, seq, config.vocab_size)
