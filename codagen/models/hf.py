@@ -128,7 +128,7 @@ def _check_model(model: nn.Module) -> None:
                 raise _refuse(f"QK-norm weights of shape other than [head_dim] = ({attn.head_dim},) (layer {i})", model)
             if any(norm.variance_epsilon != layer.input_layernorm.variance_epsilon for norm in qk_norms):
                 raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})", model)
-    lora.prepare_adapters(model)
+    lora.prepare_adapters(model, patched=is_patched(model))
 
 
 def _check_shapes(model: nn.Module) -> None:
@@ -256,7 +256,6 @@ def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, 
     """One HF decoder layer's parameters in the fused layout and ``dtype`` (differentiable gathers and
     casts, see the module docstring), with its PEFT LoRA updates (:mod:`codagen.models.lora`)."""
     attn, mlp = layer.self_attn, layer.mlp
-    where = f"layer {getattr(attn, 'layer_idx', '?')}: "
 
     def cast(t):
         return None if t is None else t.to(dtype)
@@ -272,10 +271,8 @@ def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, 
         o=cast(attn.o_proj.weight), o_bias=cast(attn.o_proj.bias), mlp_norm=cast(layer.post_attention_layernorm.weight),
         gate_up=ops.interleave_gate_up(cast(mlp.gate_proj.weight), cast(mlp.up_proj.weight)),
         down=cast(mlp.down_proj.weight), q_norm=q_norm, k_norm=k_norm, sliding_window=sliding_window,
-        qkv_low_rank=lora.qkv_low_rank(attn, head_dim, dtype, where + "self_attn"),
-        o_low_rank=lora.linear_low_rank(attn.o_proj, dtype, where + "self_attn.o_proj"),
-        gate_up_low_rank=lora.gate_up_low_rank(mlp, dtype, where + "mlp"),
-        down_low_rank=lora.linear_low_rank(mlp.down_proj, dtype, where + "mlp.down_proj"))
+        qkv_low_rank=lora.qkv_low_rank(attn, head_dim, dtype), o_low_rank=lora.linear_low_rank(attn.o_proj, dtype),
+        gate_up_low_rank=lora.gate_up_low_rank(mlp, dtype), down_low_rank=lora.linear_low_rank(mlp.down_proj, dtype))
 
 
 def _sliding_window(model: nn.Module, layer: nn.Module) -> int | None:
@@ -292,7 +289,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     # PEFT wrappers and adapter states can change after patching (fused parameters take none: sharding.py);
     # hooks can be added: both checked on one walk of the modules
     modules = tuple(self.named_modules())
-    adapters = not fused_layers.is_fused(self) and lora.prepare_adapters(self, modules)
+    adapters = not fused_layers.is_fused(self) and lora.prepare_adapters(self, modules, patched=True)
     _check_hooks(self, modules)
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
