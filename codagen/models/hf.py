@@ -41,9 +41,12 @@ approximation):
   a cache): :mod:`.hf_cache` (``DynamicCache``, ``StaticCache``; other cache kinds refused).
 - Refused at patch time (``ValueError`` naming the config field): sizes the kernels cannot take (odd
   ``intermediate_size`` or ``head_dim``, heads not a multiple of KV heads, projection shapes that do not
-  match the config). Refused at patch time and at each forward: hooks on any submodule but the input
+  match the config, a QK-norm ``head_dim`` that does not divide 128: :data:`QK_NORM_HEAD_DIMS`). These checks
+  and the architecture refusals below run again at the first forward after the structure they read changes
+  (a module swapped, a bias added, an eps changed; a comparison of module identities and parameter shapes
+  per forward, outside ``torch.compile``). Refused at patch time and at each forward: hooks on any submodule but the input
   embedding (the fused decoder never calls their ``forward``); hooks on the model itself run.
-- Refused: MLP biases, partial rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter
+- Refused: MLP biases, an ``act_fn`` other than SiLU, partial rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter
   before the norm), QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types
   (``dynamic``, ``yarn``, ...), 4-D ``attention_mask``, flash-attention varlen kwargs (``cu_seq_lens_q``,
   ...), ``output_attentions`` / ``output_hidden_states``, extra attention kwargs. ``unpatch`` the model (or
@@ -73,6 +76,8 @@ _ROPE_TYPES = ("default", "linear", "llama3")  # static inv_freq and attention_s
 _FLASH_ATTENTION_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 # rotary module -> (what the frequencies were built from, the fused QKV's per-pair frequencies)
 _FREQUENCIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> the _structure its patch-time checks last passed
+_CHECKED_STRUCTURE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # The QK-norm epilogue normalizes each head inside one epilogue sub-tile of the Triton GEMM; the widest of its
@@ -95,6 +100,12 @@ def _refuse(feature: str, model: nn.Module | None = None) -> NotImplementedError
     return NotImplementedError(f"codagen.patch: {feature} is not supported by the fused kernels; {_advice(model)}")
 
 
+def _is_silu(act_fn: nn.Module) -> bool:
+    """``act_fn`` computes SiLU: ``ACT2FN["silu"]`` (transformers' ``SiLUActivation``) or ``nn.SiLU``."""
+    kind = type(act_fn)
+    return kind is nn.SiLU or (kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations")
+
+
 def _check_model(model: nn.Module) -> None:
     """Refuse, at patch time, architectures the fused decoder would compute differently."""
     names = [cls.__name__ for cls in type(model).__mro__]
@@ -110,6 +121,8 @@ def _check_model(model: nn.Module) -> None:
         raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES} with attention_scaling 1)", model)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        if not _is_silu(mlp.act_fn):
+            raise _refuse(f"act_fn {type(mlp.act_fn).__name__} (layer {i}; only SiLU)", model)
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
             raise _refuse(f"MLP biases (layer {i})", model)
         qkv_bias = [getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
@@ -170,6 +183,28 @@ def _check_shapes(model: nn.Module) -> None:
                           f"{head_dim} channels rotated)", model)
 
 
+def _structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> tuple:
+    """What :func:`_check_model` and :func:`_check_shapes` read, in a form cheap to compare on every forward: each
+    module's identity (a projection or ``act_fn`` swapped), its parameters' presence and shapes (a bias added), its
+    ``variance_epsilon`` and ``head_dim``, and the config and rotary fields."""
+    config, rotary = model.config, model.model.rotary_emb
+    return (tuple(id(m) for _, m in modules),
+            tuple(None if p is None else p.shape for _, m in modules for p in m._parameters.values()),
+            tuple((m.__dict__.get("variance_epsilon"), m.__dict__.get("head_dim")) for _, m in modules),
+            config.hidden_act, config.num_attention_heads, config.num_key_value_heads,
+            getattr(rotary, "rope_type", "default"), getattr(rotary, "attention_scaling", 1.0), rotary.inv_freq.shape)
+
+
+def _check_structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> None:
+    """:func:`_check_model` and :func:`_check_shapes` again when :func:`_structure` differs from the one they last
+    passed: a bias added or ``act_fn`` replaced after patching is refused, never computed as the unmodified model."""
+    structure = _structure(model, modules)
+    if _CHECKED_STRUCTURE.get(model) != structure:
+        _check_model(model)
+        _check_shapes(model)
+        _CHECKED_STRUCTURE[model] = structure
+
+
 def patch(model: nn.Module) -> nn.Module:
     """Make a ``transformers`` Llama/Mistral/Qwen2/Qwen3 ``...ForCausalLM`` run on codagen kernels; returns it.
 
@@ -181,8 +216,7 @@ def patch(model: nn.Module) -> nn.Module:
     if fused_layers.is_fused(inner):  # checked and patched by codagen.models.sharding.fuse_parameters
         return model
     hf_cache.load_transformers()
-    _check_model(inner)
-    _check_shapes(inner)
+    _check_structure(inner, tuple(inner.named_modules()))
     _check_hooks(inner)
     if not is_patched(inner):
         inner.forward = _PatchedForward(inner)
@@ -291,6 +325,8 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     modules = tuple(self.named_modules())
     adapters = not fused_layers.is_fused(self) and lora.prepare_adapters(self, modules, patched=True)
     _check_hooks(self, modules)
+    if not fused_layers.is_fused(self) and not torch.compiler.is_compiling():  # Dynamo guards what it traced
+        _check_structure(self, modules)
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
                       f"documents come from position_ids: DataCollatorWithFlattening(return_flash_attn_kwargs=False))",
