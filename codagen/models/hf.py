@@ -69,7 +69,7 @@ from . import fused_layers, hf_cache, lora, tensor_parallel
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
-__all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODELS"]
+__all__ = ["patch", "unpatch", "is_patched", "refresh_weights", "SUPPORTED_MODELS"]
 
 SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3")  # static inv_freq and attention_scaling == 1
@@ -238,6 +238,25 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 def is_patched(model: nn.Module) -> bool:
     return isinstance(lora.unwrap_peft(model).__dict__.get("forward"), _PatchedForward)
+
+
+def refresh_weights(model: nn.Module) -> nn.Module:
+    """Make the next forward read every parameter afresh; returns the model. Call it after writing weights in
+    place through ``param.data`` (``p.data.copy_(w)``, TRL's ``ref.data.mul_(1 - a).add_(p.data, alpha=a)``)
+    between forwards without autograd.
+
+    A forward without autograd (evaluation, ``generate()``) keeps the fused QKV and gate/up weights it builds,
+    and the RoPE frequencies, for the next one while each parameter keeps its storage and version counter
+    (:func:`.hf_cache.inference_blocks`). Every other write is seen: ``load_state_dict``, ``copy_`` or an
+    optimizer step under ``torch.no_grad`` (they bump the version counter), ``p.data = w`` (new storage), a
+    module swap. In-place writes through ``.data`` change neither: the kept copies would stay stale.
+    """
+    inner = lora.unwrap_peft(model)
+    if not is_patched(inner):
+        raise ValueError("codagen.models.hf.refresh_weights: model is not patched by codagen.patch")
+    hf_cache.drop_inference_blocks(inner)
+    _FREQUENCIES.pop(inner.model.rotary_emb, None)
+    return model
 
 
 class _PatchedForward:
@@ -453,9 +472,10 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     # adapters switch (set_adapter, disable_adapter) without touching a parameter: fused on every forward
     if fused:
         blocks = None  # each fused block reads its own parameters inside its module call
-    elif torch.is_grad_enabled() or adapters:
+    elif torch.is_grad_enabled() or adapters or (cache is None and torch.compiler.is_compiling()):
         # differentiable gathers, rebuilt every forward (traceable: no graph break); a copy kept by an
-        # earlier forward without autograd is dropped (under torch.compile no forward keeps one)
+        # earlier forward without autograd is dropped. Under torch.compile only a KV-cache forward (a decode
+        # step, where the gathers would cost as much as its GEMMs) reads the kept copy, at one graph break
         if not torch.compiler.is_compiling():
             hf_cache.drop_inference_blocks(self)
         blocks = fuse()
