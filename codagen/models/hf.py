@@ -39,18 +39,26 @@ approximation):
   :mod:`codagen.models.checkpoint`).
 - KV cache and ``generate()`` (``past_key_values`` / ``cache``, ``use_cache=True``; padding masks with
   a cache): :mod:`.hf_cache` (``DynamicCache``, ``StaticCache``; other cache kinds refused).
+- Without autograd the fused QKV and gate/up weights are built once and kept while the parameters keep
+  their storage and version counters (:func:`.hf_cache.inference_blocks`): ``load_state_dict``, ``copy_``
+  under ``no_grad``, optimizer steps and ``p.data = w`` are seen; after in-place writes through
+  ``param.data`` call :func:`refresh_weights`. Under ``torch.compile`` a forward without a KV cache gathers
+  them in its graph (no graph break); a KV-cache forward reads the kept copy at one graph break.
 - Refused at patch time (``ValueError`` naming the config field): sizes the kernels cannot take (odd
   ``intermediate_size`` or ``head_dim``, heads not a multiple of KV heads, projection shapes that do not
   match the config, a QK-norm ``head_dim`` that does not divide 128: :data:`QK_NORM_HEAD_DIMS`). These checks
   and the architecture refusals below run again at the first forward after the structure they read changes
   (a module swapped, a bias added, an eps changed; a comparison of module identities and parameter shapes
-  per forward, outside ``torch.compile``). Refused at patch time and at each forward: hooks on any submodule but the input
-  embedding (the fused decoder never calls their ``forward``); hooks on the model itself run.
-- Refused: MLP biases, an ``act_fn`` other than SiLU, partial rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter
-  before the norm), QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types
-  (``dynamic``, ``yarn``, ...), 4-D ``attention_mask``, flash-attention varlen kwargs (``cu_seq_lens_q``,
-  ...), ``output_attentions`` / ``output_hidden_states``, extra attention kwargs. ``unpatch`` the model (or
-  use an unpatched copy) for those.
+  per forward, outside ``torch.compile``). Refused at patch time and at each forward: hooks on any
+  submodule but the input embedding (the fused decoder never calls their ``forward``); hooks on the model
+  itself run. Refused at the forward (``ValueError``): empty batches (transformers fails on them inside
+  attention) and ``inputs_embeds`` whose width is not the hidden size.
+- Refused: MLP biases, activations other than SiLU (``hidden_act`` and each layer's ``act_fn``), partial
+  rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter before the norm), QK-norm eps
+  unequal to the RMSNorm eps, other RoPE types (``dynamic``, ``yarn``, ...), 4-D ``attention_mask``,
+  flash-attention varlen kwargs (``cu_seq_lens_q``, ...), ``output_attentions`` / ``output_hidden_states``,
+  extra attention kwargs. Run the model unpatched for those (``unpatch`` a patched model whose parameters
+  are its own; at patch time, do not patch it).
 """
 from __future__ import annotations
 
