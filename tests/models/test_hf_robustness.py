@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from codagen.models import is_patched, patch, sharding, unpatch
+from codagen.models.hf import QK_NORM_HEAD_DIMS
 
 from .conftest import build, lm_inputs
 
@@ -217,3 +218,10 @@ def test_refusals_advise_what_works_for_the_model():
     with pytest.raises(NotImplementedError, match="output_attentions") as refused:
         model(**lm_inputs(), output_attentions=True)
     assert "codagen.unpatch" not in str(refused.value) and "state_dict" in str(refused.value)
+
+
+def test_qk_norm_head_dims_are_those_the_triton_epilogue_sub_tiles_hold():
+    """QK_NORM_HEAD_DIMS: the even divisors of the widest epilogue sub-tile of the fp16/bf16 configurations."""
+    configs = pytest.importorskip("codagen.backends.triton.configs")
+    widest = max(cfg.sub_n for cfg in configs.SM90 + configs._SM80)
+    assert QK_NORM_HEAD_DIMS == tuple(d for d in range(2, widest + 1, 2) if widest % d == 0)
