@@ -224,7 +224,9 @@ def patch(model: nn.Module) -> nn.Module:
     if fused_layers.is_fused(inner):  # checked and patched by codagen.models.sharding.fuse_parameters
         return model
     hf_cache.load_transformers()
-    _check_structure(inner, tuple(inner.named_modules()))
+    _check_model(inner)
+    _check_shapes(inner)
+    _CHECKED_STRUCTURE[inner] = _structure(inner, tuple(inner.named_modules()))
     _check_hooks(inner)
     if not is_patched(inner):
         inner.forward = _PatchedForward(inner)
