@@ -11,14 +11,15 @@ import torch
 import codagen
 from codagen.models import patch
 
-from .conftest import build, lm_inputs
+from .conftest import BACKENDS, build, lm_inputs
 from .test_hf_trainer import ragged_dataset, tiny_model, word_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_items", [False, True])
-def test_no_grad_labels_give_loss_and_logits(num_items):
+def test_no_grad_labels_give_loss_and_logits(num_items, backend):
     model = build("qwen3").eval()
     reference = copy.deepcopy(model)
     inputs = lm_inputs()
@@ -27,7 +28,7 @@ def test_no_grad_labels_give_loss_and_logits(num_items):
     with torch.no_grad():
         want = reference(**inputs)
         patch(model)
-        with codagen.use_backend("reference"):
+        with codagen.use_backend(backend):
             got = model(**inputs)
     assert got.logits is not None and got.logits.shape == want.logits.shape
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)
