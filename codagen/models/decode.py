@@ -7,7 +7,7 @@ device from it), so :class:`GreedyDecoder` captures the whole step (forward, arg
 mask) once and replays it::
 
     decoder = GreedyDecoder(model, max_cache_len=4096)
-    tokens = decoder(input_ids, attention_mask, max_new_tokens=256)   # [batch, max_new_tokens]
+    tokens = decoder(input_ids, attention_mask=attention_mask, max_new_tokens=256)   # [batch, max_new_tokens]
 
 The prefill runs eagerly (one forward over the prompt); the first decode step runs eagerly too (it
 compiles and plans the kernels), then the captured step replays ``max_new_tokens - 2`` times. Positions
@@ -72,7 +72,7 @@ class GreedyDecoder:
         self._append_greedy(logits)
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def __call__(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 16) -> torch.Tensor:
         """The ``max_new_tokens`` greedy tokens after each row of ``input_ids`` [batch, prompt] (left-padded where
         ``attention_mask`` is 0): ``[batch, max_new_tokens]``."""

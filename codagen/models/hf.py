@@ -20,8 +20,12 @@ fused layout directly and pays neither.
 What runs differently, and what is refused (``NotImplementedError`` naming the feature; never a silent
 approximation):
 
-- With ``labels`` the loss is the fused LM-head cross-entropy and ``logits`` is ``None`` (never
-  materialized); call without ``labels`` to get logits.
+- With ``labels`` and autograd on (training) the loss is the fused LM-head cross-entropy and ``logits`` is
+  ``None`` (never materialized: no ``[tokens, vocab]`` tensor is stored for backward). Without autograd
+  (``torch.no_grad``: evaluation, ``Trainer.evaluate`` / ``predict``) ``labels`` give the logits and the
+  loss from them in fp32, as transformers does: one LM-head GEMM whose ``[tokens, vocab]`` output is
+  materialized. ``shift_labels`` without ``labels`` give logits and no loss (transformers' rule); with
+  ``labels`` they are the targets.
 - Under autocast everything runs in the autocast dtype (weights cast once per forward).
 - Handled exactly: Q/K/V biases (Qwen2; RoPE is linear, so the rotated bias is added after the fused
   kernel), QK-norm (Qwen3: per-head RMSNorm of Q and K before RoPE, in the QKV GEMM's epilogue; the
@@ -35,15 +39,26 @@ approximation):
   :mod:`codagen.models.checkpoint`).
 - KV cache and ``generate()`` (``past_key_values`` / ``cache``, ``use_cache=True``; padding masks with
   a cache): :mod:`.hf_cache` (``DynamicCache``, ``StaticCache``; other cache kinds refused).
+- Without autograd the fused QKV and gate/up weights are built once and kept while the parameters keep
+  their storage and version counters (:func:`.hf_cache.inference_blocks`): ``load_state_dict``, ``copy_``
+  under ``no_grad``, optimizer steps and ``p.data = w`` are seen; after in-place writes through
+  ``param.data`` call :func:`refresh_weights`. Under ``torch.compile`` a forward without a KV cache gathers
+  them in its graph (no graph break); a KV-cache forward reads the kept copy at one graph break.
 - Refused at patch time (``ValueError`` naming the config field): sizes the kernels cannot take (odd
   ``intermediate_size`` or ``head_dim``, heads not a multiple of KV heads, projection shapes that do not
-  match the config). Refused at patch time and at each forward: hooks on any submodule but the input
-  embedding (the fused decoder never calls their ``forward``); hooks on the model itself run.
-- Refused: MLP biases, partial rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter
-  before the norm), QK-norm eps unequal to the RMSNorm eps, activations other than SiLU, other RoPE types
-  (``dynamic``, ``yarn``, ...), 4-D ``attention_mask``, flash-attention varlen kwargs (``cu_seq_lens_q``,
-  ...), ``output_attentions`` / ``output_hidden_states``, extra attention kwargs. ``unpatch`` the model (or
-  use an unpatched copy) for those.
+  match the config, a QK-norm ``head_dim`` that does not divide 128: :data:`QK_NORM_HEAD_DIMS`). These checks
+  and the architecture refusals below run again at the first forward after the structure they read changes
+  (a module swapped, a bias added, an eps changed; a comparison of module identities and parameter shapes
+  per forward, outside ``torch.compile``). Refused at patch time and at each forward: hooks on any
+  submodule but the input embedding (the fused decoder never calls their ``forward``); hooks on the model
+  itself run. Refused at the forward (``ValueError``): empty batches (transformers fails on them inside
+  attention) and ``inputs_embeds`` whose width is not the hidden size.
+- Refused: MLP biases, activations other than SiLU (``hidden_act`` and each layer's ``act_fn``), partial
+  rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter before the norm), QK-norm eps
+  unequal to the RMSNorm eps, other RoPE types (``dynamic``, ``yarn``, ...), 4-D ``attention_mask``,
+  flash-attention varlen kwargs (``cu_seq_lens_q``, ...), ``output_attentions`` / ``output_hidden_states``,
+  extra attention kwargs. Run the model unpatched for those (``unpatch`` a patched model whose parameters
+  are its own; at patch time, do not patch it).
 """
 from __future__ import annotations
 
@@ -56,23 +71,47 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from codagen import ops
+from codagen.ops._checks import index_range
 
 from . import fused_layers, hf_cache, lora, tensor_parallel
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
-__all__ = ["patch", "unpatch", "is_patched", "SUPPORTED_MODELS"]
+__all__ = ["patch", "unpatch", "is_patched", "refresh_weights", "SUPPORTED_MODELS"]
 
 SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3")  # static inv_freq and attention_scaling == 1
 _FLASH_ATTENTION_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 # rotary module -> (what the frequencies were built from, the fused QKV's per-pair frequencies)
 _FREQUENCIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> the _structure its patch-time checks last passed
+_CHECKED_STRUCTURE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _refuse(feature: str) -> NotImplementedError:
-    return NotImplementedError(f"codagen.patch: {feature} is not supported by the fused kernels; "
-                               f"call codagen.unpatch(model) to run it with transformers")
+# The QK-norm epilogue normalizes each head inside one epilogue sub-tile of the Triton GEMM; the widest of its
+# fp16/bf16 configurations is 128 columns (codagen.backends.triton.configs), so head_dim must divide 128.
+QK_NORM_HEAD_DIMS = (2, 4, 8, 16, 32, 64, 128)
+
+
+def _advice(model: nn.Module | None) -> str:
+    """How to run a refused feature, for the model's state: ``codagen.unpatch`` works on a patched model
+    whose projections are its own; before patching, or with fused parameters, it does not."""
+    if model is None or not is_patched(model):
+        return "run the model without codagen.patch to use it with transformers"
+    if fused_layers.is_fused(model):
+        return ("its fused parameters (codagen.models.sharding) have no transformers forward: load its state_dict() "
+                "(Hugging Face names and layouts) into an unpatched model to run it with transformers")
+    return "call codagen.unpatch(model) to run it with transformers"
+
+
+def _refuse(feature: str, model: nn.Module | None = None) -> NotImplementedError:
+    return NotImplementedError(f"codagen.patch: {feature} is not supported by the fused kernels; {_advice(model)}")
+
+
+def _is_silu(act_fn: nn.Module) -> bool:
+    """``act_fn`` computes SiLU: ``ACT2FN["silu"]`` (transformers' ``SiLUActivation``) or ``nn.SiLU``."""
+    kind = type(act_fn)
+    return kind is nn.SiLU or (kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations")
 
 
 def _check_model(model: nn.Module) -> None:
@@ -83,32 +122,34 @@ def _check_model(model: nn.Module) -> None:
                         f"got {type(model).__name__}")
     config = model.config
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-        raise _refuse(f"hidden_act={config.hidden_act!r} (only SiLU/SwiGLU)")
+        raise _refuse(f"hidden_act={config.hidden_act!r} (only SiLU/SwiGLU)", model)
     rotary = model.model.rotary_emb
     rope_type = getattr(rotary, "rope_type", "default")
     if rope_type not in _ROPE_TYPES or getattr(rotary, "attention_scaling", 1.0) != 1.0:
-        raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES} with attention_scaling 1)")
+        raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES} with attention_scaling 1)", model)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        if not _is_silu(mlp.act_fn):
+            raise _refuse(f"act_fn {type(mlp.act_fn).__name__} (layer {i}; only SiLU)", model)
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
-            raise _refuse(f"MLP biases (layer {i})")
+            raise _refuse(f"MLP biases (layer {i})", model)
         qkv_bias = [getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
         if any(qkv_bias) and not all(qkv_bias):
-            raise _refuse(f"biases on only some of q/k/v_proj (layer {i})")
+            raise _refuse(f"biases on only some of q/k/v_proj (layer {i})", model)
         if not (layer.input_layernorm.variance_epsilon == layer.post_attention_layernorm.variance_epsilon
                 == model.model.norm.variance_epsilon):
-            raise _refuse(f"different eps among the RMSNorms (layer {i})")
+            raise _refuse(f"different eps among the RMSNorms (layer {i})", model)
         qk_norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
         if any(norm is not None for norm in qk_norms):
             if any(norm is None for norm in qk_norms):
-                raise _refuse(f"a norm on only one of q and k (layer {i})")
+                raise _refuse(f"a norm on only one of q and k (layer {i})", model)
             if any(qkv_bias):
-                raise _refuse(f"Q/K/V biases together with QK-norm (layer {i})")
+                raise _refuse(f"Q/K/V biases together with QK-norm (layer {i})", model)
             if any(tuple(norm.weight.shape) != (attn.head_dim,) for norm in qk_norms):
-                raise _refuse(f"QK-norm weights of shape other than [head_dim] = ({attn.head_dim},) (layer {i})")
+                raise _refuse(f"QK-norm weights of shape other than [head_dim] = ({attn.head_dim},) (layer {i})", model)
             if any(norm.variance_epsilon != layer.input_layernorm.variance_epsilon for norm in qk_norms):
-                raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})")
-    lora.prepare_adapters(model)
+                raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})", model)
+    lora.prepare_adapters(model, patched=is_patched(model))
 
 
 def _check_shapes(model: nn.Module) -> None:
@@ -124,6 +165,10 @@ def _check_shapes(model: nn.Module) -> None:
         head_dim = attn.head_dim
         if head_dim <= 0 or head_dim % 2:  # RoPE and the fused layouts work on pairs of columns
             raise ValueError(f"codagen.patch: head_dim must be a positive even number, got {head_dim} (layer {i})")
+        if getattr(attn, "q_norm", None) is not None and head_dim not in QK_NORM_HEAD_DIMS:
+            raise ValueError(f"codagen.patch: head_dim = {head_dim} with QK-norm (layer {i}): the Triton QK-norm "
+                             f"epilogue normalizes whole heads inside one epilogue sub-tile of at most 128 columns; "
+                             f"head_dim must be one of {list(QK_NORM_HEAD_DIMS)}")
         expected = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
                     "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim)}
         for name, shape in expected.items():
@@ -143,7 +188,29 @@ def _check_shapes(model: nn.Module) -> None:
         rotary_pairs = model.model.rotary_emb.inv_freq.shape[0]
         if rotary_pairs != head_dim // 2:
             raise _refuse(f"partial rotary embeddings (partial_rotary_factor: {2 * rotary_pairs} of head_dim "
-                          f"{head_dim} channels rotated)")
+                          f"{head_dim} channels rotated)", model)
+
+
+def _structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> tuple:
+    """What :func:`_check_model` and :func:`_check_shapes` read, in a form cheap to compare on every forward: each
+    module's identity (a projection or ``act_fn`` swapped), its parameters' presence and shapes (a bias added), its
+    ``variance_epsilon`` and ``head_dim``, and the config and rotary fields."""
+    config, rotary = model.config, model.model.rotary_emb
+    return (tuple(id(m) for _, m in modules),
+            tuple(None if p is None else p.shape for _, m in modules for p in m._parameters.values()),
+            tuple((m.__dict__.get("variance_epsilon"), m.__dict__.get("head_dim")) for _, m in modules),
+            config.hidden_act, config.num_attention_heads, config.num_key_value_heads,
+            getattr(rotary, "rope_type", "default"), getattr(rotary, "attention_scaling", 1.0), rotary.inv_freq.shape)
+
+
+def _check_structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> None:
+    """:func:`_check_model` and :func:`_check_shapes` again when :func:`_structure` differs from the one they last
+    passed: a bias added or ``act_fn`` replaced after patching is refused, never computed as the unmodified model."""
+    structure = _structure(model, modules)
+    if _CHECKED_STRUCTURE.get(model) != structure:
+        _check_model(model)
+        _check_shapes(model)
+        _CHECKED_STRUCTURE[model] = structure
 
 
 def patch(model: nn.Module) -> nn.Module:
@@ -159,6 +226,7 @@ def patch(model: nn.Module) -> nn.Module:
     hf_cache.load_transformers()
     _check_model(inner)
     _check_shapes(inner)
+    _CHECKED_STRUCTURE[inner] = _structure(inner, tuple(inner.named_modules()))
     _check_hooks(inner)
     if not is_patched(inner):
         inner.forward = _PatchedForward(inner)
@@ -180,6 +248,25 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 def is_patched(model: nn.Module) -> bool:
     return isinstance(lora.unwrap_peft(model).__dict__.get("forward"), _PatchedForward)
+
+
+def refresh_weights(model: nn.Module) -> nn.Module:
+    """Make the next forward read every parameter afresh; returns the model. Call it after writing weights in
+    place through ``param.data`` (``p.data.copy_(w)``, TRL's ``ref.data.mul_(1 - a).add_(p.data, alpha=a)``)
+    between forwards without autograd.
+
+    A forward without autograd (evaluation, ``generate()``) keeps the fused QKV and gate/up weights it builds,
+    and the RoPE frequencies, for the next one while each parameter keeps its storage and version counter
+    (:func:`.hf_cache.inference_blocks`). Every other write is seen: ``load_state_dict``, ``copy_`` or an
+    optimizer step under ``torch.no_grad`` (they bump the version counter), ``p.data = w`` (new storage), a
+    module swap. In-place writes through ``.data`` change neither: the kept copies would stay stale.
+    """
+    inner = lora.unwrap_peft(model)
+    if not is_patched(inner):
+        raise ValueError("codagen.models.hf.refresh_weights: model is not patched by codagen.patch")
+    hf_cache.drop_inference_blocks(inner)
+    _FREQUENCIES.pop(inner.model.rotary_emb, None)
+    return model
 
 
 class _PatchedForward:
@@ -225,14 +312,13 @@ def _check_hooks(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | No
             fsdp = (" (FSDP2: codagen.models.sharding.fully_shard(model) places the units on the fused blocks)"
                     if isinstance(module, FSDPModule) else "")
             raise _refuse(f"{' and '.join(kinds)} on submodule {name!r} ({type(module).__name__}: the fused decoder "
-                          f"never calls its forward; hooks on the model itself run){fsdp}")
+                          f"never calls its forward; hooks on the model itself run){fsdp}", model)
 
 
 def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, dtype: torch.dtype) -> BlockWeights:
     """One HF decoder layer's parameters in the fused layout and ``dtype`` (differentiable gathers and
     casts, see the module docstring), with its PEFT LoRA updates (:mod:`codagen.models.lora`)."""
     attn, mlp = layer.self_attn, layer.mlp
-    where = f"layer {getattr(attn, 'layer_idx', '?')}: "
 
     def cast(t):
         return None if t is None else t.to(dtype)
@@ -248,10 +334,8 @@ def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, 
         o=cast(attn.o_proj.weight), o_bias=cast(attn.o_proj.bias), mlp_norm=cast(layer.post_attention_layernorm.weight),
         gate_up=ops.interleave_gate_up(cast(mlp.gate_proj.weight), cast(mlp.up_proj.weight)),
         down=cast(mlp.down_proj.weight), q_norm=q_norm, k_norm=k_norm, sliding_window=sliding_window,
-        qkv_low_rank=lora.qkv_low_rank(attn, head_dim, dtype, where + "self_attn"),
-        o_low_rank=lora.linear_low_rank(attn.o_proj, dtype, where + "self_attn.o_proj"),
-        gate_up_low_rank=lora.gate_up_low_rank(mlp, dtype, where + "mlp"),
-        down_low_rank=lora.linear_low_rank(mlp.down_proj, dtype, where + "mlp.down_proj"))
+        qkv_low_rank=lora.qkv_low_rank(attn, head_dim, dtype), o_low_rank=lora.linear_low_rank(attn.o_proj, dtype),
+        gate_up_low_rank=lora.gate_up_low_rank(mlp, dtype), down_low_rank=lora.linear_low_rank(mlp.down_proj, dtype))
 
 
 def _sliding_window(model: nn.Module, layer: nn.Module) -> int | None:
@@ -268,11 +352,14 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     # PEFT wrappers and adapter states can change after patching (fused parameters take none: sharding.py);
     # hooks can be added: both checked on one walk of the modules
     modules = tuple(self.named_modules())
-    adapters = not fused_layers.is_fused(self) and lora.prepare_adapters(self, modules)
+    adapters = not fused_layers.is_fused(self) and lora.prepare_adapters(self, modules, patched=True)
     _check_hooks(self, modules)
+    if not fused_layers.is_fused(self) and not torch.compiler.is_compiling():  # Dynamo guards what it traced
+        _check_structure(self, modules)
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
-                      f"documents come from position_ids: DataCollatorWithFlattening(return_flash_attn_kwargs=False))")
+                      f"documents come from position_ids: DataCollatorWithFlattening(return_flash_attn_kwargs=False))",
+                      self)
     # transformers 5.2x names the cache `cache` (`past_key_values` before) and derives positions from it;
     # before, a given cache_position also gives the positions
     cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
@@ -281,24 +368,35 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
         position_ids = cache_position[None]
     if kwargs:
         names = ", ".join(repr(name) for name in sorted(kwargs))
-        raise _refuse(f"the forward argument {names}" if len(kwargs) == 1 else f"each of the forward arguments {names}")
+        raise _refuse(f"the forward argument {names}" if len(kwargs) == 1 else f"each of the forward arguments {names}",
+                      self)
     if cache is None and use_cache:
         cache = hf_cache.new_dynamic_cache(self.config)
     if cache is not None:
+        if fused_layers.is_fused(self):
+            raise _refuse("a KV cache (generate()) on a model with fused parameters (codagen.models.sharding)", self)
         hf_cache.check_cache(cache)
     if output_attentions or output_hidden_states:
-        raise _refuse("output_attentions / output_hidden_states")
+        raise _refuse("output_attentions / output_hidden_states", self)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("codagen.patch: give exactly one of input_ids or inputs_embeds")
+    given, inputs = ("input_ids", input_ids) if inputs_embeds is None else ("inputs_embeds", inputs_embeds)
+    if inputs.dim() != (2 if inputs_embeds is None else 3):
+        raise ValueError(f"codagen.patch: expected [batch, seq] input_ids or [batch, seq, hidden_size] inputs_embeds, "
+                         f"got {given} of shape {tuple(inputs.shape)}")
+    if 0 in inputs.shape[:2]:  # transformers fails on them inside attention
+        raise ValueError(f"codagen.patch: {given} must hold at least one sequence of at least one token, got shape "
+                         f"{tuple(inputs.shape)}")
+    hidden_size = self.model.norm.weight.shape[0]
+    if inputs_embeds is not None and inputs_embeds.shape[-1] != hidden_size:
+        raise ValueError(f"codagen.patch: inputs_embeds must be [batch, seq, hidden_size = {hidden_size}], got shape "
+                         f"{tuple(inputs_embeds.shape)}")
     x = _embed(self.model.embed_tokens, input_ids) if inputs_embeds is None else inputs_embeds
-    if x.dim() != 3:
-        raise ValueError(f"codagen.patch: expected [batch, seq] input_ids or [batch, seq, hidden] inputs_embeds, "
-                         f"got embeddings of shape {tuple(x.shape)}")
     batch, seq, hidden = x.shape
     # with a KV cache the mask spans the cached tokens too (transformers' mask functions read it, a
     # prepared 4-D one as given); without one it is the [batch, seq] padding mask
     if cache is None and attention_mask is not None and attention_mask.dim() != 2:
-        raise _refuse(f"a {attention_mask.dim()}-D attention_mask (give the 2-D [batch, seq] padding mask)")
+        raise _refuse(f"a {attention_mask.dim()}-D attention_mask (give the 2-D [batch, seq] padding mask)", self)
     if cache is None and attention_mask is not None and tuple(attention_mask.shape) != (batch, seq):
         raise ValueError(f"codagen.patch: attention_mask must be [batch, seq] = {(batch, seq)}, "
                          f"got shape {tuple(attention_mask.shape)}")
@@ -383,12 +481,11 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
         return [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
     # adapters switch (set_adapter, disable_adapter) without touching a parameter: fused on every forward
     if fused:
-        if cache is not None:
-            raise _refuse("a KV cache (generate()) on a model with fused parameters (codagen.models.sharding)")
         blocks = None  # each fused block reads its own parameters inside its module call
-    elif torch.is_grad_enabled() or adapters:
+    elif torch.is_grad_enabled() or adapters or (cache is None and torch.compiler.is_compiling()):
         # differentiable gathers, rebuilt every forward (traceable: no graph break); a copy kept by an
-        # earlier forward without autograd is dropped (under torch.compile no forward keeps one)
+        # earlier forward without autograd is dropped. Under torch.compile only a KV-cache forward (a decode
+        # step, where the gathers would cost as much as its GEMMs) reads the kept copy, at one graph break
         if not torch.compiler.is_compiling():
             hf_cache.drop_inference_blocks(self)
         blocks = fuse()
@@ -415,9 +512,9 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
                                                             masks)
 
     loss = logits = None
-    if labels is not None or shift_labels is not None:
+    if labels is not None:  # as transformers: shift_labels alone give no loss; with labels they are the targets
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            raise _refuse("logits_to_keep together with labels")
+            raise _refuse("logits_to_keep together with labels", self)
         if shift_labels is None:  # tokens < n predict n; the last position has no target
             shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         targets = shift_labels.reshape(-1).to(x.device).contiguous()
@@ -425,7 +522,13 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
             raise ValueError(f"codagen.patch: labels must be [batch, seq] = {(batch, seq)}, got "
                              f"{tuple(shift_labels.shape)} shifted")
         reduction = "mean" if num_items_in_batch is None else "sum"
-        loss = lm_head(h, normed, rstd, norm_weight, head_weight, targets, reduction=reduction)
+        if torch.is_grad_enabled():  # training: the fused cross-entropy, no logits stored
+            loss = lm_head(h, normed, rstd, norm_weight, head_weight, targets, reduction=reduction)
+        else:  # evaluation: the logits (what compute_metrics reads) and, as transformers, the fp32 loss from them
+            index_range("target", targets, config.vocab_size, -100)  # as the fused loss checks them
+            logits = lm_head(h, normed, rstd, norm_weight, head_weight, None)
+            loss = nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100, reduction=reduction)
+            logits = logits.view(batch, seq, config.vocab_size)
         if num_items_in_batch is not None:
             loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                            else num_items_in_batch)

@@ -62,7 +62,8 @@ def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWei
     version counter and the same modules: an optimizer step, ``load_state_dict`` or a module swap changes them
     and the next forward re-fuses.
     A decode step then reads each weight once instead of gathering QKV and gate/up into new copies.
-    (Writes through ``param.data`` bypass the version counter and are not seen.)
+    In-place writes through ``param.data`` bypass the version counter and are not seen:
+    :func:`codagen.models.hf.refresh_weights` drops the kept copy.
     ``modules``: ``model.named_modules()`` when the caller has walked them already.
     """
     # modules too: merging an adapter (peft's merge_and_unload) writes through ``.data`` and swaps modules

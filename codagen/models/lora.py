@@ -16,7 +16,8 @@ Fused layouts, built with differentiable ops so the gradients land on the PEFT p
 - gate/up: ``A = [A_gate; A_up]``, ``B`` block-diagonal with rows interleaved like ``W_gate_up``;
 - O and down: ``LowRank(A, B, scaling)`` as they are.
 
-Refused (``NotImplementedError`` naming the feature and the module), never ignored: DoRA and other
+Refused (``NotImplementedError`` naming the feature and the module; at ``patch`` and at each forward, for
+the state the model is in then), never ignored: DoRA and other
 LoRA variants, ``lora_bias``, ``lora_dropout > 0`` in training mode (dropout applies to the adapter's
 input, an activation-sized mask per projection; it is the identity in eval mode, which runs),
 several active adapters on one module, mixed-batch ``adapter_names`` (forward hooks on LoRA layers),
@@ -41,9 +42,15 @@ __all__ = ["unwrap_peft", "prepare_adapters", "qkv_low_rank", "gate_up_low_rank"
 PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 
-def _refuse(feature: str) -> NotImplementedError:
-    return NotImplementedError(f"codagen.patch: {feature} is not supported with PEFT; merge the adapters "
-                               f"(merge_and_unload) or call codagen.unpatch(model) to run it with PEFT")
+def _advice(patched: bool) -> str:
+    """How to run the model with PEFT's own forward: ``codagen.unpatch`` once it is patched, else no patch."""
+    return "call codagen.unpatch(model) to run it with PEFT" if patched else \
+        "run the model without codagen.patch to use it with PEFT"
+
+
+def _refuse(feature: str, patched: bool = False) -> NotImplementedError:
+    return NotImplementedError(f"codagen.patch: {feature} is not supported by the fused kernels; merge the adapters "
+                               f"(merge_and_unload) or {_advice(patched)}")
 
 
 def _is_peft_module(module: nn.Module) -> bool:
@@ -76,11 +83,13 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model.get_base_model()
 
 
-def prepare_adapters(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | None = None) -> bool:
-    """Before a forward reads any weight: refuse PEFT modules the fused decoder would bypass (any PEFT
-    module other than a LoRA layer, with its own submodules, at one of the seven projections of a decoder
-    layer) and LoRA layers it cannot compute; unmerge disabled merged layers, as PEFT's forward does.
-    ``modules``: ``model.named_modules()`` when the caller has walked them already.
+def prepare_adapters(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | None = None, *,
+                     patched: bool = False) -> bool:
+    """At patch time and before a forward reads any weight: refuse PEFT modules the fused decoder would bypass
+    (any PEFT module other than a LoRA layer, with its own submodules, at one of the seven projections of a
+    decoder layer) and LoRA layers it cannot compute in their present state (their training mode included);
+    unmerge disabled merged layers, as PEFT's forward does. ``modules``: ``model.named_modules()`` when the
+    caller has walked them already; ``patched``: whether ``model`` is patched (the refusals' advice).
     Returns whether the model holds LoRA layers."""
     modules = model.named_modules() if modules is None else modules
     peft_modules = [(path, module) for path, module in modules if _is_peft_module(module)]
@@ -94,33 +103,45 @@ def prepare_adapters(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] 
             continue
         if id(module) in slots and is_lora_linear(module):
             inside, lora_layers = path + ".", True
-            _check_lora_layer(module, path)
+            _check_lora_layer(module, path, patched)
             if module.disable_adapters and module.merged:
                 module.unmerge()
             continue
         where = "at one of q/k/v/o/gate/up/down_proj" if id(module) in slots else "outside q/k/v/o/gate/up/down_proj"
-        raise _refuse(f"the PEFT module {type(module).__name__} {where} ({path})")
+        raise _refuse(f"the PEFT module {type(module).__name__} {where} ({path})", patched)
     return lora_layers
 
 
-def _check_lora_layer(module: nn.Module, path: str) -> None:
-    """What a LoRA layer holds that the fused GEMMs cannot compute, whatever adapter is active."""
+def _check_lora_layer(module: nn.Module, path: str, patched: bool) -> None:
+    """What a LoRA layer holds that the fused GEMMs cannot compute: any adapter's kind, and the active adapter's
+    state (several active ones, dropout in training mode)."""
     if module._forward_pre_hooks or module._forward_hooks:
-        raise _refuse(f"forward hooks on a LoRA layer, e.g. mixed-batch adapter_names ({path})")
+        raise _refuse(f"forward hooks on a LoRA layer, e.g. mixed-batch adapter_names ({path})", patched)
     if type(module.base_layer) is not nn.Linear:
-        raise _refuse(f"LoRA on a {type(module.base_layer).__name__} base layer ({path}; only nn.Linear)")
+        raise _refuse(f"LoRA on a {type(module.base_layer).__name__} base layer ({path}; only nn.Linear)", patched)
     if getattr(module, "fan_in_fan_out", False):
-        raise _refuse(f"fan_in_fan_out ({path})")
+        raise _refuse(f"fan_in_fan_out ({path})", patched)
     for name in module.lora_A:
         if getattr(module, "use_dora", {}).get(name, False) or name in getattr(module, "lora_variant", {}):
-            raise _refuse(f"DoRA or another LoRA variant (adapter {name!r}, {path})")
+            raise _refuse(f"DoRA or another LoRA variant (adapter {name!r}, {path})", patched)
         if getattr(module, "lora_bias", {}).get(name, False) or getattr(module.lora_B[name], "bias", None) is not None:
-            raise _refuse(f"lora_bias (adapter {name!r}, {path})")
+            raise _refuse(f"lora_bias (adapter {name!r}, {path})", patched)
         lora_a, lora_b = module.lora_A[name], module.lora_B[name]
         if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear:
-            raise _refuse(f"LoRA A/B modules of type {type(lora_a).__name__}/{type(lora_b).__name__} ({path})")
+            raise _refuse(f"LoRA A/B modules of type {type(lora_a).__name__}/{type(lora_b).__name__} ({path})", patched)
         if not isinstance(module.lora_dropout[name], (nn.Dropout, nn.Identity)):
-            raise _refuse(f"a lora_dropout module of type {type(module.lora_dropout[name]).__name__} ({path})")
+            raise _refuse(f"a lora_dropout module of type {type(module.lora_dropout[name]).__name__} ({path})", patched)
+    if module.disable_adapters or module.merged:  # the base layer alone runs
+        return
+    names = [name for name in module.active_adapters if name in module.lora_A]
+    if len(names) > 1:
+        raise _refuse(f"several active adapters on one layer {names} ({path})", patched)
+    dropout = module.lora_dropout[names[0]] if names else None
+    if isinstance(dropout, nn.Dropout) and dropout.p > 0 and dropout.training:
+        # the dropout mask of the adapter's input: an activation-sized mask per projection the fused GEMM lacks
+        raise NotImplementedError(f"codagen.patch: lora_dropout={dropout.p} in training mode (adapter {names[0]!r}, "
+                                  f"{path}) is not supported by the fused kernels; train with lora_dropout=0 or "
+                                  f"{_advice(patched)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +152,7 @@ class Adapter:
     scale: float
 
 
-def adapter(module: nn.Module, path: str) -> Adapter | None:
+def adapter(module: nn.Module) -> Adapter | None:
     """The LoRA update ``module`` applies in this forward (None for a plain Linear, disabled or merged
     adapters), read from the live PEFT state the way PEFT's own forward reads it; the layer passed
     :func:`prepare_adapters` at the start of the forward."""
@@ -140,17 +161,12 @@ def adapter(module: nn.Module, path: str) -> Adapter | None:
     names = [name for name in module.active_adapters if name in module.lora_A]
     if not names:
         return None
-    if len(names) > 1:
-        raise _refuse(f"several active adapters on one layer {names} ({path})")
-    name = names[0]
-    dropout = module.lora_dropout[name]
-    if isinstance(dropout, nn.Dropout) and dropout.p > 0 and dropout.training:
-        raise _refuse(f"lora_dropout={dropout.p} in training mode (adapter {name!r}, {path}); use lora_dropout=0")
+    name = names[0]  # one: checked by prepare_adapters
     return Adapter(module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name]))
 
 
-def _adapters(parent: nn.Module, names: tuple[str, ...], where: str) -> list[Adapter | None]:
-    return [adapter(getattr(parent, name), f"{where}.{name}") for name in names]
+def _adapters(parent: nn.Module, names: tuple[str, ...]) -> list[Adapter | None]:
+    return [adapter(getattr(parent, name)) for name in names]
 
 
 def _block_diagonal(adapters: list[Adapter | None], rows: list[int], dtype: torch.dtype):
@@ -169,10 +185,10 @@ def _block_diagonal(adapters: list[Adapter | None], rows: list[int], dtype: torc
     return a.contiguous(), blocks
 
 
-def qkv_low_rank(attn: nn.Module, head_dim: int, dtype: torch.dtype, where: str) -> ops.LowRank | None:
+def qkv_low_rank(attn: nn.Module, head_dim: int, dtype: torch.dtype) -> ops.LowRank | None:
     """The LoRA updates of q/k/v_proj as one low-rank pair of the fused QKV GEMM (module docstring)."""
     projections = ("q_proj", "k_proj", "v_proj")
-    adapters = _adapters(attn, projections, where)
+    adapters = _adapters(attn, projections)
     if all(ad is None for ad in adapters):
         return None
     rows = [getattr(attn, name).weight.shape[0] for name in projections]
@@ -181,10 +197,10 @@ def qkv_low_rank(attn: nn.Module, head_dim: int, dtype: torch.dtype, where: str)
     return ops.LowRank(a, b.contiguous(), 1.0)
 
 
-def gate_up_low_rank(mlp: nn.Module, dtype: torch.dtype, where: str) -> ops.LowRank | None:
+def gate_up_low_rank(mlp: nn.Module, dtype: torch.dtype) -> ops.LowRank | None:
     """The LoRA updates of gate/up_proj as one low-rank pair of the fused gate/up GEMM (rows interleaved)."""
     projections = ("gate_proj", "up_proj")
-    adapters = _adapters(mlp, projections, where)
+    adapters = _adapters(mlp, projections)
     if all(ad is None for ad in adapters):
         return None
     rows = [getattr(mlp, name).weight.shape[0] for name in projections]
@@ -192,7 +208,7 @@ def gate_up_low_rank(mlp: nn.Module, dtype: torch.dtype, where: str) -> ops.LowR
     return ops.LowRank(a, ops.interleave_gate_up(b_gate, b_up), 1.0)
 
 
-def linear_low_rank(module: nn.Module, dtype: torch.dtype, where: str) -> ops.LowRank | None:
+def linear_low_rank(module: nn.Module, dtype: torch.dtype) -> ops.LowRank | None:
     """The LoRA update of o_proj or down_proj (their GEMMs take it unchanged)."""
-    ad = adapter(module, where)
+    ad = adapter(module)
     return None if ad is None else ops.LowRank(ad.a.to(dtype).contiguous(), ad.b.to(dtype).contiguous(), ad.scale)

@@ -280,12 +280,19 @@ def test_greedy_decoder_matches_generate(variant, monkeypatch):
     want = greedy(model, ids, mask, new_tokens=6, cache_implementation="static").sequences[:, ids.shape[1]:]
     decoder = GreedyDecoder(patch(model), max_cache_len=16)
     for _ in range(2):  # the second call reuses the cache (reset in place)
-        assert torch.equal(decoder(ids, mask, max_new_tokens=6), want)
+        assert torch.equal(decoder(ids, attention_mask=mask, max_new_tokens=6), want)
     with torch.no_grad(), _HostSyncs() as syncs:  # the step the GPU captures
         decoder._step()
     assert syncs.seen == []
     with pytest.raises(NotImplementedError, match="sliding-window layers"):
         GreedyDecoder(patch(build("mistral", sliding_window=4)), max_cache_len=16)
+
+
+def test_greedy_decoder_takes_the_mask_and_token_count_by_keyword():
+    decoder = GreedyDecoder(patch(build("llama").eval()), 16)
+    ids, _ = prompts()
+    with pytest.raises(TypeError, match="positional argument"):
+        decoder(ids, 4)
 
 
 def test_static_cache_decode_step_traces_for_torch_compile():
@@ -357,10 +364,10 @@ def test_gpu_greedy_decoder_cuda_graph(monkeypatch):
     mask[2, :7] = 0
     graphed = GreedyDecoder(model, max_cache_len=64)
     eager = GreedyDecoder(model, max_cache_len=64, capture=False)
-    tokens = graphed(ids, mask, max_new_tokens=16)
+    tokens = graphed(ids, attention_mask=mask, max_new_tokens=16)
     assert graphed.graph is not None
-    assert torch.equal(tokens, eager(ids, mask, max_new_tokens=16))
-    assert torch.equal(graphed(ids, mask, max_new_tokens=16), tokens)  # replayed again, cache reset in place
+    assert torch.equal(tokens, eager(ids, attention_mask=mask, max_new_tokens=16))
+    assert torch.equal(graphed(ids, attention_mask=mask, max_new_tokens=16), tokens)  # replayed again, cache reset
     with torch.no_grad():
         exact = teacher_forced_logits(copy.deepcopy(base).double(), ids, mask, tokens[:, :-1])
         theirs = teacher_forced_logits(copy.deepcopy(base).bfloat16(), ids, mask, tokens[:, :-1])

@@ -10,7 +10,8 @@ import pickle
 import pytest
 import torch
 
-from codagen.models import is_patched, patch, unpatch
+from codagen.models import is_patched, patch, sharding, unpatch
+from codagen.models.hf import QK_NORM_HEAD_DIMS
 
 from .conftest import build, lm_inputs
 
@@ -158,3 +159,69 @@ def test_labels_outside_the_vocabulary_are_refused(bad):
     ids[0, 3] = bad
     with pytest.raises(ValueError, match=rf"ids: expected values in \[0, 67\), got \[{bad}\]"):
         patch(model)(input_ids=ids)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0)])
+@pytest.mark.parametrize("embeds", [False, True])
+def test_empty_batches_are_refused(shape, embeds):
+    """transformers fails on them deep inside attention (a reshape of 0 elements); the patched forward
+    refuses them at its start, naming the argument and the shape, with or without labels."""
+    model = patch(build("llama"))
+    ids = torch.zeros(shape, dtype=torch.long)
+    name = "inputs_embeds" if embeds else "input_ids"
+    args = {"inputs_embeds": torch.zeros(*shape, 32)} if embeds else {"input_ids": ids}
+    for labels in (None, ids):
+        with pytest.raises(ValueError, match=rf"{name} must hold at least one sequence of at least one token, got "
+                                             rf"shape \({shape[0]}, {shape[1]}"):
+            model(**args, labels=labels)
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"{name} must hold at least one sequence"):
+        model(**args, use_cache=True)
+
+
+def test_inputs_embeds_of_the_wrong_width_are_refused():
+    model = patch(build("llama"))
+    with pytest.raises(ValueError, match=r"inputs_embeds must be \[batch, seq, hidden_size = 32\], got shape "
+                                         r"\(2, 5, 24\)"):
+        model(inputs_embeds=torch.randn(2, 5, 24))
+
+
+@pytest.mark.parametrize("head_dim", [48, 256, 512])
+def test_qk_norm_head_dims_the_triton_epilogue_cannot_take_are_refused_at_patch(head_dim):
+    """The QK-norm epilogue normalizes whole heads inside one epilogue sub-tile of the Triton GEMM (widths 64
+    and 128): head_dim must divide 128."""
+    model = build("qwen3", head_dim=head_dim, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=rf"head_dim = {head_dim} with QK-norm \(layer 0\).*one of \[2, 4, 8, 16, 32, "
+                                         rf"64, 128\]"):
+        patch(model)
+
+
+def test_qk_norm_head_dims_the_epilogue_takes_patch():
+    for head_dim in (8, 128):
+        inputs = lm_inputs()
+        model = build("qwen3", head_dim=head_dim, num_hidden_layers=1)
+        want = model(**inputs).loss
+        torch.testing.assert_close(patch(model)(**inputs).loss, want, rtol=1e-4, atol=1e-6)
+
+
+def test_refusals_advise_what_works_for_the_model():
+    """At patch time the model is not patched yet: the advice is to run it without codagen.patch; at a forward
+    of a patched model it is codagen.unpatch; a model with fused parameters cannot be unpatched."""
+    model = build("llama")
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *args: None)
+    with pytest.raises(NotImplementedError, match="run the model without codagen.patch") as refused:
+        patch(model)
+    assert "codagen.unpatch" not in str(refused.value)
+    model = patch(build("llama"))
+    with pytest.raises(NotImplementedError, match=r"call codagen.unpatch\(model\)"):
+        model(**lm_inputs(), output_attentions=True)
+    model = sharding.fuse_parameters(build("llama"))
+    with pytest.raises(NotImplementedError, match="output_attentions") as refused:
+        model(**lm_inputs(), output_attentions=True)
+    assert "codagen.unpatch" not in str(refused.value) and "state_dict" in str(refused.value)
+
+
+def test_qk_norm_head_dims_are_those_the_triton_epilogue_sub_tiles_hold():
+    """QK_NORM_HEAD_DIMS: the even divisors of the widest epilogue sub-tile of the fp16/bf16 configurations."""
+    configs = pytest.importorskip("codagen.backends.triton.configs")
+    widest = max(cfg.sub_n for cfg in configs.SM90 + configs._SM80)
+    assert QK_NORM_HEAD_DIMS == tuple(d for d in range(2, widest + 1, 2) if widest % d == 0)

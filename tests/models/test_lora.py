@@ -157,15 +157,27 @@ def test_merge_and_unload():
 
 
 def test_lora_dropout_runs_in_eval_and_is_refused_in_training():
+    """A model in eval mode at patch runs (dropout is the identity); one put in training mode later is refused
+    at its next forward, with a message that says what to change."""
     model = wrap(build("llama"), lora_config(lora_dropout=0.1))
     reference = copy.deepcopy(model).eval()
-    patch(model).eval()
+    patch(model.eval())
     inputs = lm_inputs()
     with torch.no_grad(), codagen.use_backend("reference"):
         torch.testing.assert_close(model(**inputs).loss, reference(**inputs).loss, rtol=1e-4, atol=1e-6)
         model.train()
-        with pytest.raises(NotImplementedError, match="lora_dropout=0.1 in training mode"):
+        with pytest.raises(NotImplementedError, match=r"lora_dropout=0.1 in training mode \(adapter 'default', "
+                                                      r"[\w.]+q_proj\) is not supported by the fused kernels; "
+                                                      r"train with lora_dropout=0 or call codagen.unpatch\(model\)"):
             model(**inputs)
+
+
+def test_lora_dropout_in_training_mode_is_refused_at_patch():
+    model = wrap(build("llama"), lora_config(lora_dropout=0.1)).train()
+    with pytest.raises(NotImplementedError, match=r"lora_dropout=0.1 in training mode .* train with lora_dropout=0 "
+                                                  r"or run the model without codagen.patch") as refused:
+        patch(model)
+    assert "codagen.unpatch" not in str(refused.value)
 
 
 @pytest.mark.parametrize("feature, config, match", [
