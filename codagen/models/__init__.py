@@ -6,6 +6,8 @@
 - :func:`patch` / :func:`unpatch` — run a ``transformers`` Llama / Mistral / Qwen2 / Qwen3 causal LM on codagen
   kernels in place, and undo it (``transformers`` is imported only by a patched forward). Loaded on first
   use: :mod:`.hf` imports FSDP, DTensor and Dynamo, which ``import codagen`` leaves out.
+- :func:`refresh_weights` — make a patched model's next forward read its parameters afresh, after in-place
+  writes through ``param.data`` (which no version counter sees).
 - :func:`keep_attention` — a ``torch.utils.checkpoint`` ``context_fn`` that keeps attention's outputs and
   recomputes the fused GEMMs of a checkpointed block.
 """
@@ -14,9 +16,10 @@ from .config import LlamaConfig
 from .llama import Llama
 from .reference import ReferenceLlama
 
-__all__ = ["LlamaConfig", "Llama", "ReferenceLlama", "patch", "unpatch", "is_patched", "keep_attention"]
+__all__ = ["LlamaConfig", "Llama", "ReferenceLlama", "patch", "unpatch", "is_patched", "refresh_weights",
+           "keep_attention"]
 
-_HF_NAMES = ("patch", "unpatch", "is_patched")
+_HF_NAMES = ("patch", "unpatch", "is_patched", "refresh_weights")
 
 
 def __getattr__(name: str):

@@ -1,7 +1,7 @@
 """Weight writes between no-grad forwards (the weight sync of RL loops between generate calls): the next forward
 of a patched model computes with the new weights, as the unpatched model does. Writes that bump a parameter's
 version counter or replace its storage are seen; in-place writes through ``param.data`` bypass both and take
-one call to :func:`codagen.models.hf.refresh_weights`."""
+one call to :func:`codagen.refresh_weights`."""
 from __future__ import annotations
 
 import copy
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import codagen
+from codagen import refresh_weights
 from codagen.models import patch
-from codagen.models.hf import refresh_weights
 
 from .conftest import build, lm_inputs
 
