@@ -13,9 +13,21 @@ import torch.nn.functional as F
 
 import codagen
 from codagen import ops
-from codagen.backends.triton import KernelConfig, TritonBackend
+from codagen.backends.reference import ReferenceBackend
+from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend
 from codagen.bench.kernels import random_inputs
 from codagen.epilogue import ProgramError, bind, finish, library
+from codagen.epilogue.ir import (
+    Accumulator,
+    ColVector,
+    Gemm,
+    Program,
+    Rope,
+    RowPartial,
+    RowVector,
+    TileInput,
+    Width,
+)
 from codagen.ops import kernels
 
 
@@ -220,6 +232,33 @@ def test_logsumexp_partial_of_a_tile_holding_inf(cfg):
     assert torch.isfinite(got[:, 1:-1]).all()
     want = codagen.execute(program, normed, weight, backend="reference", **tensors)["partial_lse"]
     assert torch.equal(finish.logsumexp_from_partials(got), finish.logsumexp_from_partials(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("cfg", [INTERPRETER_CONFIG, KernelConfig(32, 64, 32, 1, 4, epilogue_split=2, group_m=2)],
+                         ids=["whole_tile", "split_tile"])
+def test_logsumexp_partial_of_a_pair_form_value_holding_inf(cfg, dtype):
+    """The logsumexp of a value kept as (even, odd) halves (RoPE plus a tile): a tile holding +inf is +inf,
+    one of -inf is -inf, never nan; every partial equals the reference backend's on float64 copies."""
+    m, n, k = 6, 70, 32
+    inf = float("inf")
+    rope = Rope(Accumulator(), RowVector("positions"), ColVector("frequencies", Width.HALF))
+    program = Program("rope_lse", Gemm.linear(), (RowPartial("lse", rope + TileInput("bias"), "logsumexp"),))
+    a, b, tensors = random_inputs(program, m, n, k, dtype, "cpu")
+    bias = tensors["bias"]
+    bias[0, 5] = inf                      # one +inf in the first tile
+    bias[1, :] = -inf                     # a row of -inf: every tile -inf
+    bias[2, 3], bias[2, 4] = inf, -inf    # +inf and -inf in one tile
+    bias[3, 64:] = -inf                   # the last tile's columns -inf
+    bias[4, 66], bias[4, 10] = inf, -inf  # +inf in the last, partial tile
+    got = TritonBackend(config=cfg).run(bind(program, a, b, dict(tensors)))["lse"]
+    exact = {name: t.double() for name, t in tensors.items()}
+    want = ReferenceBackend(block_n=cfg.block_n).run(bind(program, a.double(), b.double(), exact))["lse"]
+    assert not torch.isnan(got).any(), got
+    infinite = torch.isinf(want)
+    assert torch.equal(torch.isinf(got), infinite) and torch.equal(got[infinite].double(), want[infinite])
+    assert got[0, 0] == inf and (got[1] == -inf).all() and got[2, 0] == inf and got[3, -1] == -inf and got[4, -1] == inf
+    torch.testing.assert_close(got[~infinite].double(), want[~infinite], rtol=1e-3, atol=1e-3)
 
 
 _INFINITE_LSE_SCRIPT = textwrap.dedent("""
