@@ -211,6 +211,31 @@ def test_qk_norm_head_dim_without_a_power_of_two_tile_is_a_program_error():
         TritonBackend().run(bound)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=["fp16", "fp32", "fp64"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_cross_entropy_with_a_minus_inf_non_target_logit(grad, backend, dtype):
+    """A -inf logit off the target has probability 0: the loss is torch's finite cross-entropy, with and
+    without gradients (the target logit is selected, never multiplied by a one-hot: -inf * 0 is nan)."""
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton GEMMs take fp16, bf16 and fp32")
+    m, d, vocab = 6, 16, 40
+    x = (torch.rand(m, d, dtype=dtype) + 0.5).requires_grad_(grad)  # positive: no 0 * -inf in the GEMM
+    norm_weight = (torch.rand(d, dtype=dtype) + 0.5).requires_grad_(grad)
+    head = 0.3 * torch.randn(vocab, d, dtype=dtype)
+    head[[7, 30]] = float("-inf")  # logits 7 and 30 are -inf on every row
+    head.requires_grad_(grad)
+    normed, rstd = kernels.rms_norm_stats_ref(x.detach(), norm_weight.detach(), 1e-6)
+    target = torch.tensor([0, 39, -100, 5, 8, 29])
+    want = _torch_head_loss(x.detach().double(), norm_weight.detach().double(), head.detach().double(), target)
+    assert torch.isfinite(want)
+    with torch.set_grad_enabled(grad), codagen.use_backend(backend):
+        loss = ops.rms_lm_head_cross_entropy(x, normed, rstd, norm_weight, head, target)
+    assert loss.requires_grad == grad
+    tol = 1e-6 if dtype == torch.float64 else 2e-3 if dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(loss.detach().double(), want, rtol=tol, atol=tol)
+
+
 # --------------------------------------------------------------------------------------------------
 # logsumexp with infinities
 # --------------------------------------------------------------------------------------------------
