@@ -66,6 +66,8 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
     vocab = weight.shape[0]
     if padding_idx is None:
         padding_idx = -1
+    elif isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+        raise TypeError(f"padding_idx: expected None or an int, got {padding_idx!r}")
     elif not -vocab <= padding_idx < vocab:
         raise ValueError(f"padding_idx: expected an index in [-{vocab}, {vocab}), got {padding_idx}")
     else:
