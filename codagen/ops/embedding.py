@@ -52,7 +52,8 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
 
     ``ids``: int32 or int64 tensor of any shape, values in ``[0, vocab)`` (others raise ``ValueError`` for
     CPU tensors and are ``F.embedding``'s device-side assert on CUDA, without a host sync); ``weight``:
-    [vocab, features], a float tensor on ids' device. Returns ``[*ids.shape, features]``.
+    [vocab, features], a float tensor on ids' device; ``padding_idx``: None or an int in ``[-vocab, vocab)``
+    (negative ones count from the end), the row whose gradient is zero. Returns ``[*ids.shape, features]``.
     """
     ids, weight = check.tensor("ids", ids), check.tensor("weight", weight)
     if ids.dtype not in check.INDEX_DTYPES:
