@@ -146,6 +146,28 @@ def test_a_bad_tensor_argument_is_named(op, arg, mutation):
     assert arg in {subject} | compared | features_of, f"{op}: {arg} ({mutation}) is not named: {raised.value}"
 
 
+#: (op, its low-rank argument, the update's in and out features)
+LOW_RANK = [("out_proj_residual_rms", "low_rank", FFN, D), ("rms_qkv_rope", "low_rank", D, QKV),
+            ("rms_gate_up_swiglu", "low_rank", D, 2 * FFN), ("swiglu_mlp_residual_rms", "gate_up_low_rank", D, 2 * FFN),
+            ("swiglu_mlp_residual_rms", "down_low_rank", FFN, D)]
+
+
+@pytest.mark.parametrize("field", ["a", "b"])
+@pytest.mark.parametrize("mutation", ["not_a_tensor", "float16", "extra_column", "device"])
+@pytest.mark.parametrize("op, arg, fan_in, fan_out", LOW_RANK, ids=[f"{op}-{arg}" for op, arg, *_ in LOW_RANK])
+def test_a_bad_low_rank_factor_is_named(op, arg, fan_in, fan_out, mutation, field):
+    """``low_rank.a`` / ``.b``, compared against an argument of the op called."""
+    fn, make = OPS[op]
+    factors = dict(a=torch.randn(4, fan_in), b=torch.randn(fan_out, 4))
+    fn(**make(), **{arg: ops.LowRank(**factors, scale=0.5)})  # the valid call runs
+    factors[field] = MUTATIONS[mutation](factors[field])
+    with torch.no_grad(), pytest.raises((TypeError, ValueError)) as raised:
+        fn(**make(), **{arg: ops.LowRank(**factors, scale=0.5)})
+    subject, compared, _ = _named(str(raised.value))
+    assert subject == f"{arg}.{field}", raised.value
+    assert compared <= set(inspect.signature(fn).parameters), raised.value
+
+
 def test_out_proj_residual_rms_names_a_residual_of_another_dtype():
     args = OPS["out_proj_residual_rms"][1]()
     with pytest.raises(ValueError, match=r"^residual: expected dtype torch.float32 \(that of inp\), got torch.float16"):
