@@ -135,7 +135,7 @@ def out_proj_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, norm_we
     """
     inp = check.activation("inp", inp, desc="[tokens, inp features]")
     like = check.Like("inp", inp)
-    residual = check.activation("residual", residual, rows=inp.shape[0], like=like)
+    residual = check.activation("residual", residual, rows=inp.shape[0], like=like, desc="[inp tokens, features]")
     d = residual.shape[1]
     weight = check.weight("weight", weight, (d, inp.shape[1]), "[residual features, inp features]", like)
     norm_weight = check.vector("norm_weight", norm_weight, d, "[residual features]", like)
