@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import codagen
 from codagen import ops
 from codagen.backends.reference import ReferenceBackend
-from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend
+from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend, load_kernel, pingpong
 from codagen.backends.triton.configs import PINGPONG
 from codagen.bench.kernels import random_inputs
 from codagen.epilogue import ProgramError, bind, finish, library
@@ -298,16 +298,23 @@ def test_logsumexp_partial_of_a_pair_form_value_holding_inf(cfg, dtype):
     _check_pair_form_lse_with_infinities(cfg, dtype, "cpu", 6, 70, 32, tol=1e-3)
 
 
+@pytest.mark.parametrize("schedule", ["persistent", "pingpong"])
 @pytest.mark.parametrize("program", ["rope_lse", "rms_lm_head_cross_entropy"])
-def test_logsumexp_and_target_programs_compile_for_sm90(program):
-    """The persistent kernels of the pair-form logsumexp and of the cross-entropy forward (its target logit a
-    select) compile for Hopper without a GPU (TMA mainloop and epilogue, bf16)."""
+def test_logsumexp_and_target_programs_compile_for_sm90(program, schedule):
+    """The kernels of the pair-form logsumexp and of the cross-entropy forward (its target logit a select)
+    compile for Hopper without a GPU (bf16; persistent: TMA mainloop and epilogue)."""
     from tests.sm90 import sm90_ptx
     program = _pair_form_lse_program() if program == "rope_lse" else library.rms_lm_head_cross_entropy()
-    constexprs = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SPLIT=2, SUB_N=64,
-                      TMA_MAINLOOP=True, TMA_EPILOGUE=True, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
-                      FLATTEN=True, INTERPRETER=False, PDL=False, PREFETCH_K=0)
-    ptx = sm90_ptx(program, "kernel", {"a_ptr": "*bf16", "b_ptr": "*bf16"}, ("M", "N", "K"), constexprs, 8, 3)
+    if schedule == "pingpong":
+        if not pingpong.RUNTIME:
+            pytest.skip("the installed Triton has no Gluon runtime for the ping-pong kernels")
+        kernel = load_kernel(program, dtypes="test", arch="sm_90", interpret=False, schedule="pingpong")
+        ptx = pingpong.compile_sm90(kernel, program, pingpong.PIECE_WIDTHS[0], torch.bfloat16).asm["ptx"]
+    else:
+        constexprs = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SPLIT=2, SUB_N=64,
+                          TMA_MAINLOOP=True, TMA_EPILOGUE=True, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
+                          FLATTEN=True, INTERPRETER=False, PDL=False, PREFETCH_K=0)
+        ptx = sm90_ptx(program, "kernel", {"a_ptr": "*bf16", "b_ptr": "*bf16"}, ("M", "N", "K"), constexprs, 8, 3)
     assert "wgmma.mma_async" in ptx
 
 
