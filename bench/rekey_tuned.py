@@ -21,27 +21,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "codagen" / "backends" / "triton" / "tuned.json"
 
-# every library program the tuning table may hold, by its program text
+# every library program the tuning table may hold, by the library call that makes it (not by its program text,
+# which a change to the program itself alters)
 _HASHES = """
 import json
 try:
-    from codagen.backends.triton.tuning import kernel_hash, program_key
+    from codagen.backends.triton.tuning import kernel_hash
 except ImportError:  # a tree from before the backend was split by concern
     from codagen.backends.triton.backend import kernel_hash
-    from codagen.backends.triton.codegen import program_key
 from codagen.epilogue import library
-programs = [library.linear(), library.input_grad(), library.rms_linear(), library.residual_rms_stats(),
-            library.rms_gate_up_swiglu(), library.rms_lm_head_cross_entropy(),
-            library.rms_lm_head_cross_entropy_backward(), library.swiglu_backward(), library.rms_qkv_rope()]
-programs += [library.rms_qkv_rope(head_dim, 1e-6) for head_dim in (64, 128)]
-programs += [library.rms_norm_backward(grad) for grad in ("add", "accumulate", "none")]
-programs += [library.weight_grad(accumulate, dtype) for accumulate in (False, True) for dtype in ("input", "float32")]
-try:  # the inference programs (a tree from before them has none)
-    programs += [library.rms_gate_up_swiglu(save_preact=False)]
-    programs += [library.rms_qkv_rope(head_dim, 1e-6, save_preact=False) for head_dim in (64, 128)]
-except TypeError:
-    pass
-print(json.dumps({program_key(p): f"{p.name}:{kernel_hash(p)}" for p in programs}))
+calls = ["linear()", "input_grad()", "rms_linear()", "residual_rms_stats()", "rms_gate_up_swiglu()",
+         "rms_lm_head_cross_entropy()", "rms_lm_head_cross_entropy_backward()", "swiglu_backward()", "rms_qkv_rope()"]
+calls += [f"rms_qkv_rope({head_dim}, 1e-6)" for head_dim in (64, 128)]
+calls += [f"rms_norm_backward({grad!r})" for grad in ("add", "accumulate", "none")]
+calls += [f"weight_grad({accumulate}, {dtype!r})" for accumulate in (False, True) for dtype in ("input", "float32")]
+calls += ["rms_gate_up_swiglu(save_preact=False)"]  # the inference programs (a tree from before them has none)
+calls += [f"rms_qkv_rope({head_dim}, 1e-6, save_preact=False)" for head_dim in (64, 128)]
+hashes = {}
+for call in calls:
+    try:
+        program = eval("library." + call)
+    except TypeError:
+        continue
+    hashes[call] = f"{program.name}:{kernel_hash(program)}"
+print(json.dumps(hashes))
 """
 
 

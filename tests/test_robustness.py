@@ -13,9 +13,22 @@ import torch.nn.functional as F
 
 import codagen
 from codagen import ops
-from codagen.backends.triton import KernelConfig, TritonBackend
+from codagen.backends.reference import ReferenceBackend
+from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend, load_kernel, pingpong
+from codagen.backends.triton.configs import PINGPONG
 from codagen.bench.kernels import random_inputs
 from codagen.epilogue import ProgramError, bind, finish, library
+from codagen.epilogue.ir import (
+    Accumulator,
+    ColVector,
+    Gemm,
+    Program,
+    Rope,
+    RowPartial,
+    RowVector,
+    TileInput,
+    Width,
+)
 from codagen.ops import kernels
 
 
@@ -199,6 +212,31 @@ def test_qk_norm_head_dim_without_a_power_of_two_tile_is_a_program_error():
         TritonBackend().run(bound)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=["fp16", "fp32", "fp64"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_cross_entropy_with_a_minus_inf_non_target_logit(grad, backend, dtype):
+    """A -inf logit off the target has probability 0: the loss is torch's finite cross-entropy, with and
+    without gradients (the target logit is selected, never multiplied by a one-hot: -inf * 0 is nan)."""
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton GEMMs take fp16, bf16 and fp32")
+    m, d, vocab = 6, 16, 40
+    x = (torch.rand(m, d, dtype=dtype) + 0.5).requires_grad_(grad)  # positive: no 0 * -inf in the GEMM
+    norm_weight = (torch.rand(d, dtype=dtype) + 0.5).requires_grad_(grad)
+    head = 0.3 * torch.randn(vocab, d, dtype=dtype)
+    head[[7, 30]] = float("-inf")  # logits 7 and 30 are -inf on every row
+    head.requires_grad_(grad)
+    normed, rstd = kernels.rms_norm_stats_ref(x.detach(), norm_weight.detach(), 1e-6)
+    target = torch.tensor([0, 39, -100, 5, 8, 29])
+    want = _torch_head_loss(x.detach().double(), norm_weight.detach().double(), head.detach().double(), target)
+    assert torch.isfinite(want)
+    with torch.set_grad_enabled(grad), codagen.use_backend(backend):
+        loss = ops.rms_lm_head_cross_entropy(x, normed, rstd, norm_weight, head, target)
+    assert loss.requires_grad == grad
+    tol = 1e-6 if dtype == torch.float64 else 2e-3 if dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(loss.detach().double(), want, rtol=tol, atol=tol)
+
+
 # --------------------------------------------------------------------------------------------------
 # logsumexp with infinities
 # --------------------------------------------------------------------------------------------------
@@ -220,6 +258,64 @@ def test_logsumexp_partial_of_a_tile_holding_inf(cfg):
     assert torch.isfinite(got[:, 1:-1]).all()
     want = codagen.execute(program, normed, weight, backend="reference", **tensors)["partial_lse"]
     assert torch.equal(finish.logsumexp_from_partials(got), finish.logsumexp_from_partials(want))
+
+
+def _pair_form_lse_program() -> Program:
+    """A logsumexp RowPartial of a value kept as (even, odd) halves: RoPE of the accumulator plus a tile."""
+    rope = Rope(Accumulator(), RowVector("positions"), ColVector("frequencies", Width.HALF))
+    return Program("rope_lse", Gemm.linear(), (RowPartial("lse", rope + TileInput("bias"), "logsumexp"),))
+
+
+def _check_pair_form_lse_with_infinities(cfg: KernelConfig, dtype: torch.dtype, device: str, m: int, n: int, k: int,
+                                         tol: float) -> None:
+    """Every partial of :func:`_pair_form_lse_program` with +inf and -inf in the tile input equals the reference
+    backend's on float64 copies: +inf where a tile holds +inf, -inf where it holds only -inf, never nan."""
+    inf = float("inf")
+    program = _pair_form_lse_program()
+    a, b, tensors = random_inputs(program, m, n, k, dtype, device)
+    bias = tensors["bias"]
+    last_tile = (n - 1) // cfg.block_n * cfg.block_n
+    bias[0, 5] = inf                       # one +inf in the first tile
+    bias[1, :] = -inf                      # a row of -inf: every tile -inf
+    bias[2, 3], bias[2, 4] = inf, -inf     # +inf and -inf in one tile
+    bias[3, last_tile:] = -inf             # the last tile's columns -inf
+    bias[4, n - 4], bias[4, 10] = inf, -inf  # +inf in the last, partial tile
+    got = TritonBackend(config=cfg).run(bind(program, a, b, dict(tensors)))["lse"].cpu()
+    exact = {name: t.double().cpu() for name, t in tensors.items()}
+    want = ReferenceBackend(block_n=cfg.block_n).run(bind(program, a.double().cpu(), b.double().cpu(), exact))["lse"]
+    assert not torch.isnan(got).any(), got
+    infinite = torch.isinf(want)
+    assert torch.equal(torch.isinf(got), infinite) and torch.equal(got[infinite].double(), want[infinite])
+    assert got[0, 0] == inf and (got[1] == -inf).all() and got[2, 0] == inf and got[3, -1] == -inf and got[4, -1] == inf
+    torch.testing.assert_close(got[~infinite].double(), want[~infinite], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("cfg", [INTERPRETER_CONFIG, KernelConfig(32, 64, 32, 1, 4, epilogue_split=2, group_m=2)],
+                         ids=["whole_tile", "split_tile"])
+def test_logsumexp_partial_of_a_pair_form_value_holding_inf(cfg, dtype):
+    """The Triton interpreter: whole sub-tiles and column halves merged."""
+    _check_pair_form_lse_with_infinities(cfg, dtype, "cpu", 6, 70, 32, tol=1e-3)
+
+
+@pytest.mark.parametrize("schedule", ["persistent", "pingpong"])
+@pytest.mark.parametrize("program", ["rope_lse", "rms_lm_head_cross_entropy"])
+def test_logsumexp_and_target_programs_compile_for_sm90(program, schedule):
+    """The kernels of the pair-form logsumexp and of the cross-entropy forward (its target logit a select)
+    compile for Hopper without a GPU (bf16; persistent: TMA mainloop and epilogue)."""
+    from tests.sm90 import sm90_ptx
+    program = _pair_form_lse_program() if program == "rope_lse" else library.rms_lm_head_cross_entropy()
+    if schedule == "pingpong":
+        if not pingpong.RUNTIME:
+            pytest.skip("the installed Triton has no Gluon runtime for the ping-pong kernels")
+        kernel = load_kernel(program, dtypes="test", arch="sm_90", interpret=False, schedule="pingpong")
+        ptx = pingpong.compile_sm90(kernel, program, pingpong.PIECE_WIDTHS[0], torch.bfloat16).asm["ptx"]
+    else:
+        constexprs = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SPLIT=2, SUB_N=64,
+                          TMA_MAINLOOP=True, TMA_EPILOGUE=True, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
+                          FLATTEN=True, INTERPRETER=False, PDL=False, PREFETCH_K=0)
+        ptx = sm90_ptx(program, "kernel", {"a_ptr": "*bf16", "b_ptr": "*bf16"}, ("M", "N", "K"), constexprs, 8, 3)
+    assert "wgmma.mma_async" in ptx
 
 
 _INFINITE_LSE_SCRIPT = textwrap.dedent("""
@@ -246,6 +342,42 @@ def test_finishers_and_row_kernel_keep_infinite_logsumexps():
                             capture_output=True, text=True, timeout=300,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: infinite logits in bf16
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [KernelConfig(32, 64, 32, 1, 4, epilogue_split=2, group_m=2),
+                                 KernelConfig(128, 128, 64, 3, 8, epilogue_split=2, tma_epilogue=True),
+                                 PINGPONG[0]],
+                         ids=lambda cfg: cfg.short())
+def test_logsumexp_partial_of_a_pair_form_value_holding_inf_on_cuda(cfg):
+    """Compiled kernels (persistent and ping-pong), bf16 operands: as in the interpreter."""
+    _check_pair_form_lse_with_infinities(cfg, torch.bfloat16, "cuda", 300, 520, 256, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_cross_entropy_with_a_minus_inf_non_target_logit_on_cuda(grad):
+    """bf16 on the GPU: a -inf logit off the target leaves torch's finite loss, with and without gradients."""
+    m, d, vocab = 300, 256, 1000
+    x = (torch.rand(m, d, device="cuda") + 0.5).bfloat16().requires_grad_(grad)  # positive: no 0 * -inf in the GEMM
+    norm_weight = (torch.rand(d, device="cuda") + 0.5).bfloat16().requires_grad_(grad)
+    head = (0.1 * torch.randn(vocab, d, device="cuda")).bfloat16()
+    head[[7, 300, 999]] = float("-inf")
+    head.requires_grad_(grad)
+    normed, rstd = kernels.rms_norm_stats(x.detach(), norm_weight.detach(), 1e-6)
+    target = torch.randint(0, vocab, (m,), device="cuda")
+    target[target == 7] = 8
+    target[target == 300] = 301
+    target[target == 999] = 998
+    target[::11] = -100
+    want = _torch_head_loss(x.detach().double(), norm_weight.detach().double(), head.detach().double(), target)
+    assert torch.isfinite(want)
+    with torch.set_grad_enabled(grad):
+        loss = ops.rms_lm_head_cross_entropy(x, normed, rstd, norm_weight, head, target)
+    torch.testing.assert_close(loss.detach().double(), want, rtol=2e-2, atol=2e-2)
 
 
 # --------------------------------------------------------------------------------------------------

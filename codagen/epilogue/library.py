@@ -19,6 +19,7 @@ import functools
 
 from .ir import (
     Accumulator,
+    Binary,
     ColPartial,
     ColVector,
     Gemm,
@@ -154,13 +155,14 @@ def rms_lm_head_cross_entropy() -> Program:
 
     ``z = rstd[m] * (a @ b^T)`` (the logits, N = vocab); outputs ``partial_lse[m, t]`` = logsumexp of
     z over tile t, and ``partial_target[m, t]`` = z[m, target[m]] if the target column is in tile t,
-    else 0. Finished: ``loss[m] = logsumexp_t(partial_lse) - sum_t(partial_target)`` for rows whose
-    target is not ignore_index (-100 matches no column).
+    else 0 (selected by the one-hot, not multiplied by it: a -inf logit elsewhere would make it nan).
+    Finished: ``loss[m] = logsumexp_t(partial_lse) - sum_t(partial_target)`` for rows whose target is not
+    ignore_index (-100 matches no column).
     """
     z = acc * rstd
     return Program("rms_lm_head_cross_entropy", Gemm.linear(), (
         RowPartial("partial_lse", z, "logsumexp"),
-        RowPartial("partial_target", z * OneHot(RowVector("target", index=True))),
+        RowPartial("partial_target", Binary("mask", z, OneHot(RowVector("target", index=True)))),
     ), doc=rms_lm_head_cross_entropy.__doc__)
 
 

@@ -1,6 +1,8 @@
 """Argument validation for the public ops: every error names the argument and what was expected."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -14,6 +16,12 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+class Like(NamedTuple):
+    """The argument whose dtype and device the others must match, by its name in the op's signature."""
+    name: str
+    tensor: torch.Tensor
+
+
 def tensor(name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -25,9 +33,14 @@ def _shape(name: str, t: torch.Tensor, shape: tuple, desc: str) -> None:
         raise ValueError(f"{name}: expected shape {desc} = {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def _device(name: str, t: torch.Tensor, device: torch.device | None) -> None:
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device} (that of x), got {t.device}")
+def _dtype(name: str, t: torch.Tensor, like: Like) -> None:
+    if t.dtype != like.tensor.dtype:
+        raise ValueError(f"{name}: expected dtype {like.tensor.dtype} (that of {like.name}), got {t.dtype}")
+
+
+def _device(name: str, t: torch.Tensor, like: Like) -> None:
+    if t.device != like.tensor.device:
+        raise ValueError(f"{name}: expected device {like.tensor.device} (that of {like.name}), got {t.device}")
 
 
 def _contiguous(name: str, t: torch.Tensor) -> None:
@@ -36,7 +49,7 @@ def _contiguous(name: str, t: torch.Tensor) -> None:
                          f"{tuple(t.shape)}; call .contiguous() first")
 
 
-def activation(name: str, t, *, cols: int | None = None, rows: int | None = None, like: torch.Tensor | None = None,
+def activation(name: str, t, *, cols: int | None = None, rows: int | None = None, like: Like | None = None,
                desc: str = "[tokens, features]") -> torch.Tensor:
     """A 2-D contiguous float matrix; ``like`` fixes its dtype and device."""
     t = tensor(name, t)
@@ -46,9 +59,8 @@ def activation(name: str, t, *, cols: int | None = None, rows: int | None = None
     if t.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"{name}: expected one of {[str(d) for d in ACTIVATION_DTYPES]}, got {t.dtype}")
     if like is not None:
-        if t.dtype != like.dtype:
-            raise ValueError(f"{name}: expected dtype {like.dtype} (that of x), got {t.dtype}")
-        _device(name, t, like.device)
+        _dtype(name, t, like)
+        _device(name, t, like)
     if rows is not None and t.shape[0] != rows:
         raise ValueError(f"{name}: expected {rows} rows {desc}, got shape {tuple(t.shape)}")
     if cols is not None and t.shape[1] != cols:
@@ -57,12 +69,11 @@ def activation(name: str, t, *, cols: int | None = None, rows: int | None = None
     return t
 
 
-def weight(name: str, t, shape: tuple, desc: str, like: torch.Tensor, *, even_rows: bool = False) -> torch.Tensor:
+def weight(name: str, t, shape: tuple, desc: str, like: Like, *, even_rows: bool = False) -> torch.Tensor:
     """A contiguous weight matrix of the activations' dtype and device; ``None`` in ``shape`` matches any size."""
     t = tensor(name, t)
-    if t.dtype != like.dtype:
-        raise ValueError(f"{name}: expected dtype {like.dtype} (that of x), got {t.dtype}")
-    _device(name, t, like.device)
+    _dtype(name, t, like)
+    _device(name, t, like)
     if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
         shown = tuple("*" if s is None else s for s in shape)
         raise ValueError(f"{name}: expected shape {desc} = {shown}, got {tuple(t.shape)}")
@@ -72,7 +83,7 @@ def weight(name: str, t, shape: tuple, desc: str, like: torch.Tensor, *, even_ro
     return t
 
 
-def vector(name: str, t, length: int, desc: str, like: torch.Tensor, *, dtypes=None) -> torch.Tensor:
+def vector(name: str, t, length: int, desc: str, like: Like, *, dtypes=None) -> torch.Tensor:
     """A contiguous 1-D float vector (norm weight, frequencies); ``dtypes`` narrows the accepted dtypes."""
     t = tensor(name, t)
     _shape(name, t, (length,), desc)
@@ -80,33 +91,34 @@ def vector(name: str, t, length: int, desc: str, like: torch.Tensor, *, dtypes=N
         raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
     if dtypes is None and not t.dtype.is_floating_point:
         raise ValueError(f"{name}: expected a floating-point vector, got {t.dtype}")
-    _device(name, t, like.device)
+    _device(name, t, like)
     _contiguous(name, t)
     return t
 
 
-def rstd(name: str, t, x: torch.Tensor) -> torch.Tensor:
-    """rstd [M] in the statistics dtype of x (float32; float64 for float64 x)."""
-    return vector(name, t, x.shape[0], "[tokens]", x, dtypes=(stats_dtype(x.dtype),))
+def rstd(name: str, t, like: Like) -> torch.Tensor:
+    """rstd [M] in the statistics dtype of the activations (float32; float64 for float64 ones)."""
+    x = like.tensor
+    return vector(name, t, x.shape[0], "[tokens]", like, dtypes=(stats_dtype(x.dtype),))
 
 
-def normed(name: str, t, x: torch.Tensor) -> torch.Tensor:
-    t = activation(name, t, like=x)
-    _shape(name, t, tuple(x.shape), "x.shape")
+def normed(name: str, t, like: Like) -> torch.Tensor:
+    t = activation(name, t, like=like)
+    _shape(name, t, tuple(like.tensor.shape), f"{like.name}.shape")
     return t
 
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def index_vector(name: str, t, length: int, like: torch.Tensor, *, allow_float: bool = False) -> torch.Tensor:
+def index_vector(name: str, t, length: int, like: Like, *, allow_float: bool = False) -> torch.Tensor:
     """A 1-D int32/int64 vector [tokens] (targets, positions); positions may also be float."""
     t = tensor(name, t)
     _shape(name, t, (length,), "[tokens]")
     if not (t.dtype in INDEX_DTYPES or allow_float and t.dtype.is_floating_point):
         kind = "an int32, int64 or float" if allow_float else "an int32 or int64"
         raise ValueError(f"{name}: expected {kind} vector, got {t.dtype}")
-    _device(name, t, like.device)
+    _device(name, t, like)
     _contiguous(name, t)
     return t
 
@@ -164,15 +176,15 @@ def split_sizes(name: str, value, total: int, expected: tuple[int, int, int] | N
     return sizes
 
 
-def head_vector(name: str, t, x: torch.Tensor) -> torch.Tensor:
+def head_vector(name: str, t, like: Like) -> torch.Tensor:
     """A per-head-channel weight [head_dim] (QK-norm), head_dim even (whole RoPE pairs)."""
     t = tensor(name, t)
     if t.dim() != 1 or t.shape[0] < 2 or t.shape[0] % 2:
         raise ValueError(f"{name}: expected a vector [head_dim] with an even head_dim, got shape {tuple(t.shape)}")
-    return vector(name, t, t.shape[0], "[head_dim]", x)
+    return vector(name, t, t.shape[0], "[head_dim]", like)
 
 
-def low_rank(name: str, value, in_features: int, out_features: int, like: torch.Tensor) -> LowRank | None:
+def low_rank(name: str, value, in_features: int, out_features: int, like: Like) -> LowRank | None:
     """A :class:`LowRank` update of a ``[out_features, in_features]`` weight (or None): ``a`` [r, in],
     ``b`` [out, r] contiguous, of the activations' dtype and device, ``scale`` a finite float."""
     if value is None:

@@ -180,12 +180,13 @@ def rms_lm_head_cross_entropy(x: Tensor, normed: Tensor, rstd: Tensor, norm_weig
     Without (``torch.no_grad()`` or nothing requiring grad), one fused GEMM per chunk and no logits.
     """
     x = check.activation("x", x)
+    like = check.Like("x", x)
     m, d = x.shape
-    normed = check.normed("normed", normed, x)
-    rstd = check.rstd("rstd", rstd, x)
-    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
-    lm_head_weight = check.weight("lm_head_weight", lm_head_weight, (None, d), "[vocab, features]", x)
-    target = check.index_vector("target", target, m, x)
+    normed = check.normed("normed", normed, like)
+    rstd = check.rstd("rstd", rstd, like)
+    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", like)
+    lm_head_weight = check.weight("lm_head_weight", lm_head_weight, (None, d), "[vocab, features]", like)
+    target = check.index_vector("target", target, m, like)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
     check.index_range("target", target, lm_head_weight.shape[0], ignore_index)

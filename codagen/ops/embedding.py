@@ -52,7 +52,8 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
 
     ``ids``: int32 or int64 tensor of any shape, values in ``[0, vocab)`` (others raise ``ValueError`` for
     CPU tensors and are ``F.embedding``'s device-side assert on CUDA, without a host sync); ``weight``:
-    [vocab, features], a float tensor on ids' device. Returns ``[*ids.shape, features]``.
+    [vocab, features], a float tensor on ids' device; ``padding_idx``: None or an int in ``[-vocab, vocab)``
+    (negative ones count from the end), the row whose gradient is zero. Returns ``[*ids.shape, features]``.
     """
     ids, weight = check.tensor("ids", ids), check.tensor("weight", weight)
     if ids.dtype not in check.INDEX_DTYPES:
@@ -66,6 +67,8 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
     vocab = weight.shape[0]
     if padding_idx is None:
         padding_idx = -1
+    elif isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+        raise TypeError(f"padding_idx: expected None or an int, got {padding_idx!r}")
     elif not -vocab <= padding_idx < vocab:
         raise ValueError(f"padding_idx: expected an index in [-{vocab}, {vocab}), got {padding_idx}")
     else:

@@ -11,12 +11,21 @@ from __future__ import annotations
 
 import torch
 
+from . import _checks as check
+
 __all__ = ["interleave_gate_up", "split_gate_up", "rope_pairs_from_half_split", "rope_half_split_from_pairs",
            "rope_frequencies"]
 
 
 def interleave_gate_up(gate_weight: torch.Tensor, up_weight: torch.Tensor) -> torch.Tensor:
     """``[F, d], [F, d] -> [2F, d]`` with rows ``g0, u0, g1, u1, ...``."""
+    gate_weight, up_weight = check.tensor("gate_weight", gate_weight), check.tensor("up_weight", up_weight)
+    if up_weight.dtype != gate_weight.dtype:
+        raise ValueError(f"up_weight: expected dtype {gate_weight.dtype} (that of gate_weight), "
+                         f"got {up_weight.dtype}")
+    if up_weight.device != gate_weight.device:
+        raise ValueError(f"up_weight: expected device {gate_weight.device} (that of gate_weight), "
+                         f"got {up_weight.device}")
     if gate_weight.shape != up_weight.shape:
         raise ValueError(f"up_weight: expected the shape of gate_weight {tuple(gate_weight.shape)}, "
                          f"got {tuple(up_weight.shape)}")
@@ -27,6 +36,7 @@ def interleave_gate_up(gate_weight: torch.Tensor, up_weight: torch.Tensor) -> to
 
 def split_gate_up(gate_up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`interleave_gate_up`: ``[2F, d] -> ([F, d], [F, d])``."""
+    gate_up_weight = check.tensor("gate_up_weight", gate_up_weight)
     if gate_up_weight.dim() < 1 or gate_up_weight.shape[0] % 2:
         raise ValueError(f"gate_up_weight: expected an even number of rows, got shape {tuple(gate_up_weight.shape)}")
     return gate_up_weight[0::2].contiguous(), gate_up_weight[1::2].contiguous()
@@ -34,6 +44,7 @@ def split_gate_up(gate_up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def _head_permutation(weight: torch.Tensor, head_dim: int, name: str = "weight") -> torch.Tensor:
     """Row indices that take half-split pairs ``(i, i + hd/2)`` to adjacent pairs ``(2i, 2i+1)``."""
+    check.tensor(name, weight)
     if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: expected a positive even int, got {head_dim!r}")
     if weight.dim() < 1 or weight.shape[0] % head_dim:
@@ -87,7 +98,7 @@ def rope_frequencies(num_heads: int, num_kv_heads: int, head_dim: int, base: flo
     if inv_freq is None:
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
         inv_freq = 1.0 / (base ** exponents)
-    elif tuple(inv_freq.shape) != (head_dim // 2,):
+    elif tuple(check.tensor("inv_freq", inv_freq).shape) != (head_dim // 2,):
         raise ValueError(f"inv_freq: expected shape [head_dim / 2] = ({head_dim // 2},), got {tuple(inv_freq.shape)}")
     inv_freq = inv_freq.to(device=device if device is not None else inv_freq.device, dtype=torch.float32)
     v_pairs = inv_freq.new_zeros(num_kv_heads * head_dim // 2)

@@ -57,9 +57,10 @@ def rms_linear(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, wei
     :func:`rms_lm_head_cross_entropy`, which never stores them.
     """
     x = check.activation("x", x)
+    like = check.Like("x", x)
     d = x.shape[1]
-    normed = check.normed("normed", normed, x)
-    rstd = check.rstd("rstd", rstd, x)
-    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
-    weight = check.weight("weight", weight, (None, d), "[out features, features]", x)
+    normed = check.normed("normed", normed, like)
+    rstd = check.rstd("rstd", rstd, like)
+    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", like)
+    weight = check.weight("weight", weight, (None, d), "[out features, features]", like)
     return _RmsLinear.apply(x, normed.detach(), rstd.detach(), norm_weight, weight)

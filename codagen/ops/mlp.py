@@ -98,10 +98,11 @@ def _checked_gate_up_inputs(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
                             gate_up_weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The checks both gate/up entry points make of the MLP's input, its norm and the gate/up weight."""
     x = check.activation("x", x)
+    like = check.Like("x", x)
     d = x.shape[1]
-    return (x, check.normed("normed", normed, x), check.rstd("rstd", rstd, x),
-            check.vector("norm_weight", norm_weight, d, "[features]", x),
-            check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, features]", x,
+    return (x, check.normed("normed", normed, like), check.rstd("rstd", rstd, like),
+            check.vector("norm_weight", norm_weight, d, "[features]", like),
+            check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, features]", like,
                          even_rows=True))
 
 
@@ -120,8 +121,8 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
     """
     x, normed, rstd, norm_weight, gate_up_weight = _checked_gate_up_inputs(x, normed, rstd, norm_weight,
                                                                            gate_up_weight)
-    d = x.shape[1]
-    low_rank = check.low_rank("low_rank", low_rank, d, gate_up_weight.shape[0], x)
+    d, like = x.shape[1], check.Like("x", x)
+    low_rank = check.low_rank("low_rank", low_rank, d, gate_up_weight.shape[0], like)
     if not torch.is_grad_enabled():
         return _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight, *low_rank_pair(normed, low_rank))
     return _RmsGateUpSwiglu.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight,
@@ -259,15 +260,15 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     """
     x, normed, rstd, norm_weight, gate_up_weight = _checked_gate_up_inputs(x, normed, rstd, norm_weight,
                                                                            gate_up_weight)
-    d = x.shape[1]
+    d, like = x.shape[1], check.Like("x", x)
     ffn = gate_up_weight.shape[0] // 2
     if ffn % 2:  # the down-projection's backward epilogue works on (gate, up) pairs of a width-ffn tile
         raise ValueError(f"gate_up_weight: expected 2 * ffn rows with an even ffn, got shape "
                          f"{tuple(gate_up_weight.shape)}")
-    down_weight = check.weight("down_weight", down_weight, (d, ffn), "[features, ffn features]", x)
-    next_norm_weight = check.vector("next_norm_weight", next_norm_weight, d, "[features]", x)
-    gate_up_low_rank = check.low_rank("gate_up_low_rank", gate_up_low_rank, d, 2 * ffn, x)
-    down_low_rank = check.low_rank("down_low_rank", down_low_rank, ffn, d, x)
+    down_weight = check.weight("down_weight", down_weight, (d, ffn), "[features, ffn features]", like)
+    next_norm_weight = check.vector("next_norm_weight", next_norm_weight, d, "[features]", like)
+    gate_up_low_rank = check.low_rank("gate_up_low_rank", gate_up_low_rank, d, 2 * ffn, like)
+    down_low_rank = check.low_rank("down_low_rank", down_low_rank, ffn, d, like)
     if not torch.is_grad_enabled():  # inference: the two GEMMs without preact, autograd nodes or gradient slot
         act = _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight, *low_rank_pair(normed, gate_up_low_rank))
         return out_proj_residual_rms_op(act, down_weight, x, next_norm_weight, check.eps(eps),

@@ -256,17 +256,18 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     (``torch.no_grad``) nothing is saved and ``preact`` is not stored.
     """
     x = check.activation("x", x)
+    like = check.Like("x", x)
     m, d = x.shape
-    normed = check.normed("normed", normed, x)
-    rstd = check.rstd("rstd", rstd, x)
-    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", x)
-    qkv_weight = check.weight("qkv_weight", qkv_weight, (None, d), "[(heads + 2 kv_heads) * head_dim, features]", x,
+    normed = check.normed("normed", normed, like)
+    rstd = check.rstd("rstd", rstd, like)
+    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", like)
+    qkv_weight = check.weight("qkv_weight", qkv_weight, (None, d), "[(heads + 2 kv_heads) * head_dim, features]", like,
                               even_rows=True)
-    positions = check.index_vector("positions", positions, m, x, allow_float=True)
-    frequencies = check.vector("frequencies", frequencies, qkv_weight.shape[0] // 2, "[qkv features / 2]", x,
+    positions = check.index_vector("positions", positions, m, like, allow_float=True)
+    frequencies = check.vector("frequencies", frequencies, qkv_weight.shape[0] // 2, "[qkv features / 2]", like,
                                dtypes=(torch.float32, torch.float64))
     positions = positions.to(stats_dtype(x.dtype))  # angles are computed in fp32 registers
-    low_rank = check.low_rank("low_rank", low_rank, d, qkv_weight.shape[0], x)
+    low_rank = check.low_rank("low_rank", low_rank, d, qkv_weight.shape[0], like)
     lora = lora_args(low_rank)
     if q_norm_weight is None and k_norm_weight is None:
         if num_heads is not None:
@@ -278,9 +279,9 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     if q_norm_weight is None or k_norm_weight is None:
         missing = "q_norm_weight" if q_norm_weight is None else "k_norm_weight"
         raise ValueError(f"{missing}: QK-norm needs both q_norm_weight and k_norm_weight, got only one")
-    q_norm_weight = check.head_vector("q_norm_weight", q_norm_weight, x)
+    q_norm_weight = check.head_vector("q_norm_weight", q_norm_weight, like)
     head_dim = q_norm_weight.shape[0]
-    k_norm_weight = check.vector("k_norm_weight", k_norm_weight, head_dim, "[head_dim] (that of q_norm_weight)", x)
+    k_norm_weight = check.vector("k_norm_weight", k_norm_weight, head_dim, "[head_dim] (that of q_norm_weight)", like)
     if num_heads is None:
         raise ValueError("num_heads: QK-norm needs the number of Q heads (to tell Q columns from K columns)")
     num_heads = check.positive_int("num_heads", num_heads)

@@ -43,7 +43,7 @@ def rms_norm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, 
     (float64 for float64 ``x``).
     """
     x = check.activation("x", x)
-    norm_weight = check.vector("norm_weight", norm_weight, x.shape[1], "[features]", x)
+    norm_weight = check.vector("norm_weight", norm_weight, x.shape[1], "[x features]", check.Like("x", x))
     eps = check.eps(eps)
     return _rms_norm_stats_op(x.detach(), norm_weight.detach(), eps)
 
@@ -133,11 +133,12 @@ def out_proj_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, norm_we
     inp`` (B9, skipped when ``weight`` needs no gradient), ``grad_residual = grad_x``; ``grad_b = grad_x^T @ u``,
     ``grad_a = (scale * grad_x @ b)^T @ inp``. Saved: ``inp``, ``weight`` (and ``u`` [M, r]).
     """
-    residual = check.activation("residual", residual)
-    m, d = residual.shape
-    inp = check.activation("inp", inp, rows=m, like=residual)
-    weight = check.weight("weight", weight, (d, inp.shape[1]), "[features, inp features]", residual)
-    norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", residual)
-    low_rank = check.low_rank("low_rank", low_rank, inp.shape[1], d, residual)
+    inp = check.activation("inp", inp, desc="[tokens, inp features]")
+    like = check.Like("inp", inp)
+    residual = check.activation("residual", residual, rows=inp.shape[0], like=like, desc="[inp tokens, features]")
+    d = residual.shape[1]
+    weight = check.weight("weight", weight, (d, inp.shape[1]), "[residual features, inp features]", like)
+    norm_weight = check.vector("norm_weight", norm_weight, d, "[residual features]", like)
+    low_rank = check.low_rank("low_rank", low_rank, inp.shape[1], d, like)
     return _OutProjResidualRms.apply(inp, weight, residual, norm_weight.detach(), check.eps(eps),
                                      *lora_args(low_rank))

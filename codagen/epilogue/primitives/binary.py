@@ -1,4 +1,4 @@
-"""``Binary``: an elementwise map of two operands (add, sub, mul, div, max), broadcasting rows and columns."""
+"""``Binary``: an elementwise map of two operands (add, sub, mul, div, max, mask), broadcasting rows and columns."""
 from __future__ import annotations
 
 import functools
@@ -7,12 +7,15 @@ import torch
 
 from ..core import Example, Expr, Gemm, Program, ProgramError, Store, Width, broadcast, primitive
 from .accumulator import Accumulator
+from .one_hot import OneHot
+from .row_vector import RowVector
 from .tile_input import TileInput
 
-BINARY_OPS = ("add", "sub", "mul", "div", "max")
+BINARY_OPS = ("add", "sub", "mul", "div", "max", "mask")
 
 _SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-_TORCH = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "max": torch.maximum}
+_TORCH = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "max": torch.maximum,
+          "mask": lambda a, b: torch.where(b != 0, a, 0.0)}
 #: the formulas in ``lang`` (``tl`` or ``gl``: the same names and meaning in both; max is ``tl``'s, see
 #: :meth:`Binary.formula` for Gluon's)
 _FORMULA = {
@@ -21,6 +24,8 @@ _FORMULA = {
     "mul": "{a} * {b}",
     "div": "{a} / {b}",
     "max": "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",  # torch.maximum propagates NaN
+    # a where b is nonzero, else 0: a select, so an infinite a where b is 0 gives 0 (a * b would be nan)
+    "mask": "{lang}.where({b} != 0, {a}, 0.0)",
 }
 
 
@@ -71,8 +76,14 @@ class Binary(Expr):
     @classmethod
     def examples(cls) -> list[Example]:
         acc, residual = Accumulator(), TileInput("residual")
+        hot = OneHot(RowVector("target", index=True))
         outputs = (Store("sum", acc + residual), Store("difference", acc - residual), Store("product", acc * residual),
-                   Store("quotient", acc / (residual * residual + 1.0)), Store("larger", cls("max", acc, residual)))
+                   Store("quotient", acc / (residual * residual + 1.0)), Store("larger", cls("max", acc, residual)),
+                   Store("target_only", cls("mask", acc, hot)))
+
+        def target_only(acc, t):
+            return torch.where(torch.arange(acc.shape[1])[None, :] == t["target"][:, None], acc, 0.0)
         return [Example(Program("binary_maps", Gemm.linear(), outputs), lambda acc, t: {
             "sum": acc + t["residual"], "difference": acc - t["residual"], "product": acc * t["residual"],
-            "quotient": acc / (t["residual"] ** 2 + 1), "larger": torch.maximum(acc, t["residual"])})]
+            "quotient": acc / (t["residual"] ** 2 + 1), "larger": torch.maximum(acc, t["residual"]),
+            "target_only": target_only(acc, t)})]

@@ -12,8 +12,9 @@ from .row_vector import RowVector
 class OneHot(Expr):
     """1.0 where the tile's global column index equals ``index[row]``, else 0.0 (FULL width).
 
-    Picks the target logit for cross-entropy; an index outside [0, N) (ignore_index = -100) gives
-    an all-zero row.
+    Picks the target logit for cross-entropy as a select's mask, ``Binary("mask", z, OneHot(target))``
+    (a product ``z * OneHot(target)`` is nan where a non-target logit is infinite); an index outside
+    [0, N) (ignore_index = -100) gives an all-zero row.
     """
     index: RowVector
 

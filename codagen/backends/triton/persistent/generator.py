@@ -184,7 +184,8 @@ class PersistentEmitter(Emitter):
             self.emit(f"{out.name}_x_even = tl.where({mask}, {even}, float('-inf'))")
             self.emit(f"{out.name}_x_odd = tl.where({mask}, {odd}, float('-inf'))")
             self.emit(f"{out.name}_max = tl.maximum(tl.max({out.name}_x_even, axis=1), tl.max({out.name}_x_odd, axis=1))")
-            self.emit(f"{out.name}_shift = tl.where({out.name}_max == float('-inf'), 0.0, {out.name}_max)")
+            # shift = max where finite, else 0, as on a full tile (below): never inf - inf = nan
+            self.emit(f"{out.name}_shift = tl.where(tl.abs({out.name}_max) == float('inf'), 0.0, {out.name}_max)")
             self.emit(f"{out.name}_sumexp = tl.sum(tl.exp({out.name}_x_even - {out.name}_shift[:, None]), axis=1) + "
                       f"tl.sum(tl.exp({out.name}_x_odd - {out.name}_shift[:, None]), axis=1)")
             return [f"{out.name}_max", f"{out.name}_sumexp"]
