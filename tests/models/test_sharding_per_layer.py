@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 accelerate_fsdp = pytest.importorskip("accelerate.utils.fsdp_utils")
 
 from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing  # noqa: E402
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy  # noqa: E402
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -201,15 +202,22 @@ def _refusals(rank, world):
     per_layer = codagen.patch(build("llama"))
     accelerate_prepare(per_layer)
     refused("KV cache", lambda: per_layer(lm_batch()["input_ids"], use_cache=True))
+    wrapped = codagen.patch(build("llama"))
+    apply_activation_checkpointing(wrapped, check_fn=lambda module: module in set(wrapped.model.layers))
+    accelerate_prepare(wrapped)
+    refused("checkpoint_wrapper", lambda: wrapped(**lm_batch()))
     return errors
 
 
 def test_what_stays_refused():
-    """A unit (or any hook) inside a decoder layer: its forward never runs; a KV cache with units per layer."""
+    """A unit (or any hook) inside a decoder layer: its forward never runs; a KV cache with units per layer;
+    torch's checkpoint_wrapper around the layers (accelerate's activation_checkpointing), whose forward the
+    patched model does not call."""
     errors = run_distributed(1, _refusals)
     message = errors.pop("a unit on a projection")
     assert "'model.layers.0.self_attn.q_proj'" in message and "fully_shard the decoder layers" in message, message
     assert "a KV cache (generate()) with FSDP units on the decoder layers" in errors.pop("KV cache")
+    assert "checkpoint_wrapper on the decoder layers" in errors.pop("checkpoint_wrapper")
     assert not errors
 
 
