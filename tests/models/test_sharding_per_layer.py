@@ -99,11 +99,14 @@ def reference(model, batch):
     return steps(copy.deepcopy(model), batch, slice(None))
 
 
-def _per_layer_training(rank, world, model, batch, peft_trainer=False, fused=False):
+def _per_layer_training(rank, world, model, batch, peft_trainer=False, fused=False, patch_after=False):
     if fused:
         sharding.fuse_parameters(model)
-    codagen.patch(model)
+    if not patch_after:
+        codagen.patch(model)
     accelerate_prepare(model, peft_trainer=peft_trainer)
+    if patch_after:  # FSDP2 has swapped the classes for FSDP<class> subclasses
+        codagen.patch(model)
     units = sorted(name for name, module in model.named_modules() if isinstance(module, FSDPModule))
     got = steps(model, batch, slice(rank * BATCH // world, (rank + 1) * BATCH // world))
     if fused:  # the gradients in Hugging Face's names and layouts (the state-dict hooks' own conversion)
@@ -151,6 +154,14 @@ def test_lora_under_accelerate_placement(peft_trainer):
     prefix = "base_model.model."
     layers = [] if peft_trainer else decoder_layer_units(2, prefix)
     assert got["units"] == sorted(["", prefix + "lm_head", prefix + "model.embed_tokens", *layers]), got["units"]
+
+
+def test_lora_patched_after_accelerate_prepare():
+    """``codagen.patch`` of a PeftModel that accelerate has sharded already (``FSDP<class>`` subclasses)."""
+    model, batch = with_lora(build("llama"), target_modules=["q_proj", "o_proj", "up_proj"]), lm_batch()
+    want = reference(model, batch)
+    got = run_distributed(2, _per_layer_training, model, batch, False, False, True)
+    assert_same(got, want)
 
 
 def test_lora_qwen3_with_gradient_checkpointing():
