@@ -23,6 +23,7 @@ post-backward reduce-scatter on ``x``, as for the unpatched layer.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 
@@ -52,18 +53,59 @@ def call_as_module(module: nn.Module, forward: Callable, *args):
             module.forward = previous
 
 
+class _Rebuilt:
+    """What the ops save in place of a weight copy (:func:`_copies_rebuilt_in_backward`): the copy's field of
+    ``BlockWeights``, and the layer's weights rebuilt once, when its backward first reads one."""
+    __slots__ = ("rebuilt", "field")
+
+    def __init__(self, rebuilt: dict, field: str):
+        self.rebuilt, self.field = rebuilt, field
+
+
+_GEMM_WEIGHTS = ("qkv", "o", "gate_up", "down")
+
+
+def _copies_rebuilt_in_backward(blk: BlockWeights, rebuild: Callable[[], BlockWeights], layer: nn.Module):
+    """``saved_tensors_hooks`` under which a layer's ops save, for each GEMM weight of ``blk`` that is a copy rather
+    than a parameter of ``layer`` (the fused QKV and gate/up layouts, casts to the compute dtype), a token that
+    rebuilds it from the parameters (``rebuild()``, without autograd) when the layer's backward reads it. FSDP has
+    all-gathered the parameters again by then, so the copies need not live from the layer's forward to its
+    backward while the parameters themselves are resharded. The rebuilt copies live until the layer's backward
+    nodes have run."""
+    owned = {p.data_ptr() for p in layer.parameters()}
+    copies = {(t.data_ptr(), t.shape, t.stride(), t.dtype): field for field in _GEMM_WEIGHTS
+              if (t := getattr(blk, field)).data_ptr() not in owned}
+    rebuilt: dict = {}
+
+    def pack(t: torch.Tensor):
+        field = copies.get((t.data_ptr(), t.shape, t.stride(), t.dtype)) if t.layout == torch.strided else None
+        return t if field is None else _Rebuilt(rebuilt, field)
+
+    def unpack(saved):
+        if not isinstance(saved, _Rebuilt):
+            return saved
+        if not saved.rebuilt:
+            with torch.no_grad():
+                saved.rebuilt["weights"] = rebuild()
+        return getattr(saved.rebuilt["weights"], saved.field)
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def _layer(weights: Callable[[nn.Module], BlockWeights], eps: float, spec: AttentionSpec, positions: torch.Tensor,
            frequencies: torch.Tensor, checkpoint: CheckpointFn | None, layer: nn.Module, x: torch.Tensor):
-    """One decoder layer on its own parameters (module docstring); ``weights(layer)``: its fused-layout tensors."""
+    """One decoder layer on its own parameters (module docstring); ``weights(layer)``: its fused-layout tensors,
+    whose copies are rebuilt in backward rather than kept (:func:`_copies_rebuilt_in_backward`)."""
     blk = weights(layer)
     normed, rstd = ops.rms_norm_stats(x, blk.attn_norm, eps)
 
     def block(x, normed, rstd, blk, next_norm):
         return decoder_layer(x, normed, rstd, blk, next_norm, eps, spec, positions, frequencies)
-    # next_norm: any [d] weight; the down projection's normed output is not read
-    if checkpoint is None:
-        return block(x, normed, rstd, blk, blk.attn_norm)[0]
-    return checkpoint_block(checkpoint, block, x, normed, rstd, blk, blk.attn_norm)[0]
+    saving = (_copies_rebuilt_in_backward(blk, lambda: weights(layer), layer)
+              if torch.is_grad_enabled() and not torch.compiler.is_compiling() else contextlib.nullcontext())
+    with saving:  # next_norm: any [d] weight; the down projection's normed output is not read
+        if checkpoint is None:
+            return block(x, normed, rstd, blk, blk.attn_norm)[0]
+        return checkpoint_block(checkpoint, block, x, normed, rstd, blk, blk.attn_norm)[0]
 
 
 def _fused_layer(eps: float, spec: AttentionSpec, positions: torch.Tensor, frequencies: torch.Tensor,

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -171,6 +173,50 @@ def test_lora_qwen3_with_gradient_checkpointing():
     batch = lm_batch()
     want = reference(model, batch)
     got = run_distributed(2, _per_layer_training, model, batch)
+    assert_same(got, want)
+
+
+def _copies_after_forward(rank, world, model, batch, copies):
+    """Two AdamW steps; in the first, which of the layers' fused-layout weight copies are alive between forward and
+    backward (``copies``: weak references to them, filled by the test's wrapper of ``hf._block_weights``)."""
+    codagen.patch(model)
+    accelerate_prepare(model)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(2):
+        loss = model(input_ids=batch["input_ids"][rows], labels=batch["labels"][rows]).loss
+        if step == 0:
+            gc.collect()
+            alive = sorted(name for name, ref in copies if ref() is not None)
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean / world)
+        if step == 0:
+            grads = trainable_grads(model)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "grads": grads, "alive": alive, "made": sorted({name for name, _ in copies})}
+
+
+def test_weight_copies_are_rebuilt_in_backward(monkeypatch):
+    """The fused QKV and gate/up layouts a layer builds from its unsharded weights are not kept from its forward to
+    its backward (FSDP frees the unsharded weights meanwhile): backward rebuilds them, with the same gradients."""
+    from codagen.models import hf
+    copies, block_weights = [], hf._block_weights
+
+    def recorded(*args, **kwargs):
+        blk = block_weights(*args, **kwargs)
+        if torch.is_grad_enabled():
+            copies.extend((name, weakref.ref(getattr(blk, name))) for name in ("qkv", "gate_up"))
+        return blk
+    monkeypatch.setattr(hf, "_block_weights", recorded)
+    model, batch = build("llama"), lm_batch()
+    want = reference(model, batch)
+    got = run_distributed(2, _copies_after_forward, model, batch, copies)
+    assert got["made"] == ["gate_up", "qkv"]
+    assert got["alive"] == [], got["alive"]
     assert_same(got, want)
 
 
