@@ -166,10 +166,14 @@ def test_lora_patched_after_accelerate_prepare():
     assert_same(got, want)
 
 
-def test_lora_qwen3_with_gradient_checkpointing():
-    """Qwen3 with LoRA on q/v and gate/down, each layer checkpointed inside its unit (non-reentrant)."""
-    model = with_lora(build("qwen3"), target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
-    enable_checkpointing(model, {"use_reentrant": False})
+@pytest.mark.parametrize(("family", "use_reentrant"), [("qwen3_lora", False), ("llama", True)])
+def test_per_layer_units_with_gradient_checkpointing(family, use_reentrant):
+    """Each layer checkpointed inside its unit: Qwen3 with LoRA on q/v and gate/down (non-reentrant), Llama
+    (reentrant: the checkpoint saves the layer's weights as its inputs)."""
+    model = build(family.removesuffix("_lora"))
+    if family.endswith("_lora"):
+        model = with_lora(model, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    enable_checkpointing(model, {"use_reentrant": use_reentrant})
     batch = lm_batch()
     want = reference(model, batch)
     got = run_distributed(2, _per_layer_training, model, batch)
