@@ -20,6 +20,11 @@ A module call runs the computation in place of the module's ``forward`` (:func:`
 input ``x`` as its one argument: FSDP's ``cast_forward_inputs`` then casts nothing that must stay float32 (the RoPE
 positions and frequencies, ``rstd``), and it registers its pre-backward all-gather on the call's output and its
 post-backward reduce-scatter on ``x``, as for the unpatched layer.
+
+A layer of the plain patched model gathers its fused layouts from its (unsharded) projections in its call
+(``hf._block_weights``, LoRA's low-rank pairs included); its backward rebuilds them rather than keeping them from
+forward to backward (:func:`_copies_rebuilt_in_backward`). A layer with fused parameters (``layer.fused``) reads
+them as they are.
 """
 from __future__ import annotations
 
