@@ -218,7 +218,7 @@ def _check_hooks(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | No
     codagen's arguments and outputs rather than ``transformers``'. Checked at patch time and on every forward
     (a dictionary test per module; ``modules``: ``model.named_modules()`` when the caller has walked them
     already)."""
-    if any(hasattr(layer, "_checkpoint_wrapped_module") for layer in model.model.layers):  # forward never called
+    if any("_checkpoint_wrapped_module" in layer._modules for layer in model.model.layers):  # forward never called
         raise _refuse("torch's checkpoint_wrapper on the decoder layers (e.g. accelerate's FSDP "
                       "activation_checkpointing); model.gradient_checkpointing_enable() checkpoints each layer of the "
                       "patched model")
