@@ -51,8 +51,10 @@ approximation):
   (a module swapped, a bias added, an eps changed; a comparison of module identities and parameter shapes
   per forward, outside ``torch.compile``). Refused at patch time and at each forward: hooks on any
   submodule but the input embedding (the fused decoder never calls their ``forward``); hooks on the model
-  itself run. Refused at the forward (``ValueError``): empty batches (transformers fails on them inside
-  attention) and ``inputs_embeds`` whose width is not the hidden size.
+  itself run. FSDP2 units on the decoder layers, the final norm and the LM head (accelerate's placement)
+  run: each layer is then computed on its own parameters in its own module call (:mod:`.layer_units`).
+  Refused at the forward (``ValueError``): empty batches (transformers fails on them inside attention) and
+  ``inputs_embeds`` whose width is not the hidden size.
 - Refused: MLP biases, activations other than SiLU (``hidden_act`` and each layer's ``act_fn``), partial
   rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter before the norm), QK-norm eps
   unequal to the RMSNorm eps, other RoPE types (``dynamic``, ``yarn``, ...), 4-D ``attention_mask``,
@@ -73,7 +75,7 @@ from torch.distributed.fsdp import FSDPModule
 from codagen import ops
 from codagen.ops._checks import index_range
 
-from . import fused_layers, hf_cache, lora, tensor_parallel
+from . import fused_layers, hf_cache, layer_units, lora, tensor_parallel
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
@@ -297,19 +299,28 @@ def _check_hooks(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | No
     """Refuse hooks the fused decoder would silently skip: it never calls the decoder's submodules'
     ``forward`` (the layers, their projections and norms, the final norm, the LM head), so hooks on any of
     them would not run. Hooks on ``model`` itself run (``model(...)`` calls them around the fused forward),
-    and so do hooks on the input embedding (it then runs as the module: :func:`_embed`). Checked at patch
-    time and on every forward (a dictionary test per module; ``modules``: ``model.named_modules()`` when
-    the caller has walked them already)."""
-    embedding = model.model.embed_tokens
+    and so do hooks on the input embedding (it then runs as the module: :func:`_embed`) and on fused blocks.
+    FSDP2 units on the decoder layers, the final norm and the LM head run too: each is then called as a
+    module, on codagen's arguments (:mod:`.layer_units`); other hooks there stay refused, since they would see
+    codagen's arguments and outputs rather than ``transformers``'. Checked at patch time and on every forward
+    (a dictionary test per module; ``modules``: ``model.named_modules()`` when the caller has walked them
+    already)."""
+    if any("_checkpoint_wrapped_module" in layer._modules for layer in model.model.layers):  # forward never called
+        raise _refuse("torch's checkpoint_wrapper on the decoder layers (e.g. accelerate's FSDP "
+                      "activation_checkpointing); model.gradient_checkpointing_enable() checkpoints each layer of the "
+                      "patched model", model)
+    called = {id(model), id(model.model.embed_tokens)}
+    units = {id(module) for module in (*model.model.layers, model.model.norm, model.lm_head)}
     for name, module in model.named_modules() if modules is None else modules:
         # a fused block is called as a module (its FSDP unit's hooks run around it)
-        if (module is not model and module is not embedding and not isinstance(module, fused_layers.FusedBlock)
-                and _has_hooks(module)):
+        if (id(module) not in called and not isinstance(module, fused_layers.FusedBlock)
+                and not (id(module) in units and isinstance(module, FSDPModule)) and _has_hooks(module)):
             kinds = [kind for kind, hooks in (("forward pre-hooks", module._forward_pre_hooks),
                                               ("forward hooks", module._forward_hooks),
                                               ("backward pre-hooks", module._backward_pre_hooks),
                                               ("backward hooks", module._backward_hooks)) if hooks]
-            fsdp = (" (FSDP2: codagen.models.sharding.fully_shard(model) places the units on the fused blocks)"
+            fsdp = (" (FSDP2: fully_shard the decoder layers and the root, as accelerate does, or call "
+                    "codagen.models.sharding.fully_shard(model), which places the units on the fused blocks)"
                     if isinstance(module, FSDPModule) else "")
             raise _refuse(f"{' and '.join(kinds)} on submodule {name!r} ({type(module).__name__}: the fused decoder "
                           f"never calls its forward; hooks on the model itself run){fsdp}", model)
@@ -476,11 +487,24 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype))
     layers = self.model.layers[: config.num_hidden_layers]
+    # FSDP units on the decoder layers or the final norm (accelerate's placement; _check_hooks refuses other hooks
+    # there): each layer reads only its own parameters, inside its own module call (codagen.models.layer_units)
+    layer_aligned = any(_has_hooks(module) for module in (*layers, self.model.norm))
+
+    def weights(layer):
+        return _block_weights(layer, head_dim, _sliding_window(self, layer), dtype)
 
     def fuse():
-        return [_block_weights(layer, head_dim, _sliding_window(self, layer), dtype) for layer in layers]
+        return [weights(layer) for layer in layers]
     # adapters switch (set_adapter, disable_adapter) without touching a parameter: fused on every forward
-    if fused:
+    if layer_aligned:
+        if cache is not None:
+            raise _refuse("a KV cache (generate()) with FSDP units on the decoder layers or the final norm", self)
+        if fused and layers[0].fused.parallel is not None:
+            raise _refuse("FSDP units on the decoder layers or the final norm of a tensor-parallel model (FSDP "
+                          "with tensor parallelism: codagen.models.sharding.fully_shard(model, mesh=...))", self)
+        blocks = None  # each layer reads its own parameters inside its module call
+    elif fused:
         blocks = None  # each fused block reads its own parameters inside its module call
     elif torch.is_grad_enabled() or adapters or (cache is None and torch.compiler.is_compiling()):
         # differentiable gathers, rebuilt every forward (traceable: no graph break); a copy kept by an
@@ -491,16 +515,28 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
         blocks = fuse()
     else:
         blocks = hf_cache.inference_blocks(self, dtype, fuse, modules)
-    # under tensor parallelism these are replicated DTensors (codagen.models.sharding.parallelize)
-    norm_weight, eps = tensor_parallel.local(self.model.norm.weight).to(dtype), self.model.norm.variance_epsilon
-    head_weight = tensor_parallel.local(self.lm_head.weight).to(dtype)
+    # under tensor parallelism these are replicated DTensors (codagen.models.sharding.parallelize); layer-aligned,
+    # the final norm's module call reads its weight
+    eps = self.model.norm.variance_epsilon
+    norm_weight = None if layer_aligned else tensor_parallel.local(self.model.norm.weight).to(dtype)
+    if layer_aligned or _has_hooks(self.lm_head):  # the head reads its weights inside the LM head's module call
+        def head(h, normed, rstd, targets, reduction="mean"):
+            return layer_units.head(self.lm_head, self.model.norm, h, normed, rstd, targets, reduction)
+    else:
+        head_weight = tensor_parallel.local(self.lm_head.weight).to(dtype)
+
+        def head(h, normed, rstd, targets, reduction="mean"):
+            return lm_head(h, normed, rstd, norm_weight, head_weight, targets, reduction)
     if cache is None:
         # model.gradient_checkpointing_enable() gives each layer its checkpoint function (torch.utils.checkpoint
         # with the kwargs it was given); the patched model checkpoints the regrouped block in that layer's place.
         checkpoints = [layer._gradient_checkpointing_func if getattr(layer, "gradient_checkpointing", False)
                        and self.training and torch.is_grad_enabled() else None for layer in layers]
         x = x.reshape(batch * seq, hidden).contiguous()
-        if fused:
+        if layer_aligned:
+            h, normed, rstd = layer_units.decoder_stack(x, layers, self.model.norm, None if fused else weights, eps,
+                                                        spec, positions, frequencies, checkpoints)
+        elif fused:
             h, normed, rstd = fused_layers.decoder_stack(x, layers, norm_weight, eps, spec, positions, frequencies,
                                                          checkpoints)
         else:
@@ -523,10 +559,10 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
                              f"{tuple(shift_labels.shape)} shifted")
         reduction = "mean" if num_items_in_batch is None else "sum"
         if torch.is_grad_enabled():  # training: the fused cross-entropy, no logits stored
-            loss = lm_head(h, normed, rstd, norm_weight, head_weight, targets, reduction=reduction)
+            loss = head(h, normed, rstd, targets, reduction)
         else:  # evaluation: the logits (what compute_metrics reads) and, as transformers, the fp32 loss from them
             index_range("target", targets, config.vocab_size, -100)  # as the fused loss checks them
-            logits = lm_head(h, normed, rstd, norm_weight, head_weight, None)
+            logits = head(h, normed, rstd, None)
             loss = nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100, reduction=reduction)
             logits = logits.view(batch, seq, config.vocab_size)
         if num_items_in_batch is not None:
@@ -543,6 +579,6 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
             if keep.numel() != seq:  # the head's rows, gathered per sequence
                 rows = (torch.arange(batch, device=x.device)[:, None] * seq + keep[None, :]).reshape(-1)
                 h, normed, rstd = h[rows].contiguous(), normed[rows].contiguous(), rstd[rows].contiguous()
-        logits = lm_head(h, normed, rstd, norm_weight, head_weight, None).view(batch, -1, config.vocab_size)
+        logits = head(h, normed, rstd, None).view(batch, -1, config.vocab_size)
     output = hf_cache.output(loss, logits, cache)
     return output if return_dict is None or return_dict else output.to_tuple()

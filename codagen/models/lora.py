@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from codagen import ops
 
@@ -54,7 +55,10 @@ def _refuse(feature: str, patched: bool = False) -> NotImplementedError:
 
 
 def _is_peft_module(module: nn.Module) -> bool:
-    return type(module).__module__.split(".")[0] == "peft"
+    cls = type(module)
+    if isinstance(module, FSDPModule):  # FSDP2's fully_shard swaps in FSDP<cls>(FSDPModule, cls), defined in torch
+        cls = cls.__mro__[2]
+    return cls.__module__.split(".")[0] == "peft"
 
 
 def is_lora_linear(module: nn.Module) -> bool:

@@ -16,8 +16,12 @@ blocks, not on the decoder layers:
 :func:`fuse_parameters` stores the fused layouts once as the parameters (the plain patched model gathers
 them from the separate projections on every forward); state dicts keep Hugging Face's names and layouts.
 :func:`fully_shard` applies it and the units. Refused: PEFT models (LoRA keeps the separate q/k/v modules),
-a model sharded before its parameters are fused, ``fully_shard`` on a decoder layer (its norms would be
-sharded inside the unit that the previous block also reads), KV caches on fused models.
+a model sharded before its parameters are fused, KV caches on fused models.
+
+Units per decoder layer, as accelerate's FSDP2 plugin and the Hugging Face Trainer place them (``fully_shard`` on
+each decoder layer and the root, of a patched model with or without fused parameters, PEFT LoRA included), run
+the layer-aligned forward instead of the regrouped one (:mod:`codagen.models.layer_units`): each layer reads only
+its own norms, at one extra row pass per layer.
 
 :func:`parallelize` shards each fused block's GEMM weights over a tensor-parallel mesh
 (:class:`FusedBlockParallel`; the computation is :mod:`codagen.models.tensor_parallel`); :func:`fully_shard` over
@@ -49,7 +53,8 @@ def fuse_parameters(model: nn.Module) -> nn.Module:
     if lora.unwrap_peft(model) is not model:
         raise NotImplementedError("codagen.models.sharding.fuse_parameters: PEFT models are not supported (LoRA "
                                   "adapters sit on the separate q/k/v and gate/up modules); patch the PeftModel "
-                                  "with codagen.patch, without fused parameters")
+                                  "with codagen.patch, without fused parameters, and fully_shard its decoder layers "
+                                  "and the root (accelerate's FSDP2 placement: codagen.models.layer_units)")
     if fused_layers.is_fused(model):
         return model
     hf.patch(model)
