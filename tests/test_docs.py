@@ -1,6 +1,8 @@
 """The docs describe the project as it is: no narration of how it was built, no citation of a missing result.
 
-README.md and docs/*.md are checked for narration words; docs/notes/*.md (topic notes, dated once) are not.
+README.md, docs/*.md and bench/README.md are checked for narration words, and the comments and docstrings of
+codagen/ and bench/*.py for those that cannot be read as describing code (no "now", "re-run", "the earlier": a
+kernel re-runs, waits for the earlier kernels); docs/notes/*.md (topic notes, dated once) are not.
 Every ``bench/results/...`` path (globs included) and every shorthand result name (`` `-xyz.json` ``,
 ``bench/results/*-xyz.json``) cited in README.md, docs/, docs/notes/ and bench/README.md must exist, and so must
 every other repository path (``codagen/``, ``tests/``, ``bench/``, ``docs/``; globs match something), the test
@@ -10,35 +12,54 @@ checked; neither is a bare mention of a path the same document cites that way.
 """
 from __future__ import annotations
 
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-DESCRIBING = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CITING = DESCRIBING + sorted((ROOT / "docs" / "notes").glob("*.md")) + [ROOT / "bench" / "README.md"]
+DESCRIBING = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
+CITING = DESCRIBING + sorted((ROOT / "docs" / "notes").glob("*.md"))
+SOURCES = sorted((ROOT / "codagen").rglob("*.py")) + sorted((ROOT / "bench").glob("*.py"))
 
-NARRATION = re.compile(r"\bsessions?\b|\bafter the review\b|\bre-?run|-before-|\bwe tried\b|\bnow faster than\b",
-                       re.IGNORECASE)
+# how the work went, what the code was, who did it: history lives in git
+HISTORY = [r"\bsessions?\b", r"\bafter the review\b", r"-before-", r"\bwe tried\b",
+           r"\b(?:it|this|which|that) replaced\b", r"\bpreviously\b", r"\bformerly\b", r"\bpreceded\b",
+           r"\bused to (?:be|take|run|have|do)\b", r"\bno longer\b", r"\bthe issue\b", r"\blent\b",
+           r"\bat commit\b", r"\bhas not (?:been )?run\b",
+           r"\b(?:before|after) (?:the|this) (?:change|fix|refactor|rewrite)\b", r"\b(?:was|were|got) fixed\b",
+           r"\bthe current (?:code|form|version)\b"]
+CODE_NARRATION = re.compile("|".join(HISTORY), re.IGNORECASE)
+NARRATION = re.compile("|".join(HISTORY + [r"\bre-?run", r"\bnow\b", r"\bthe earlier\b"]), re.IGNORECASE)
 RESULT_PATH = re.compile(r"(?<![\w:/.-])bench/results/([\w.*-]+)")
 SHORTHAND = re.compile(r"`(-[\w.-]+\.(?:json|md|txt|png|csv))`")
 REPO_PATH = re.compile(r"(?<![\w:/.-])((?:codagen|tests|bench|docs)/[\w./*-]*[\w*/])(?:::(\w+))?")
 COMMIT_PATH = re.compile(r"\b[0-9a-f]{7,40}(?:~\d+|\^)?:((?:codagen|tests|bench|docs)/[\w./-]*\w)")
 DOTTED = re.compile(r"(?<![\w/.-])codagen((?:\.\w+)+)(\*?)")
 
-# README.md keeps its narrated "Status and measured speed" section until the replacement proposed beside
-# this branch (README-status-proposal.md) is merged; strict, so the marker must go once it passes.
-
 
 def _name(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
-def narration(text: str) -> list[str]:
+def narration(text: str, pattern: re.Pattern = NARRATION) -> list[str]:
     return [f"line {n}: {m.group(0)!r}" for n, line in enumerate(text.splitlines(), 1)
-            for m in NARRATION.finditer(line)]
+            for m in pattern.finditer(line)]
+
+
+def comments_and_docstrings(source: str) -> str:
+    """``source`` with everything but its comments and triple-quoted strings blanked, lines kept."""
+    lines = [""] * len(source.splitlines())
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        text = token.string
+        if token.type == tokenize.COMMENT or (token.type == tokenize.STRING and
+                                              text.lstrip("rbuRBU").startswith(('"""', "'''"))):
+            for i, part in enumerate(text.splitlines()):
+                lines[token.start[0] - 1 + i] += " " + part
+    return "\n".join(lines)
 
 
 def dangling_results(text: str) -> list[str]:
@@ -60,6 +81,16 @@ def test_the_checks_catch_what_they_are_for():
     assert narration("the table after the review")
     assert narration("a re-run of it") and narration("a rerun of it")
     assert not narration("the kernel runs in one launch")
+    for phrase in ("the kernel it replaced", "This replaced recomputing", "the earlier kernel", "as previously",
+                   "formerly a loop", "the kernel that preceded it", "it used to take 3 ms", "is no longer needed",
+                   "the op now makes dlogits", "the issue's choice", "no two GPUs lent", "ran at commit 5b0849a",
+                   "has not run yet", "after the refactor", "before this change", "the bug was fixed",
+                   "the current code has one kernel"):
+        assert narration(phrase), phrase
+    assert not narration("peak memory above what was allocated before it; the LM head's fixed tile")
+    assert narration("# x is no longer copied", CODE_NARRATION)
+    assert not narration("# re-runs the kernel, now", CODE_NARRATION)
+    assert comments_and_docstrings('x = 1  # no longer\n"""doc"""\ny = "now"\n') == ' # no longer\n """doc"""\n'
     assert dangling_results("see `bench/results/no-such-file.json`")
     assert dangling_results("see `-no-such-suffix.json`")
     assert not dangling_results("`git show abc123:bench/results/no-such-file.json`")
@@ -123,6 +154,12 @@ def dangling_paths(text: str) -> list[str]:
                                   for p in DESCRIBING])
 def test_docs_do_not_narrate(path):
     hits = narration(path.read_text())
+    assert not hits, f"{_name(path)} narrates how the work went: {hits}"
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=_name(p)) for p in SOURCES])
+def test_comments_and_docstrings_do_not_narrate(path):
+    hits = narration(comments_and_docstrings(path.read_text()), CODE_NARRATION)
     assert not hits, f"{_name(path)} narrates how the work went: {hits}"
 
 
