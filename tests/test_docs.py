@@ -2,7 +2,8 @@
 
 README.md, docs/*.md and bench/README.md are checked for narration words, and the comments and docstrings of
 codagen/ and bench/*.py for those that cannot be read as describing code (no "now", "re-run", "the earlier": a
-kernel re-runs, waits for the earlier kernels); docs/notes/*.md (topic notes, dated once) are not.
+kernel re-runs, waits for the earlier kernels); docs/notes/*.md (topic notes, dated once, which may name the commit
+they measured "at commit ...") for the same words as the code.
 Every ``bench/results/...`` path (globs included) and every shorthand result name (`` `-xyz.json` ``,
 ``bench/results/*-xyz.json``) cited in README.md, docs/, docs/notes/ and bench/README.md must exist, and so must
 every other repository path (``codagen/``, ``tests/``, ``bench/``, ``docs/``; globs match something), the test
@@ -22,7 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DESCRIBING = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
-CITING = DESCRIBING + sorted((ROOT / "docs" / "notes").glob("*.md"))
+NOTES = sorted((ROOT / "docs" / "notes").glob("*.md"))
+CITING = DESCRIBING + NOTES
 SOURCES = sorted((ROOT / "codagen").rglob("*.py")) + sorted((ROOT / "bench").glob("*.py"))
 
 # how the work went, what the code was, who did it: history lives in git
@@ -33,6 +35,7 @@ HISTORY = [r"\bsessions?\b", r"\bafter the review\b", r"-before-", r"\bwe tried\
            r"\b(?:before|after) (?:the|this) (?:change|fix|refactor|rewrite)\b", r"\b(?:was|were|got) fixed\b",
            r"\bthe current (?:code|form|version)\b"]
 CODE_NARRATION = re.compile("|".join(HISTORY), re.IGNORECASE)
+NOTE_NARRATION = re.compile("|".join(h for h in HISTORY if h != r"\bat commit\b"), re.IGNORECASE)
 NARRATION = re.compile("|".join(HISTORY + [r"\bre-?run", r"\bnow\b", r"\bthe earlier\b"]), re.IGNORECASE)
 RESULT_PATH = re.compile(r"(?<![\w:/.-])bench/results/([\w.*-]+)")
 SHORTHAND = re.compile(r"`(-[\w.-]+\.(?:json|md|txt|png|csv))`")
@@ -88,7 +91,8 @@ def test_the_checks_catch_what_they_are_for():
                    "the current code has one kernel"):
         assert narration(phrase), phrase
     assert not narration("peak memory above what was allocated before it; the LM head's fixed tile")
-    assert narration("# x is no longer copied", CODE_NARRATION)
+    assert narration("# x is no longer copied", CODE_NARRATION) and narration("the kernel it replaced", NOTE_NARRATION)
+    assert not narration("measured at commit 9e6fdaf", NOTE_NARRATION)
     assert not narration("# re-runs the kernel, now", CODE_NARRATION)
     assert comments_and_docstrings('x = 1  # no longer\n"""doc"""\ny = "now"\n') == ' # no longer\n """doc"""\n'
     assert dangling_results("see `bench/results/no-such-file.json`")
@@ -154,6 +158,12 @@ def dangling_paths(text: str) -> list[str]:
                                   for p in DESCRIBING])
 def test_docs_do_not_narrate(path):
     hits = narration(path.read_text())
+    assert not hits, f"{_name(path)} narrates how the work went: {hits}"
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=_name(p)) for p in NOTES])
+def test_notes_do_not_narrate(path):
+    hits = narration(path.read_text(), NOTE_NARRATION)
     assert not hits, f"{_name(path)} narrates how the work went: {hits}"
 
 
