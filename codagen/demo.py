@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"codagen demo: {config.num_parameters() / 1e6:.2f}M-parameter LLaMA (d {config.hidden_size}, "
           f"f {config.intermediate_size}, {config.num_layers} layers, GQA {config.num_heads}/{config.num_kv_heads}), "
           f"vocab {config.vocab_size} characters")
-    print(f"  {setup.steps} steps x {setup.batch} x {setup.seq} tokens on {device} in {setup.dtype}; "
+    dtype_name = str(setup.dtype).removeprefix("torch.")
+    print(f"  {setup.steps} steps x {setup.batch} x {setup.seq} tokens on {device} in {dtype_name}; "
           f"codagen backend: {backend}")
 
     torch.manual_seed(args.seed)
@@ -241,14 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         row = f"{name:<9}{losses[0]:>12.4f}{losses[-1]:>12.4f}{sum(losses[-20:]) / len(losses[-20:]):>14.4f}"
         print(row + f"{run['tokens_per_s']:>12,.0f}" if timed else row)
     diff = max(abs(a - b) for a, b in zip(runs["codagen"]["losses"], runs["PyTorch"]["losses"]))
-    print(f"max |loss difference| over {setup.steps} steps, {str(setup.dtype).split('.')[-1]}: {diff:.1e}")
+    print(f"max |loss difference| over {setup.steps} steps, {dtype_name}: {diff:.1e}")
     if timed:
         speedup = runs["codagen"]["tokens_per_s"] / runs["PyTorch"]["tokens_per_s"]
         print(f"codagen / PyTorch tokens/s: {speedup:.2f}x")
     prompt = "the old "
     print(f"codagen model continues {prompt!r}: {sample(fused, tok, prompt, 60, setup.seq, device)!r}")
     path = _plot({name: run["losses"] for name, run in runs.items()}, Path(args.out) / "loss.png",
-                 f"{config.num_parameters() / 1e6:.1f}M LLaMA, {device.type}, {str(setup.dtype).split('.')[-1]}")
+                 f"{config.num_parameters() / 1e6:.1f}M LLaMA, {device.type}, {dtype_name}")
     if path is not None:
         print(f"loss curves written to {path}")
     return 0

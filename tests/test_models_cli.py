@@ -26,7 +26,7 @@ def test_demo_runs(tmp_path, capsys):
     captured = capsys.readouterr()
     out = captured.out
     assert "\r" not in out + captured.err and not captured.err
-    assert "speed" not in out and "tokens/s" not in out and "torch.float64" in out
+    assert "speed" not in out and "tokens/s" not in out and "on cpu in float64" in out
     (diff,) = re.findall(r"^max \|loss difference\| over 3 steps, float64: (\S+)$", out, flags=re.M)
     assert float(diff) < 1e-10
     # the two runs start from the same init on the same batch: equal first losses
