@@ -34,9 +34,16 @@ HISTORY = [r"\bsessions?\b", r"\bafter the review\b", r"-before-", r"\bwe tried\
            r"\bat commit\b", r"\bhas not (?:been )?run\b",
            r"\b(?:before|after) (?:the|this) (?:change|fix|refactor|rewrite)\b", r"\b(?:was|were|got) fixed\b",
            r"\bthe current (?:code|form|version)\b"]
-CODE_NARRATION = re.compile("|".join(HISTORY), re.IGNORECASE)
-NOTE_NARRATION = re.compile("|".join(h for h in HISTORY if h != r"\bat commit\b"), re.IGNORECASE)
-NARRATION = re.compile("|".join(HISTORY + [r"\bre-?run", r"\bnow\b", r"\bthe earlier\b"]), re.IGNORECASE)
+
+
+def _words(phrases: list[str]) -> re.Pattern:
+    """Any of ``phrases``, case-insensitive, a phrase's words also matched across a line break."""
+    return re.compile("|".join(phrases).replace(" ", r"\s+"), re.IGNORECASE)
+
+
+CODE_NARRATION = _words(HISTORY)
+NOTE_NARRATION = _words([h for h in HISTORY if h != r"\bat commit\b"])
+NARRATION = _words(HISTORY + [r"\bre-?run", r"\bnow\b", r"\bthe earlier\b"])
 RESULT_PATH = re.compile(r"(?<![\w:/.-])bench/results/([\w.*-]+)")
 SHORTHAND = re.compile(r"`(-[\w.-]+\.(?:json|md|txt|png|csv))`")
 REPO_PATH = re.compile(r"(?<![\w:/.-])((?:codagen|tests|bench|docs)/[\w./*-]*[\w*/])(?:::(\w+))?")
@@ -48,9 +55,12 @@ def _name(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
+def _line_of(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
 def narration(text: str, pattern: re.Pattern = NARRATION) -> list[str]:
-    return [f"line {n}: {m.group(0)!r}" for n, line in enumerate(text.splitlines(), 1)
-            for m in pattern.finditer(line)]
+    return [f"line {_line_of(text, m.start())}: {m.group(0)!r}" for m in pattern.finditer(text)]
 
 
 def comments_and_docstrings(source: str) -> str:
@@ -84,6 +94,7 @@ def test_the_checks_catch_what_they_are_for():
     assert narration("the table after the review")
     assert narration("a re-run of it") and narration("a rerun of it")
     assert not narration("the kernel runs in one launch")
+    assert narration("0.2 ms against the\n  earlier kernel's 2.2 ms") == ["line 1: 'the\\n  earlier'"]
     for phrase in ("the kernel it replaced", "This replaced recomputing", "the earlier kernel", "as previously",
                    "formerly a loop", "the kernel that preceded it", "it used to take 3 ms", "is no longer needed",
                    "the op now makes dlogits", "the issue's choice", "no two GPUs lent", "ran at commit 5b0849a",
