@@ -36,6 +36,18 @@ def test_demo_runs(tmp_path, capsys):
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
+@pytest.mark.gpu
+def test_demo_on_gpu_prints_speed(tmp_path, capsys):
+    """On a GPU (Triton backend, bf16) the demo prints each run's tokens/s and their ratio."""
+    assert demo.main(["--device", "cuda", "--steps", "12", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "on cuda in bfloat16; codagen backend: triton" in out
+    assert re.search(r"^max \|loss difference\| over 12 steps, bfloat16: \S+$", out, flags=re.M)
+    rows = re.findall(r"^(codagen|PyTorch) +[\d.]+ +[\d.]+ +[\d.]+ +([\d,]+)$", out, flags=re.M)
+    assert {name for name, _ in rows} == {"codagen", "PyTorch"} and all(int(t.replace(",", "")) > 0 for _, t in rows)
+    assert re.search(r"^codagen / PyTorch tokens/s: [\d.]+x$", out, flags=re.M)
+
+
 def test_block_bench_smoke(tmp_path, capsys):
     assert block.main(["--smoke", "--layers", "1", "--providers", "speed_of_light", "eager", "liger", "codagen",
                        "--cases", "causal", "--out", str(tmp_path)]) == 0
