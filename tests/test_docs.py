@@ -1,9 +1,9 @@
 """The docs describe the project as it is: no narration of how it was built, no citation of a missing result.
 
-README.md, docs/*.md and bench/README.md are checked for narration words, and the comments and docstrings of
-codagen/ and bench/*.py for those that cannot be read as describing code (no "now", "re-run", "the earlier": a
-kernel re-runs, waits for the earlier kernels); docs/notes/*.md (topic notes, dated once, which may name the commit
-they measured "at commit ...") for the same words as the code.
+Narration words are checked in README.md, docs/*.md and bench/README.md (``NARRATION``); in the comments and
+docstrings of codagen/ and bench/*.py, less the words code says of itself ("now", "re-run", "the earlier": a kernel
+re-runs, waits for the earlier kernels; ``CODE_NARRATION``); and in docs/notes/*.md, topic notes dated once, which
+may also name the commit they measured ("at commit ..."; ``NOTE_NARRATION``).
 Every ``bench/results/...`` path (globs included) and every shorthand result name (`` `-xyz.json` ``,
 ``bench/results/*-xyz.json``) cited in README.md, docs/, docs/notes/ and bench/README.md must exist, and so must
 every other repository path (``codagen/``, ``tests/``, ``bench/``, ``docs/``; globs match something), the test
