@@ -1,11 +1,11 @@
 """Does a ping-pong kernel hand the tensor cores over before its epilogue? (SASS, no GPU needed.)
 
 A consumer ends its mainloop with ``warpgroup_mma_wait(0)``, frees its last ring slot and arrives on the
-other consumer's turn barrier (:func:`codagen.backends.triton.pingpong.mainloop`); only then may the other
+other consumer's turn barrier (:func:`codagen.backends.triton.pingpong.runtime.mainloop`); only then may the other
 consumer issue its MMAs. In the PTX the epilogue follows those arrives, but ptxas schedules within a
 basic block and may hoist epilogue arithmetic above the ``bar.sync`` + ``mbarrier.arrive`` pair, and
 every instruction it puts there delays the hand-off, so the other consumer's mainloop waits for this
-consumer's epilogue: the two no longer overlap.
+consumer's epilogue: the two do not overlap.
 
 For every program the ping-pong schedule takes and each piece width that fits, this compiles the
 generated kernel for sm_90, disassembles it (``cuobjdump -sass``) and counts, per consumer, the

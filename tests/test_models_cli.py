@@ -20,14 +20,32 @@ def test_corpus_and_tokenizer():
 
 
 def test_demo_runs(tmp_path, capsys):
+    """On CPU (a log, not a terminal): the two runs in float64, their loss difference stated as what it is, no
+    speed (the reference backend's timing measures nothing), no progress bar."""
     assert demo.main(["--steps", "3", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "largest per-step loss difference" in out and "tokens/s" in out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "\r" not in out + captured.err and not captured.err
+    assert "speed" not in out and "tokens/s" not in out and "on cpu in float64" in out
+    (diff,) = re.findall(r"^max \|loss difference\| over 3 steps, float64: (\S+)$", out, flags=re.M)
+    assert float(diff) < 1e-10
     # the two runs start from the same init on the same batch: equal first losses
     rows = dict(re.findall(r"^(codagen|PyTorch) +([\d.]+) ", out, flags=re.M))
     assert rows.keys() == {"codagen", "PyTorch"} and rows["codagen"] == rows["PyTorch"]
     pytest.importorskip("matplotlib")
     assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+@pytest.mark.gpu
+def test_demo_on_gpu_prints_speed(tmp_path, capsys):
+    """On a GPU (Triton backend, bf16) the demo prints each run's tokens/s and their ratio."""
+    assert demo.main(["--device", "cuda", "--steps", "12", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "on cuda in bfloat16; codagen backend: triton" in out
+    assert re.search(r"^max \|loss difference\| over 12 steps, bfloat16: \S+$", out, flags=re.M)
+    rows = re.findall(r"^(codagen|PyTorch) +[\d.]+ +[\d.]+ +[\d.]+ +([\d,]+)$", out, flags=re.M)
+    assert {name for name, _ in rows} == {"codagen", "PyTorch"} and all(int(t.replace(",", "")) > 0 for _, t in rows)
+    assert re.search(r"^codagen / PyTorch tokens/s: [\d.]+x$", out, flags=re.M)
 
 
 def test_block_bench_smoke(tmp_path, capsys):

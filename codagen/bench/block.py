@@ -326,7 +326,7 @@ def model_providers(s: BlockShape, layers: int, vocab: int, batch: int, seq: int
     """name -> factory of one training step's fwd+bwd (loss over all tokens) of a ``layers``-block model."""
     config = LlamaConfig(vocab_size=vocab, hidden_size=s.d, intermediate_size=s.f, num_layers=layers,
                          num_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim, rope_theta=500000.0,
-                         qk_norm=s.qk_norm)
+                         rms_norm_eps=EPS, qk_norm=s.qk_norm)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     targets = torch.randint(0, vocab, (batch, seq), device=device)
     cos, sin = rope_tables(s, seq, device, dtype)

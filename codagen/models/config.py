@@ -16,6 +16,10 @@ class LlamaConfig:
     ``rope_theta ** (-2i / head_dim)`` for ``i < head_dim / 2``. ``qk_norm=True`` adds Qwen3's QK-norm:
     an RMSNorm over each Q and K head (weights ``q_norm``, ``k_norm`` [head_dim], eps ``rms_norm_eps``)
     after the projection and before RoPE.
+
+    The defaults are transformers' ``LlamaConfig``'s (``rms_norm_eps=1e-6``, ``rope_theta=1e4``, untied
+    embeddings, as many KV heads as heads), so a state dict moves to a default ``LlamaForCausalLM`` of the same
+    sizes unchanged; a checkpoint's own values (Llama 3: ``rms_norm_eps=1e-5``, ``rope_theta=5e5``) are passed.
     """
     vocab_size: int
     hidden_size: int
@@ -24,7 +28,7 @@ class LlamaConfig:
     num_heads: int
     num_kv_heads: int | None = None
     head_dim: int | None = None
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     qk_norm: bool = False

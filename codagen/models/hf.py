@@ -3,7 +3,7 @@
 ::
 
     model = LlamaForCausalLM(config)        # or Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM
-    codagen.patch(model)                     # model.forward now runs the fused CODA decoder
+    codagen.patch(model)                     # model.forward runs the fused CODA decoder
     loss = model(input_ids, labels=labels).loss
     codagen.unpatch(model)                   # back to the transformers forward
 

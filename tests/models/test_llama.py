@@ -149,3 +149,19 @@ def test_llama_bad_input():
     model = Llama(tiny_config(num_layers=1))
     with pytest.raises(ValueError, match="input_ids"):
         model(torch.zeros(5, dtype=torch.long))
+
+
+def test_default_config_matches_transformers_defaults():
+    """A default-configured Llama (sizes only) is a default-configured transformers ``LlamaForCausalLM`` of the
+    same sizes: every default (``rms_norm_eps``, ``rope_theta``, ``tie_word_embeddings``, the KV heads and the
+    head size) is transformers', so the state dict moves across with equal logits."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4)
+    fused = Llama(LlamaConfig(**sizes))
+    hf_config = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, attn_implementation="eager")
+    hf = transformers.LlamaForCausalLM(hf_config).eval()
+    hf.load_state_dict(fused.to_hf_state_dict())
+    ids = torch.randint(0, 61, (2, 24))
+    with codagen.use_backend("reference"), torch.no_grad():
+        torch.testing.assert_close(fused(ids), hf(ids).logits, rtol=1e-4, atol=1e-6)

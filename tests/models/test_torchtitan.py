@@ -338,3 +338,19 @@ def test_bf16_on_gpu_two_x_rule(monkeypatch):
     for key, want in exact.items():
         ours, theirs = rel_err(results["codagen_bf16"][key], want), rel_err(results["torchtitan_bf16"][key], want)
         assert ours <= 2 * theirs + 1e-6, f"{key}: codagen {ours:.2e} vs torchtitan bf16 {theirs:.2e}"
+
+
+def test_the_package_exports_what_the_docs_name():
+    """``codagen.integrations.torchtitan`` re-exports the model module's public names, among them every
+    ``Codagen...`` class the README and docs/ name."""
+    import re
+    from pathlib import Path
+
+    from codagen.integrations import torchtitan as package
+    root = Path(__file__).resolve().parents[2]
+    named = {name for path in [root / "README.md", *(root / "docs").rglob("*.md")]
+             for name in re.findall(r"\bCodagen[A-Z]\w*", path.read_text())}
+    assert "CodagenQwen3Model" in named
+    assert sorted(package.__all__) == sorted(tt.__all__)
+    missing = sorted(name for name in named | set(tt.__all__) if not hasattr(package, name))
+    assert not missing, f"codagen.integrations.torchtitan does not export {missing}"
