@@ -34,8 +34,10 @@ from codagen.models import patch
 
 __all__ = ["PRESETS", "model_config", "tune_steps", "main"]
 
-_LLAMA3 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072)
-_QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960)
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+               rms_norm_eps=1e-5)
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
+              rms_norm_eps=1e-6)
 #: model name -> Hugging Face config fields
 PRESETS = {
     "d2048": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_attention_heads=32,

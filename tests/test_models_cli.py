@@ -203,3 +203,13 @@ def test_checkpoint_bench_smoke(tmp_path):
     records = json.loads(path.read_text())["records"]
     assert [r["variant"] for r in records] == variants
     assert all(r["median_ms"] > 0 for r in records), [r.get("traceback") for r in records]
+
+
+def test_tune_presets_carry_the_published_norm_eps():
+    """Llama 3's config.json sets rms_norm_eps 1e-5 and Qwen3's 1e-6; transformers' LlamaConfig defaults to 1e-6."""
+    pytest.importorskip("transformers")
+    from codagen.tune import PRESETS, model_config
+    for name in PRESETS:
+        expected = 1e-5 if name.startswith("llama3") else 1e-6 if name.startswith("qwen3") else None
+        if expected is not None:
+            assert model_config(name, 1).rms_norm_eps == expected, name
