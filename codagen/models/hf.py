@@ -198,9 +198,8 @@ def _structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> tu
     module's identity (a projection or ``act_fn`` swapped), its parameters' presence and shapes (a bias added), its
     ``variance_epsilon`` and ``head_dim``, and the config and rotary fields."""
     config, rotary = model.config, model.model.rotary_emb
-    return (tuple(id(m) for _, m in modules),
-            tuple(None if p is None else p.shape for _, m in modules for p in m._parameters.values()),
-            tuple((m.__dict__.get("variance_epsilon"), m.__dict__.get("head_dim")) for _, m in modules),
+    return (tuple((id(m), tuple(None if p is None else p.shape for p in m._parameters.values()),
+                   m.__dict__.get("variance_epsilon"), m.__dict__.get("head_dim")) for _, m in modules),
             config.hidden_act, config.num_attention_heads, config.num_key_value_heads,
             getattr(rotary, "rope_type", "default"), getattr(rotary, "attention_scaling", 1.0), rotary.inv_freq.shape)
 
