@@ -127,8 +127,9 @@ def two_x_rule(model, inputs, codagen_bf16):
 
 def assert_sharded_two_x_rule(got: dict, model, batch: dict, device="cuda"):
     """The 2x rule for a sharded run's ``got = {"loss", "grads": {name: full gradient}}`` (gradients in the
-    unpatched model's names): each gradient's relative error to a float64 run of ``model`` on ``batch`` is at
-    most twice that of transformers with bf16 parameters (+1e-6), the loss within bf16 rounding (2^-8)."""
+    unpatched model's names; of the trainable parameters, for a model with frozen ones such as LoRA's base): each
+    gradient's relative error to a float64 run of ``model`` on ``batch`` is at most twice that of transformers with
+    bf16 parameters (+1e-6), the loss within bf16 rounding (2^-8)."""
     def rel_norm(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm()).item()
     results = {}
@@ -136,7 +137,8 @@ def assert_sharded_two_x_rule(got: dict, model, batch: dict, device="cuda"):
         m = copy.deepcopy(model).to(device, dtype)
         loss = m(**{k: v.to(device) for k, v in batch.items()}).loss
         loss.backward()
-        results[name] = {"loss": loss.detach().cpu(), **{n: p.grad.cpu() for n, p in m.named_parameters()}}
+        results[name] = {"loss": loss.detach().cpu(),
+                         **{n: p.grad.cpu() for n, p in m.named_parameters() if p.requires_grad}}
     exact, theirs = results["float64"], results["bf16"]
     assert rel_norm(got["loss"], exact["loss"]) <= 2 ** -8
     for name, g in got["grads"].items():
