@@ -68,10 +68,24 @@ def training_step(config_path: str, tokens: int, layers: int):
     return step
 
 
+def _count_compiles() -> dict:
+    """Counts Triton's compilations from here on: ``compiled`` (cache misses), ``cached`` (loaded from the disk
+    cache) and ``compile_s``, the sum of the compilations' own times (the wall time they took one after another)."""
+    from triton import knobs
+    counts = {"compiled": 0, "cached": 0, "compile_s": 0.0}
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        counts["cached" if cache_hit else "compiled"] += 1
+        counts["compile_s"] += times.total / 1e6
+    knobs.compilation.listener = listener
+    return counts
+
+
 def worker(config_path: str, tokens: int, layers: int, steps: int) -> dict:
     import torch
 
     from codagen.backends import get_backend
+    compiles = _count_compiles()
     training = training_step(config_path, tokens, layers)
 
     def step():
@@ -81,6 +95,7 @@ def worker(config_path: str, tokens: int, layers: int, steps: int) -> dict:
     start = time.perf_counter()
     step()
     first_s = time.perf_counter() - start
+    first_compiles = dict(compiles)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -88,7 +103,8 @@ def worker(config_path: str, tokens: int, layers: int, steps: int) -> dict:
         times.append(1e3 * (time.perf_counter() - start))
     backend = get_backend("triton")
     sources = list(backend.choices.values())
-    return {"first_step_s": first_s, "steady_step_ms": statistics.median(times), "step_ms": times,
+    return {"first_step_s": first_s, "first_step_compiles": first_compiles,
+            "steady_step_ms": statistics.median(times), "step_ms": times,
             "kernel_choices": {s: sources.count(s) for s in sorted(set(sources))},
             "configs": {key: [backend.choices[key], cfg.short()] for key, cfg in backend.chosen.items()}}
 
@@ -156,7 +172,11 @@ def run(command: list[str], env: dict, timeout: int) -> tuple[dict | None, str, 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None)
+    parser.add_argument("--models", nargs="+", default=[],
+                        help="published configs of codagen.bench.models.MODELS, each at --tokens tokens")
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per step of the --models")
+    parser.add_argument("--no-tune", action="store_true", help="only the default's cold and warm runs")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tune-timeout", type=int, default=180, help="seconds codagen tune may run per shape")
@@ -173,9 +193,13 @@ def main():
         print(json.dumps(ab_worker(args.ab_worker[0], int(args.ab_worker[1]), args.layers, args.steps, args.rounds)),
               flush=True)
         return 0
+    from codagen.bench.models import MODELS, hf_config
+    cases = {name: SHAPES[name] for name in (args.shapes or ([] if args.models else SHAPES))}
+    for name in args.models:
+        fields = hf_config(MODELS[name]).to_dict()
+        cases[name] = ({k: v for k, v in fields.items() if k != "transformers_version"}, args.tokens)
     records = []
-    for name in args.shapes:
-        fields, tokens = SHAPES[name]
+    for name, (fields, tokens) in cases.items():
         with tempfile.TemporaryDirectory() as scratch:
             config_path = os.path.join(scratch, "config.json")
             with open(config_path, "w") as f:
@@ -191,6 +215,14 @@ def main():
                 record[phase], output, record[f"{phase}_process_s"] = run(measure, env, args.timeout)
                 if record[phase] is None:
                     record[f"{phase}_error"] = output[-2000:]
+            if args.no_tune:
+                records.append(record)
+                print(f"{name}: " + "; ".join(f"{phase} first {r['first_step_s']:.1f} s {r['first_step_compiles']} "
+                                              f"steady {r['steady_step_ms']:.1f} ms" for phase, r in
+                                              (("cold", record["default_cold"]), ("warm", record["default_warm"]))
+                                              if r), flush=True)
+                write_results("first-step", records, args.out)
+                continue
             tune = [sys.executable, "-m", "codagen", "tune", "--model", config_path, "--tokens", str(tokens),
                     "--seq", str(SEQ)]
             _, output, record["tune_s"] = run(tune, env, args.tune_timeout)

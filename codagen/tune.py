@@ -73,6 +73,8 @@ def model_config(model: str, layers: int):
         if "model_type" not in fields:
             raise ValueError(f"--model: {path} has no model_type")
     fields["num_hidden_layers"] = layers
+    if isinstance(fields.get("layer_types"), list):  # Qwen2/Qwen3 config.json list one type per published layer
+        fields["layer_types"] = fields["layer_types"][:layers]
     return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 

@@ -116,6 +116,20 @@ def test_documented_arguments_accepted_and_bad_ones_named(capsys):
     assert code == 2 and "--model" in err and "preset" in err
 
 
+def test_tune_model_config_json_trims_layer_types(tmp_path):
+    """A published config.json (Qwen2/Qwen3 list ``layer_types`` per layer) builds with fewer layers: the list is
+    trimmed with ``num_hidden_layers``."""
+    pytest.importorskip("transformers")
+    from codagen.bench.models import MODELS, hf_config
+    fields = hf_config(MODELS["Qwen3-0.6B"]).to_dict()
+    assert len(fields["layer_types"]) == 28
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    config = tune.model_config(str(path), 3)
+    assert config.num_hidden_layers == 3 and config.layer_types == ["full_attention"] * 3
+    assert config.vocab_size == 151936 and config.tie_word_embeddings
+
+
 def test_tune_presets_and_steps(capsys):
     """Every preset builds a config with the layers asked for; the tuning loop runs a patched model's
     training step per token count and reports its new kernel keys (CPU: the interpreter, which times

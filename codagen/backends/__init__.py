@@ -29,7 +29,7 @@ if _TRITON:  # the package imports without Triton; the backend is there when Tri
     from .triton import TritonBackend, ahead
 
 __all__ = ["BACKENDS", "execute", "get_backend", "resolve_backend_name", "set_backend", "use_backend",
-           "triton_available", "on_device", "compile_ahead"]
+           "triton_available", "on_device", "compile_ahead", "compiles_ahead", "compiling_ahead"]
 
 BACKENDS = ("auto", "reference", "triton")
 _selected: str | None = None
@@ -99,6 +99,18 @@ def execute(program: Program, a: torch.Tensor, b: torch.Tensor, *, backend: str 
     bound = bind(program, a, b, tensors)
     with torch.no_grad():
         return get_backend(resolve_backend_name(bound.device, backend)).run(bound)
+
+
+def compiles_ahead(device: torch.device) -> bool:
+    """Whether ops on ``device`` compile their kernels ahead when traced: the Triton backend runs them on a GPU,
+    and ``CODAGEN_COMPILE_AHEAD`` is not 0."""
+    return (_TRITON and device.type == "cuda" and resolve_backend_name(device) == "triton"
+            and ahead.enabled())
+
+
+def compiling_ahead() -> int:
+    """How many kernels the ops' dry runs have submitted that no launch has collected yet."""
+    return ahead.pending() if _TRITON else 0
 
 
 def compile_ahead(impl, args: tuple, kwargs: dict) -> None:

@@ -75,7 +75,7 @@ from torch.distributed.fsdp import FSDPModule
 from codagen import ops
 from codagen.ops._checks import index_range
 
-from . import fused_layers, hf_cache, layer_units, lora, tensor_parallel
+from . import compile_ahead, fused_layers, hf_cache, layer_units, lora, tensor_parallel
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
@@ -280,6 +280,7 @@ class _PatchedForward:
         self.model = model
 
     def __call__(self, *args, **kwargs):
+        compile_ahead.trace_first_step(self.model, _forward, args, kwargs)  # a new shape's kernels, in parallel
         return _forward(self.model, *args, **kwargs)
 
     def __reduce__(self):
@@ -439,7 +440,7 @@ def _rope_frequencies(rotary: nn.Module, num_heads: int, num_kv_heads: int, head
     """:func:`codagen.ops.rope_frequencies` of ``rotary.inv_freq`` on ``device``, kept while ``inv_freq`` keeps
     its storage and version (outside ``torch.compile``): a decode step then builds none of it."""
     inv_freq = rotary.inv_freq
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or compile_ahead.tracing():  # nothing kept from a trace's fake tensors
         return ops.rope_frequencies(num_heads, num_kv_heads, head_dim, inv_freq=inv_freq.to(device))
     key = (inv_freq.data_ptr(), inv_freq._version, num_heads, num_kv_heads, head_dim, device)
     kept = _FREQUENCIES.get(rotary)

@@ -222,11 +222,16 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -
     """``[W_q; W_k; W_v]`` with Q/K rows moved from HF's half-split RoPE order to adjacent pairs.
 
     Takes weights ``[rows, in]`` or biases ``[rows]``; differentiable (the model's own parameters can
-    be fused on every forward).
+    be fused on every forward). One concatenation of strided views (:func:`codagen.ops.rope_pairs_from_half_split`'s
+    per-head transpose for Q and K), so one copy forward and at most one per input backward.
     """
-    def pairs(w):
-        return ops.rope_pairs_from_half_split(w if w.dim() == 2 else w[:, None], head_dim).reshape(w.shape)
-    return torch.cat((pairs(q), pairs(k), v), dim=0)
+    half = head_dim // 2
+
+    def heads(w, split):  # [heads, hd/2, 2, ...]: Q/K half-split rows transposed per head; V as it is
+        w = w.reshape(w.shape[0] // head_dim, *((2, half) if split else (half, 2)), *w.shape[1:])
+        return w.transpose(1, 2) if split else w
+    fused = torch.cat((heads(q, True), heads(k, True), heads(v, False)), dim=0)
+    return fused.reshape(q.shape[0] + k.shape[0] + v.shape[0], *q.shape[1:])
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):

@@ -42,34 +42,31 @@ def split_gate_up(gate_up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return gate_up_weight[0::2].contiguous(), gate_up_weight[1::2].contiguous()
 
 
-def _head_permutation(weight: torch.Tensor, head_dim: int, name: str = "weight") -> torch.Tensor:
-    """Row indices that take half-split pairs ``(i, i + hd/2)`` to adjacent pairs ``(2i, 2i+1)``."""
+def _heads(weight: torch.Tensor, head_dim: int, name: str = "weight") -> int:
+    """The head count of Q or K projection rows ``[heads * head_dim, ...]``, checked."""
     check.tensor(name, weight)
     if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: expected a positive even int, got {head_dim!r}")
     if weight.dim() < 1 or weight.shape[0] % head_dim:
         raise ValueError(f"{name}: expected a row count that is a multiple of head_dim = {head_dim}, "
                          f"got shape {tuple(weight.shape)}")
-    half = head_dim // 2
-    # new row 2i <- old row i, new row 2i+1 <- old row i + hd/2. Built on the weight's device: no host
-    # copy, so fusing weights per forward (codagen.patch) also works inside CUDA-graph capture.
-    inside = torch.arange(half, device=weight.device)
-    inside = torch.stack((inside, inside + half), dim=1).flatten()
-    heads = torch.arange(weight.shape[0] // head_dim, device=weight.device)[:, None] * head_dim
-    return (heads + inside[None, :]).flatten()
+    return weight.shape[0] // head_dim
 
 
 def rope_pairs_from_half_split(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Permute Q or K projection rows (``[heads * head_dim, ...]``) from half-split RoPE to adjacent pairs."""
-    return weight[_head_permutation(weight, head_dim)].contiguous()
+    """Permute Q or K projection rows (``[heads * head_dim, ...]``) from half-split RoPE to adjacent pairs.
+
+    New row ``2i`` of a head is its old row ``i``, new row ``2i + 1`` its old row ``i + hd/2``: each head's rows,
+    seen as ``[2, hd/2]``, transposed. One strided copy, whose backward is the transposed copy (no index
+    kernels), so fusing the weights on every forward (``codagen.patch``) costs one pass over them each way."""
+    heads = _heads(weight, head_dim)
+    return weight.reshape(heads, 2, head_dim // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def rope_half_split_from_pairs(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Inverse of :func:`rope_pairs_from_half_split`."""
-    perm = _head_permutation(weight, head_dim)
-    out = torch.empty_like(weight)
-    out[perm] = weight
-    return out.contiguous()
+    heads = _heads(weight, head_dim)
+    return weight.reshape(heads, head_dim // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def kv_heads_of(qkv_features: int, head_dim: int, num_heads: int) -> int:

@@ -1,7 +1,7 @@
-"""Kernels compiled ahead from a trace's fake tensors (``codagen.backends.triton.ahead``): the stand-ins
-specialize as the tensors do, a dry run submits compilations and launches nothing, a compiled training step's
-dry runs reach every fused GEMM the step launches, and on the GPU the first compiled step compiles none of
-codagen's kernels itself."""
+"""Kernels compiled ahead from a trace's fake tensors (``codagen.backends.triton.ahead``,
+``codagen.models.compile_ahead``): the stand-ins specialize as the tensors do, a dry run submits compilations and
+launches nothing, the dry runs of a compiled training step and of an eager one's fake trace reach every fused GEMM
+the step launches, and on the GPU the first step, compiled or eager, compiles none of codagen's kernels itself."""
 from __future__ import annotations
 
 import json
@@ -121,8 +121,61 @@ def test_dry_runs_reach_every_fused_gemm_of_a_compiled_step(monkeypatch):
     assert real <= dry, f"launched without a dry run: {sorted(real - dry, key=str)}"
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_eager_first_step_trace_reaches_every_fused_gemm(monkeypatch, family):
+    """In eager mode the first training forward at a new signature is traced on fake tensors first: its ops'
+    dry runs plan every fused GEMM the real step (forward and backward) then launches, with the same
+    configurations. The trace touches no real parameter, gradient or hook, runs once per signature, and stops
+    once a trace needs no new kernel (CPU: the Triton backend in the interpreter, dry runs allowed on CPU
+    tensors for the test)."""
+    from codagen.models import compile_ahead
+    planned = {"dry": [], "real": []}
+    submitted = set()  # what a dry run would compile: kernels specialize on the program and config, not sizes
+    real_launch = TritonBackend._launch
+
+    def recording_launch(self, bound, launch, cfg, outs):
+        if ahead.tracing():
+            planned["dry"].append((bound.program.name, bound.m, bound.n, bound.k, cfg))
+            submitted.add((bound.program.name, cfg))
+            return None
+        planned["real"].append((bound.program.name, bound.m, bound.n, bound.k, cfg))
+        return real_launch(self, bound, launch, cfg, outs)
+
+    monkeypatch.setattr(TritonBackend, "_launch", recording_launch)
+    monkeypatch.setattr(ahead, "_on_cuda", lambda values: any(isinstance(v, torch.Tensor) for v in values))
+    monkeypatch.setattr(_custom_op, "compile_ahead", ahead.dry_run)
+    monkeypatch.setattr(compile_ahead, "compiles_ahead", lambda device: True)
+    monkeypatch.setattr(compile_ahead, "compiling_ahead", lambda: len(submitted))
+    model = codagen.patch(build(family))
+    calls = []
+    model.register_forward_hook(lambda module, args, output: calls.append(output.loss))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids = torch.randint(0, 64, (2, 8))
+    with codagen.use_backend("triton"):
+        model(input_ids=ids, labels=ids).loss.backward()
+        real, dry = set(planned["real"]), set(planned["dry"])
+        names = {name for name, *_ in real}
+        qkv = "rms_qkv_rope_qk_norm" if family == "qwen3" else "rms_qkv_rope"
+        assert {qkv, "rms_gate_up_swiglu", "input_grad", "rms_norm_backward"} <= names, names
+        assert real <= dry, f"launched without a dry run: {sorted(real - dry, key=str)}"
+        assert len(calls) == 1 and not isinstance(calls[0], torch._subclasses.FakeTensor)
+        for name, p in model.named_parameters():
+            assert torch.equal(p, before[name]) and type(p.grad) is torch.Tensor, name
+        planned["dry"].clear()
+        model(input_ids=ids, labels=ids).loss.backward()  # the same signature: no second trace
+        assert planned["dry"] == []
+        with torch.no_grad():
+            model(input_ids=ids, labels=ids)  # without autograd: no trace
+        assert planned["dry"] == []
+        model(input_ids=ids[:, :4], labels=ids[:, :4])  # a new shape: traced again, but it needs no new kernel
+        assert planned["dry"]
+        planned["dry"].clear()
+        model(input_ids=ids[:, :6], labels=ids[:, :6])  # so later new shapes are not traced
+        assert planned["dry"] == []
+
+
 _GPU_SCRIPT = textwrap.dedent("""
-    import json
+    import json, sys
     import torch, transformers, triton
     import codagen
     compiles = []
@@ -135,7 +188,7 @@ _GPU_SCRIPT = textwrap.dedent("""
     with torch.device("cuda"):
         model = codagen.patch(transformers.LlamaForCausalLM(config).to(torch.bfloat16).train())
     ids = torch.randint(0, 512, (2, 256), device="cuda")
-    compiled = torch.compile(model)
+    compiled = torch.compile(model) if sys.argv[1] == "compile" else model
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         compiled(input_ids=ids, labels=ids).loss.backward()
@@ -146,13 +199,16 @@ _GPU_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.gpu
-def test_gpu_first_compiled_step_compiles_no_codagen_kernel_on_launch(tmp_path):
-    """A fresh process (empty in-memory and on-disk Triton caches): every codagen kernel of a compiled
-    2-layer training step compiles during tracing; none compiles when the step launches it."""
+@pytest.mark.parametrize("mode", ["compile", "eager"])
+def test_gpu_first_step_compiles_no_codagen_kernel_on_launch(tmp_path, mode):
+    """A fresh process (empty in-memory and on-disk Triton caches): every codagen kernel of a 2-layer training
+    step, compiled or eager, compiles ahead (during tracing, or the eager step's fake trace); none compiles
+    when the step launches it."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), CODAGEN_CACHE_DIR=str(tmp_path / "codagen"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     env.pop("CODAGEN_TRITON_AUTOTUNE", None)
-    done = subprocess.run([sys.executable, "-c", _GPU_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _GPU_SCRIPT, mode], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["ahead"] >= 8 and result["on_launch"] == [], result

@@ -16,7 +16,8 @@ is taken as aligned (as a fresh allocation from PyTorch's caching allocator is).
 differs, its launch compiles its own specialization, as without this module. A dry run that fails (an
 implementation that needs values) is dropped: its kernels compile on first launch.
 
-Eager calls do not see fake tensors and are unchanged. ``CODAGEN_COMPILE_AHEAD=0`` turns the dry runs off.
+An eager training step gets the same from a fake trace of itself (:mod:`codagen.models.compile_ahead`).
+``CODAGEN_COMPILE_AHEAD=0`` turns the dry runs off.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from triton.runtime.jit import MockTensor
 
 from .switches import env_flag
 
-__all__ = ["dry_run", "launch_kernel", "operand", "tracing", "byte_offset", "wait"]
+__all__ = ["dry_run", "enabled", "launch_kernel", "operand", "tracing", "byte_offset", "pending", "wait"]
 
 _tracing: contextvars.ContextVar[bool] = contextvars.ContextVar("codagen_compile_ahead", default=False)
 _mode: _async_compile.AsyncCompileMode | None = None  # created on the first dry run
@@ -46,15 +47,20 @@ def _on_cuda(values) -> bool:
     return any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
 
 
+def enabled() -> bool:
+    """``CODAGEN_COMPILE_AHEAD`` is not 0."""
+    return env_flag("CODAGEN_COMPILE_AHEAD", default=True)
+
+
 def dry_run(impl: Callable, args: tuple, kwargs: dict) -> None:
     """Run ``impl`` (a codagen op's implementation) on fake CUDA tensors, compiling the kernels it would
     launch in worker threads; its results are discarded (the op's fake implementation gives the outputs)."""
     global _mode
-    if not env_flag("CODAGEN_COMPILE_AHEAD", default=True) or not (_on_cuda(args) or _on_cuda(kwargs.values())):
+    if not enabled() or not (_on_cuda(args) or _on_cuda(kwargs.values())):
         return
     if _mode is None:
-        _mode = _async_compile.AsyncCompileMode(ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2),
-                                                                   thread_name_prefix="codagen-compile"))
+        _mode = _async_compile.AsyncCompileMode(_CompileAndLoad(max_workers=os.cpu_count() or 2,
+                                                                thread_name_prefix="codagen-compile"))
     token = _tracing.set(True)
     try:
         impl(*args, **kwargs)
@@ -62,6 +68,22 @@ def dry_run(impl: Callable, args: tuple, kwargs: dict) -> None:
         pass
     finally:
         _tracing.reset(token)
+
+
+class _CompileAndLoad(ThreadPoolExecutor):
+    """Compile workers that also build each compiled kernel's launcher and load it: Triton does that at the first
+    launch, on the launching thread, and on empty caches each new launcher signature is a C module built with the
+    host compiler, one after the other."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        def compile_and_load():
+            kernel = fn(*args, **kwargs)
+            try:
+                kernel._init_handles()
+            except Exception:  # noqa: BLE001 - the first launch loads it again and reports what is wrong
+                pass
+            return kernel
+        return super().submit(compile_and_load)
 
 
 class _Operand(MockTensor):
@@ -108,6 +130,11 @@ def launch_kernel(kernel, grid, *args, **meta) -> None:
     if _mode is not None and _mode.future_kernels:
         wait()
     kernel[grid](*args, **meta)
+
+
+def pending() -> int:
+    """How many kernels dry runs submitted that no launch has collected yet (:func:`wait`)."""
+    return 0 if _mode is None else len(_mode.future_kernels)
 
 
 def wait() -> None:
