@@ -1,8 +1,8 @@
 """Where one training step of a published model's config spends its time: kernels, gaps between them, host ops (GPU).
 
 Per model (:data:`codagen.bench.models.MODELS`) and provider (``eager``, ``compile``, ``codagen``,
-``codagen_compile``), the step of ``codagen bench models`` (full fine-tune, AdamW) after ``--warmup`` steps, one
-step under ``torch.profiler``:
+``codagen_compile``), the step of ``codagen bench models`` (full fine-tune, fused AdamW) after ``--warmup`` steps,
+one step under ``torch.profiler``:
 
 - ``kernels``: the GPU's kernels by total time (name, launches, ms);
 - ``gaps``: the idle intervals between consecutive kernels longer than ``--min-gap-us``, grouped by the kernels
@@ -36,7 +36,7 @@ def profile_step(model_name: str, provider: str, layers: int, batch: int, seq: i
     model = MODELS[model_name]
     hf_model, step_model = build(model, layers, "full", "peft", provider, torch.device("cuda"), torch.bfloat16)
     params = [p for p in hf_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
     ids = torch.randint(0, model.vocab_size, (batch, seq), device="cuda")
 
     def step():
@@ -54,7 +54,8 @@ def profile_step(model_name: str, provider: str, layers: int, batch: int, seq: i
         torch.cuda.synchronize()
     wall_ms = start.elapsed_time(end)
     gpu = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+                  if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation),
+                 key=lambda k: k[0])
     per_kernel = collections.defaultdict(lambda: [0, 0.0])
     gaps = collections.defaultdict(lambda: [0, 0.0])
     busy, covered_to, previous = 0.0, float("-inf"), "(step start)"

@@ -4,7 +4,7 @@ Each model is built by ``transformers`` from its own ``config.json`` values (:da
 heads / KV heads, head_dim, vocabulary, tied embeddings, Q/K/V biases, QK-norm, RoPE theta and scaling), with
 random weights and its decoder trimmed to ``--layers`` layers. Steps (``--steps``):
 
-- ``full``: every parameter trains, AdamW, bf16 parameters;
+- ``full``: every parameter trains, AdamW (fused on the GPU, the Trainer's default), bf16 parameters;
 - ``lora-all-r16``: PEFT LoRA r 16 (alpha 32) on all seven projections, frozen base, AdamW on the adapters;
 - ``lora-qv-r8``: PEFT LoRA r 8 (alpha 16) on ``q_proj`` and ``v_proj``.
 
@@ -14,7 +14,9 @@ adapter in the compute dtype (bf16), whatever dtype the adapter parameters are s
 
 Providers: ``eager`` (transformers, or PEFT for LoRA), ``compile`` (the same, ``torch.compile``-d), ``liger``
 (``liger_kernel.transformers.apply_liger_kernel_to_<family>()`` before the model is built: global patches, so it
-runs last), ``codagen`` (``codagen.patch``) and ``codagen_compile`` (``codagen.patch`` then ``torch.compile``).
+runs last), ``codagen`` (``codagen.patch``), ``codagen_compile`` (``codagen.patch`` then ``torch.compile``) and
+``codagen_compile_graphs`` (``codagen.patch`` then ``torch.compile(mode="reduce-overhead")``: the compiled forward and
+backward replayed as CUDA graphs).
 
 Per model, step, token shape and provider: ``--warmup`` untimed steps (compilation among them; the first step's
 wall time is recorded as ``first_step_s``), ``--timed`` steps timed one by one with CUDA events (the median is
@@ -42,7 +44,8 @@ from .common import pyplot, write_results
 
 __all__ = ["main", "ModelConfig", "MODELS", "PROVIDERS", "STEPS", "hf_config", "idle_share"]
 
-PROVIDERS = ("eager", "compile", "codagen", "codagen_compile", "liger")  # liger last: its patches are global
+# liger last: its patches are global
+PROVIDERS = ("eager", "compile", "codagen", "codagen_compile", "codagen_compile_graphs", "liger")
 STEPS = {"full": None,
          "lora-all-r16": (16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
          "lora-qv-r8": (8, 16.0, ("q_proj", "v_proj"))}
@@ -137,11 +140,14 @@ def build(model: ModelConfig, layers: int, step: str, adapter_dtype: str, provid
     hf_model.train()
     if provider.startswith("codagen"):
         codagen.patch(hf_model)
+    if provider.endswith("compile_graphs"):  # CUDA graphs of the compiled forward and backward: no host gaps
+        return hf_model, torch.compile(hf_model, mode="reduce-overhead")
     return hf_model, torch.compile(hf_model) if provider.endswith("compile") else hf_model
 
 
 def idle_share(step, device) -> tuple[float, float] | None:
-    """One profiled ``step()``: ``(kernel_ms, idle share)``, the union of the GPU's kernel (and copy) intervals and
+    """One profiled ``step()``: ``(kernel_ms, idle share)``, the union of the GPU's kernel (and copy) intervals (not the
+    GPU spans of ``record_function`` regions, such as the optimizer step's, which cover the gaps inside them) and
     the share of the step's wall time (CUDA events around it) that no kernel covers; ``None`` off CUDA."""
     if device.type != "cuda":
         return None
@@ -154,7 +160,7 @@ def idle_share(step, device) -> tuple[float, float] | None:
         end.record()
         torch.cuda.synchronize()
     intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
+                       if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
     busy, covered_to = 0.0, float("-inf")
     for begin, stop in intervals:
         if stop > covered_to:
@@ -174,7 +180,10 @@ def run_provider(model: ModelConfig, layers: int, step_name: str, adapter_dtype:
     record["trainable_params"] = sum(p.numel() for p in params)
     record["adapter_param_dtype"] = (None if STEPS[step_name] is None else
                                      str(next(p.dtype for n, p in hf_model.named_parameters() if "lora_A" in n)))
-    optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+    # the Trainer's default optimizer (TrainingArguments.optim "adamw_torch_fused" with torch >= 2.8)
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    optimizer = torch.optim.AdamW(params, lr=1e-5, **fused)
+    record["optimizer"] = "AdamW(fused=True)" if device.type == "cuda" else "AdamW(foreach=True)"
     generator = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, model.vocab_size, (batch, seq), generator=generator).to(device)
     cuda = device.type == "cuda"
@@ -239,7 +248,8 @@ def table(records: list[dict], providers: list[str]) -> str:
             cells.append(f"{r['median_ms']:.1f} ({r.get('peak_mem_gib') or 0:.1f} GiB, "
                          f"{_percent(r.get('idle_share'))} idle)" if r.get("median_ms") else "—")
         peers = [by[p] for p in ("eager", "compile", "liger") if by.get(p, {}).get("median_ms")]
-        ours = [by[p] for p in ("codagen", "codagen_compile") if by.get(p, {}).get("median_ms")]
+        ours = [by[p] for p in ("codagen", "codagen_compile", "codagen_compile_graphs")
+                if by.get(p, {}).get("median_ms")]
         speed = mem = "—"
         if peers and ours:
             best = min(ours, key=lambda r: r["median_ms"])

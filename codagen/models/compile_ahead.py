@@ -11,8 +11,8 @@ call then goes through its fake implementation, which submits the op's kernels t
 forward that follows waits for them at its first launch. So the step's kernels compile side by side, and the first
 launches compile nothing.
 
-A trace costs host time (the forward and backward in Python, about as long as one eager step's host work). A
-trace that submits no new kernel (Triton specializes kernels on the divisibility of sizes, not their values, so a
+A trace costs host time: the forward and backward in Python, of one decoder layer of each kind
+(:func:`one_of_each`) and the head, whatever the depth. A trace that submits no new kernel (Triton specializes kernels on the divisibility of sizes, not their values, so a
 new sequence length rarely needs one) ends the tracing of that model: later new shapes run untraced, and any
 kernel one of them needs compiles on its first launch.
 
@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map_only
 
 from codagen.backends import compiles_ahead, compiling_ahead
 
-__all__ = ["trace_first_step", "tracing"]
+__all__ = ["trace_first_step", "tracing", "one_of_each"]
 
 _tracing: contextvars.ContextVar[bool] = contextvars.ContextVar("codagen_first_step_trace", default=False)
 # model -> the call signatures already traced
@@ -46,6 +46,18 @@ _SETTLED: weakref.WeakSet = weakref.WeakSet()
 def tracing() -> bool:
     """Whether the current forward is the fake dry trace (caches kept across forwards must not keep its fakes)."""
     return _tracing.get()
+
+
+def one_of_each(layers, attention_key: Callable[[nn.Module], object]) -> list[nn.Module]:
+    """The first of each kind of decoder layer: same parameters (names, shapes, dtypes, whether they train: LoRA
+    adapters included) and same ``attention_key`` (a sliding window, say). Layers of one kind launch the same
+    kernels at the same shapes, so the trace runs one of them, whatever the model's depth."""
+    kinds = {}
+    for layer in layers:
+        key = (attention_key(layer), tuple((name, tuple(p.shape), p.dtype, p.requires_grad)
+                                           for name, p in layer.named_parameters()))
+        kinds.setdefault(key, layer)
+    return list(kinds.values())
 
 
 def _describe(value) -> object:

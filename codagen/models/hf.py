@@ -487,6 +487,8 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype))
     layers = self.model.layers[: config.num_hidden_layers]
+    if compile_ahead.tracing():  # a layer of each structure launches every kernel the others of it would
+        layers = compile_ahead.one_of_each(layers, lambda layer: _sliding_window(self, layer))
     # FSDP units on the decoder layers or the final norm (accelerate's placement; _check_hooks refuses other hooks
     # there): each layer reads only its own parameters, inside its own module call (codagen.models.layer_units)
     layer_aligned = any(_has_hooks(module) for module in (*layers, self.model.norm))

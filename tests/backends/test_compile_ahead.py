@@ -174,6 +174,18 @@ def test_eager_first_step_trace_reaches_every_fused_gemm(monkeypatch, family):
         assert planned["dry"] == []
 
 
+def test_the_trace_runs_one_layer_of_each_kind():
+    """Layers with the same parameters and attention (sliding window) launch the same kernels: the trace keeps
+    the first of each kind; a layer whose parameters differ (a frozen one) or whose window differs is its own."""
+    from codagen.models.compile_ahead import one_of_each
+    layers = build("llama", num_hidden_layers=4).model.layers
+    assert one_of_each(layers, lambda layer: None) == [layers[0]]
+    windows = {id(layers[2]): 4}
+    assert one_of_each(layers, lambda layer: windows.get(id(layer))) == [layers[0], layers[2]]
+    layers[3].mlp.down_proj.weight.requires_grad_(False)
+    assert one_of_each(layers, lambda layer: None) == [layers[0], layers[3]]
+
+
 _GPU_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch, transformers, triton
