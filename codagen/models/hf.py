@@ -27,6 +27,8 @@ approximation):
   materialized. ``shift_labels`` without ``labels`` give logits and no loss (transformers' rule); with
   ``labels`` they are the targets.
 - Under autocast everything runs in the autocast dtype (weights cast once per forward).
+- On a GPU, an eager forward with autograd at a new shape first runs the step once on fake tensors, so that its
+  kernels compile in parallel before the real step launches them (:mod:`.compile_ahead`).
 - Handled exactly: Q/K/V biases (Qwen2; RoPE is linear, so the rotated bias is added after the fused
   kernel), QK-norm (Qwen3: per-head RMSNorm of Q and K before RoPE, in the QKV GEMM's epilogue; the
   q_norm/k_norm weights are permuted to pair order like the Q/K rows), O-proj bias (folded into the
