@@ -188,12 +188,16 @@ def run_provider(model: ModelConfig, layers: int, step_name: str, adapter_dtype:
     ids = torch.randint(0, model.vocab_size, (batch, seq), generator=generator).to(device)
     cuda = device.type == "cuda"
 
+    graphs = provider.endswith("graphs")
+
     def step() -> torch.Tensor:
+        if graphs:  # a new iteration: the graphs' output buffers of the last one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         optimizer.zero_grad(set_to_none=True)
         loss = step_model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
-        return loss.detach()
+        return loss.detach().clone()  # kept across steps: not a view of a graph's output buffer
 
     def timed_step() -> tuple[torch.Tensor, float]:
         if not cuda:
