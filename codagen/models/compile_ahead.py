@@ -12,11 +12,12 @@ forward that follows waits for them at its first launch. So the step's kernels c
 launches compile nothing.
 
 A trace costs host time: the forward and backward in Python, of one decoder layer of each kind
-(:func:`one_of_each`) and the head, whatever the depth. A trace that submits no new kernel (Triton specializes kernels on the divisibility of sizes, not their values, so a
-new sequence length rarely needs one) ends the tracing of that model: later new shapes run untraced, and any
-kernel one of them needs compiles on its first launch.
+(:func:`one_of_each`) and the head, whatever the depth. A trace that submits no new kernel (Triton specializes
+kernels on the divisibility of sizes, not their values, so a new sequence length rarely needs one) ends the
+tracing of that model: later new shapes run untraced, and any kernel one of them needs compiles on its first
+launch.
 
-The dry trace is skipped (the kernels compile on first launch, as before) outside the Triton backend on a GPU,
+The dry trace is skipped (the kernels compile on first launch) outside the Triton backend on a GPU,
 with ``CODAGEN_COMPILE_AHEAD=0``, under ``torch.compile`` (its own tracing does it), with a KV cache, for
 distributed (DTensor) parameters, and when a real input requires a gradient (the fake backward would reach it).
 A trace that fails (a value read on the host, an unsupported module) is dropped the same way: it can cost the
