@@ -76,10 +76,13 @@ class _CompileAndLoad(ThreadPoolExecutor):
     host compiler, one after the other."""
 
     def submit(self, fn, /, *args, **kwargs):
+        device = torch.cuda.current_device()  # the submitting thread's: the kernel is cached for that device
+
         def compile_and_load():
             kernel = fn(*args, **kwargs)
             try:
-                kernel._init_handles()
+                with torch.cuda.device(device):
+                    kernel._init_handles()
             except Exception:  # noqa: BLE001 - the first launch loads it again and reports what is wrong
                 pass
             return kernel
