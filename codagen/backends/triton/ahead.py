@@ -84,7 +84,7 @@ class _CompileAndLoad(ThreadPoolExecutor):
                 with torch.cuda.device(device):
                     kernel._init_handles()
             except Exception:  # noqa: BLE001 - the first launch loads it again and reports what is wrong
-                pass
+                kernel.module, kernel.function, kernel._run = None, None, None
             return kernel
         return super().submit(compile_and_load)
 
