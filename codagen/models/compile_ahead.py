@@ -45,8 +45,9 @@ _SETTLED: weakref.WeakSet = weakref.WeakSet()
 
 
 def tracing() -> bool:
-    """Whether the current forward is the fake dry trace (caches kept across forwards must not keep its fakes)."""
-    return _tracing.get()
+    """Whether the current forward is the fake dry trace (caches kept across forwards must not keep its fakes).
+    Never under ``torch.compile``, which cannot read the ContextVar."""
+    return not torch.compiler.is_compiling() and _tracing.get()
 
 
 def one_of_each(layers, attention_key: Callable[[nn.Module], object]) -> list[nn.Module]:
