@@ -15,7 +15,8 @@ best peer.
   bound lower still (attention and the optimizer left out), so ``best peer / bound`` overstates what is possible.
 
     python bench/model_step_bounds.py bench/results/2026-12-02-models-full.json \\
-        bench/results/2026-12-02-model-step-profile.json
+        bench/results/2026-12-02-model-step-profile.json \\
+        bench/results/2026-12-02-model-step-profile-llama3-8b-fused-adamw.json
 
 Prints a Markdown table per model: GEMM TFLOP, the bound and what it counts, the best peer and codagen's best step
 (from the models results), and the two ratios.
@@ -63,10 +64,12 @@ def categories(profile: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", help="a codagen bench models results JSON (full steps)")
-    parser.add_argument("profile", help="a bench/model_step_profile.py results JSON")
+    parser.add_argument("profiles", nargs="+", help="bench/model_step_profile.py results JSONs")
     args = parser.parse_args()
     records = json.load(open(args.models))["records"]
-    profiles = {r["model"]: r for r in json.load(open(args.profile))["records"] if r["provider"] == "codagen_compile"}
+    models_optimizer = next((r.get("optimizer") for r in records if r.get("optimizer")), "AdamW(foreach=True)")
+    profiles = {r["model"]: r for path in args.profiles for r in json.load(open(path))["records"]
+                if r["provider"] == "codagen_compile"}
     rows = {}
     for r in records:
         if r.get("median_ms") and r["step"] == "full":
@@ -84,8 +87,11 @@ def main() -> int:
         if name in profiles:
             parts = categories(profiles[name])
             bound = sum(parts.values())
+            optimizer = profiles[name].get("optimizer", "AdamW(foreach=True)")
             counts = (f"measured: GEMMs {parts['gemm']:.1f} ({flops / parts['gemm'] / 1e9:.0f} TFLOP/s), attention "
-                      f"{parts['attention']:.1f}, optimizer {parts['optimizer']:.1f}")
+                      f"{parts['attention']:.1f}, optimizer {parts['optimizer']:.1f}"
+                      + ("" if optimizer == models_optimizer
+                         else f" with {optimizer}, the steps ran {models_optimizer}"))
         else:
             width = min(rates, key=lambda w: abs(w - shape["hidden_size"]))
             bound = flops / rates[width] / 1e9
