@@ -229,6 +229,8 @@ def run_provider(model: ModelConfig, layers: int, step_name: str, adapter_dtype:
     record["losses"] = [float(x) for x in losses]
     if cuda:
         record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        # CUDA graphs replay into a private pool reserved while recording (in warm-up): it shows as reserved memory
+        record["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30
         record["kernel_ms"], record["idle_share"] = idle_share(step, device)
     return record
 
