@@ -23,7 +23,7 @@ import sys
 import torch
 
 from codagen.bench.common import write_results
-from codagen.bench.models import MODELS, build
+from codagen.bench.models import MODELS, build, profiled_kernels
 
 
 def _short(name: str, width: int = 90) -> str:
@@ -32,7 +32,6 @@ def _short(name: str, width: int = 90) -> str:
 
 def profile_step(model_name: str, provider: str, layers: int, batch: int, seq: int, warmup: int,
                  min_gap_us: float, top: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
     model = MODELS[model_name]
     hf_model, step_model = build(model, layers, "full", "peft", provider, torch.device("cuda"), torch.bfloat16)
     params = [p for p in hf_model.parameters() if p.requires_grad]
@@ -45,17 +44,7 @@ def profile_step(model_name: str, provider: str, layers: int, batch: int, seq: i
         optimizer.step()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-    wall_ms = start.elapsed_time(end)
-    gpu = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation),
-                 key=lambda k: k[0])
+    gpu, wall_ms, prof = profiled_kernels(step)
     per_kernel = collections.defaultdict(lambda: [0, 0.0])
     gaps = collections.defaultdict(lambda: [0, 0.0])
     busy, covered_to, previous = 0.0, float("-inf"), "(step start)"

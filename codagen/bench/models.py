@@ -42,7 +42,7 @@ from codagen._cli import command_parser
 
 from .common import pyplot, write_results
 
-__all__ = ["main", "ModelConfig", "MODELS", "PROVIDERS", "STEPS", "hf_config", "idle_share"]
+__all__ = ["main", "ModelConfig", "MODELS", "PROVIDERS", "STEPS", "hf_config", "idle_share", "profiled_kernels"]
 
 # liger last: its patches are global
 PROVIDERS = ("eager", "compile", "codagen", "codagen_compile", "codagen_compile_graphs", "liger")
@@ -145,12 +145,10 @@ def build(model: ModelConfig, layers: int, step: str, adapter_dtype: str, provid
     return hf_model, torch.compile(hf_model) if provider.endswith("compile") else hf_model
 
 
-def idle_share(step, device) -> tuple[float, float] | None:
-    """One profiled ``step()``: ``(kernel_ms, idle share)``, the union of the GPU's kernel (and copy) intervals (not the
-    GPU spans of ``record_function`` regions, such as the optimizer step's, which cover the gaps inside them) and
-    the share of the step's wall time (CUDA events around it) that no kernel covers; ``None`` off CUDA."""
-    if device.type != "cuda":
-        return None
+def profiled_kernels(step) -> tuple[list[tuple[float, float, str]], float, object]:
+    """One ``step()`` under ``torch.profiler`` (CUDA): the GPU's kernels and copies as ``(start_us, end_us, name)``
+    in start order (not the GPU spans of ``record_function`` regions, such as the optimizer step's, which cover the
+    gaps inside them), the step's wall time in ms (CUDA events around it), and the profile."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -159,14 +157,23 @@ def idle_share(step, device) -> tuple[float, float] | None:
         step()
         end.record()
         torch.cuda.synchronize()
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
+    return kernels, start.elapsed_time(end), prof
+
+
+def idle_share(step, device) -> tuple[float, float] | None:
+    """One profiled ``step()`` (:func:`profiled_kernels`): ``(kernel_ms, idle share)``, the union of its kernels'
+    intervals and the share of the step's wall time that no kernel covers; ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    kernels, wall_ms, _ = profiled_kernels(step)
     busy, covered_to = 0.0, float("-inf")
-    for begin, stop in intervals:
+    for begin, stop, _ in kernels:
         if stop > covered_to:
             busy += stop - max(begin, covered_to)
             covered_to = stop
-    kernel_ms, wall_ms = busy / 1e3, start.elapsed_time(end)
+    kernel_ms = busy / 1e3
     return kernel_ms, max(0.0, 1 - kernel_ms / wall_ms)
 
 

@@ -92,16 +92,18 @@ def test_dry_run_runs_the_implementation_while_tracing_unless_turned_off(monkeyp
     assert seen == [(1, 2, True)]
 
 
-def test_dry_runs_reach_every_fused_gemm_of_a_compiled_step(monkeypatch):
-    """Under torch.compile the ops' dry runs (forward and backward, during tracing) plan the same fused
-    GEMMs with the same configurations as the first real step launches (CPU: the Triton backend in the
-    interpreter, dry runs allowed on CPU tensors for the test)."""
-    planned = {"dry": [], "real": []}
+@pytest.fixture
+def planned(monkeypatch):
+    """The fused GEMMs planned in dry runs (``dry``) and launched (``real``), as (program, m, n, k, config), and the
+    kernels dry runs would compile (``submitted``: they specialize on the program and config, not sizes). Dry runs
+    are allowed on CPU tensors (the Triton backend in the interpreter)."""
+    planned = {"dry": [], "real": [], "submitted": set()}
     real_launch = TritonBackend._launch
 
     def recording_launch(self, bound, launch, cfg, outs):
         if ahead.tracing():
             planned["dry"].append((bound.program.name, bound.m, bound.n, bound.k, cfg))
+            planned["submitted"].add((bound.program.name, cfg))
             return None
         planned["real"].append((bound.program.name, bound.m, bound.n, bound.k, cfg))
         return real_launch(self, bound, launch, cfg, outs)
@@ -109,6 +111,13 @@ def test_dry_runs_reach_every_fused_gemm_of_a_compiled_step(monkeypatch):
     monkeypatch.setattr(TritonBackend, "_launch", recording_launch)
     monkeypatch.setattr(ahead, "_on_cuda", lambda values: any(isinstance(v, torch.Tensor) for v in values))
     monkeypatch.setattr(_custom_op, "compile_ahead", ahead.dry_run)
+    return planned
+
+
+def test_dry_runs_reach_every_fused_gemm_of_a_compiled_step(planned):
+    """Under torch.compile the ops' dry runs (forward and backward, during tracing) plan the same fused
+    GEMMs with the same configurations as the first real step launches (CPU: the Triton backend in the
+    interpreter)."""
     model = codagen.patch(build("llama"))
     ids = torch.randint(0, 64, (2, 8))
     torch._dynamo.reset()
@@ -122,30 +131,14 @@ def test_dry_runs_reach_every_fused_gemm_of_a_compiled_step(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_eager_first_step_trace_reaches_every_fused_gemm(monkeypatch, family):
+def test_eager_first_step_trace_reaches_every_fused_gemm(monkeypatch, planned, family):
     """In eager mode the first training forward at a new signature is traced on fake tensors first: its ops'
     dry runs plan every fused GEMM the real step (forward and backward) then launches, with the same
     configurations. The trace touches no real parameter, gradient or hook, runs once per signature, and stops
-    once a trace needs no new kernel (CPU: the Triton backend in the interpreter, dry runs allowed on CPU
-    tensors for the test)."""
+    once a trace needs no new kernel (CPU: the Triton backend in the interpreter)."""
     from codagen.models import compile_ahead
-    planned = {"dry": [], "real": []}
-    submitted = set()  # what a dry run would compile: kernels specialize on the program and config, not sizes
-    real_launch = TritonBackend._launch
-
-    def recording_launch(self, bound, launch, cfg, outs):
-        if ahead.tracing():
-            planned["dry"].append((bound.program.name, bound.m, bound.n, bound.k, cfg))
-            submitted.add((bound.program.name, cfg))
-            return None
-        planned["real"].append((bound.program.name, bound.m, bound.n, bound.k, cfg))
-        return real_launch(self, bound, launch, cfg, outs)
-
-    monkeypatch.setattr(TritonBackend, "_launch", recording_launch)
-    monkeypatch.setattr(ahead, "_on_cuda", lambda values: any(isinstance(v, torch.Tensor) for v in values))
-    monkeypatch.setattr(_custom_op, "compile_ahead", ahead.dry_run)
     monkeypatch.setattr(compile_ahead, "compiles_ahead", lambda device: True)
-    monkeypatch.setattr(compile_ahead, "compiling_ahead", lambda: len(submitted))
+    monkeypatch.setattr(compile_ahead, "compiling_ahead", lambda: len(planned["submitted"]))
     model = codagen.patch(build(family))
     calls = []
     model.register_forward_hook(lambda module, args, output: calls.append(output.loss))
