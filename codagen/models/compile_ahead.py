@@ -85,22 +85,22 @@ def trace_first_step(model: nn.Module, forward: Callable, args: tuple, kwargs: d
     parallel (module docstring)."""
     if torch.compiler.is_compiling():  # its own trace compiles ahead (and Dynamo cannot read a ContextVar)
         return
-    if (_tracing.get() or not torch.is_grad_enabled() or kwargs.get("use_cache")
+    if (_tracing.get() or not torch.is_grad_enabled() or model in _SETTLED or kwargs.get("use_cache")
             or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None):
         return
     first = _first_tensor(args, kwargs)
     if first is None or not compiles_ahead(first.device):
         return
+    signature = _signature(model, args, kwargs, first.device)
+    traced = _TRACED.setdefault(model, set())
+    if signature in traced:  # the common case from the second step on: no walk of the parameters
+        return
+    traced.add(signature)
     if any(isinstance(v, torch.Tensor) and v.requires_grad for v in (*args, *kwargs.values())):
         return
     named = dict(model.named_parameters())
     if any(type(p) is not nn.Parameter for p in named.values()):  # DTensor (FSDP2, tensor parallel) parameters
         return
-    signature = _signature(model, args, kwargs, first.device)
-    traced = _TRACED.setdefault(model, set())
-    if model in _SETTLED or signature in traced:
-        return
-    traced.add(signature)
     submitted = compiling_ahead()
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call swaps with
