@@ -212,6 +212,16 @@ def test_qk_norm_head_dim_without_a_power_of_two_tile_is_a_program_error():
         TritonBackend().run(bound)
 
 
+def test_qk_norm_head_dim_128_in_float32_on_a_gpu_names_the_dtype():
+    """On a GPU, float32 operands get 64-column epilogue sub-tiles: a QK-norm head of 128 fits none, and the error
+    says to run in bfloat16 or float16; in bf16 the same program has candidates."""
+    from codagen.backends.triton.configs import candidates
+    program = library.rms_qkv_rope(128, 1e-6)
+    with pytest.raises(ProgramError, match=r"groups of \[128\] columns.*sub-tile widths \[64\].*bfloat16 or float16"):
+        candidates(program, major=9, operand_bytes=4, smem_limit=232448, tma=True)
+    assert candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=["fp16", "fp32", "fp64"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])

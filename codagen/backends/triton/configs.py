@@ -239,10 +239,12 @@ def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: 
         fitting = tuple(cfg for cfg in pool if _holds_segments(cfg, segments))
         if not fitting:
             sizes = sorted({s.column_group for s in segments})
+            hint = ("; in float32 the sub-tiles are narrower: run the model in bfloat16 or float16 (or under "
+                    "autocast)" if operand_bytes == 4 else "")
             raise ProgramError(
                 f"{program.name}: segment_sum over groups of {sizes} columns (the QK-norm head_dim) needs an "
                 f"epilogue sub-tile width (BLOCK_N / EPILOGUE_SPLIT) that is a multiple of it; the configurations "
-                f"for these operands have sub-tile widths {sorted({cfg.sub_n for cfg in pool})}")
+                f"for these operands have sub-tile widths {sorted({cfg.sub_n for cfg in pool})}{hint}")
         pool = fitting
     keep = []
     for cfg in pool:
