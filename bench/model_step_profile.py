@@ -1,8 +1,8 @@
 """Where one training step of a published model's config spends its time: kernels, gaps between them, host ops (GPU).
 
-Per model (:data:`codagen.bench.models.MODELS`) and provider (``eager``, ``compile``, ``codagen``,
-``codagen_compile``), the step of ``codagen bench models`` (full fine-tune, fused AdamW) after ``--warmup`` steps,
-one step under ``torch.profiler``:
+Per model (:data:`codagen.bench.models.MODELS`) and provider (those of ``codagen bench models`` but Liger), the
+step of ``codagen bench models`` (:func:`codagen.bench.models.training_step`: full fine-tune, fused AdamW) after
+``--warmup`` steps, one step under ``torch.profiler``:
 
 - ``kernels``: the GPU's kernels by total time (name, launches, ms);
 - ``gaps``: the idle intervals between consecutive kernels longer than ``--min-gap-us``, grouped by the kernels
@@ -23,7 +23,7 @@ import sys
 import torch
 
 from codagen.bench.common import write_results
-from codagen.bench.models import MODELS, build, profiled_kernels
+from codagen.bench.models import MODELS, PROVIDERS, build, kernel_union_ms, profiled_kernels, training_step
 
 
 def _short(name: str, width: int = 90) -> str:
@@ -34,20 +34,15 @@ def profile_step(model_name: str, provider: str, layers: int, batch: int, seq: i
                  min_gap_us: float, top: int) -> dict:
     model = MODELS[model_name]
     hf_model, step_model = build(model, layers, "full", "peft", provider, torch.device("cuda"), torch.bfloat16)
-    params = [p for p in hf_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
     ids = torch.randint(0, model.vocab_size, (batch, seq), device="cuda")
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        step_model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
+    step, optimizer = training_step(hf_model, step_model, ids, provider)
     for _ in range(warmup):
         step()
     gpu, wall_ms, prof = profiled_kernels(step)
+    kernel_ms = kernel_union_ms(gpu)
     per_kernel = collections.defaultdict(lambda: [0, 0.0])
     gaps = collections.defaultdict(lambda: [0, 0.0])
-    busy, covered_to, previous = 0.0, float("-inf"), "(step start)"
+    covered_to, previous = float("-inf"), "(step start)"
     for begin, stop, name in gpu:
         per_kernel[name][0] += 1
         per_kernel[name][1] += (stop - begin) / 1e3
@@ -56,11 +51,10 @@ def profile_step(model_name: str, provider: str, layers: int, batch: int, seq: i
             group[0] += 1
             group[1] += (begin - covered_to) / 1e3
         if stop > covered_to:
-            busy += stop - max(begin, covered_to)
             covered_to, previous = stop, name
     host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:top]
-    return {"model": model_name, "provider": provider, "layers": layers, "batch": batch, "seq": seq,
-            "wall_ms": wall_ms, "kernel_ms": busy / 1e3, "idle_share": max(0.0, 1 - busy / 1e3 / wall_ms),
+    return {"model": model_name, "provider": provider, "optimizer": optimizer, "layers": layers, "batch": batch,
+            "seq": seq, "wall_ms": wall_ms, "kernel_ms": kernel_ms, "idle_share": max(0.0, 1 - kernel_ms / wall_ms),
             "launches": len(gpu),
             "kernels": [{"name": _short(n), "launches": c, "ms": ms}
                         for n, (c, ms) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]],
@@ -74,7 +68,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["Qwen3-0.6B"])
     parser.add_argument("--providers", nargs="+", default=["codagen", "compile"],
-                        choices=["eager", "compile", "codagen", "codagen_compile"])
+                        choices=[p for p in PROVIDERS if p != "liger"])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)

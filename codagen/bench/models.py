@@ -42,7 +42,8 @@ from codagen._cli import command_parser
 
 from .common import pyplot, write_results
 
-__all__ = ["main", "ModelConfig", "MODELS", "PROVIDERS", "STEPS", "hf_config", "idle_share", "profiled_kernels"]
+__all__ = ["main", "ModelConfig", "MODELS", "PROVIDERS", "STEPS", "hf_config", "idle_share", "kernel_union_ms",
+           "profiled_kernels", "training_step"]
 
 # liger last: its patches are global
 PROVIDERS = ("eager", "compile", "codagen", "codagen_compile", "codagen_compile_graphs", "liger")
@@ -168,13 +169,38 @@ def idle_share(step, device) -> tuple[float, float] | None:
     if device.type != "cuda":
         return None
     kernels, wall_ms, _ = profiled_kernels(step)
+    kernel_ms = kernel_union_ms(kernels)
+    return kernel_ms, max(0.0, 1 - kernel_ms / wall_ms)
+
+
+def training_step(hf_model, step_model, ids: torch.Tensor, provider: str):
+    """``(step, optimizer name)``: one training step of ``step_model`` on ``ids`` (labels = ids) with AdamW on
+    ``hf_model``'s trainable parameters, returning the loss. The optimizer is the Trainer's default
+    (TrainingArguments.optim "adamw_torch_fused" with torch >= 2.8) on the GPU, foreach AdamW on CPU."""
+    params = [p for p in hf_model.parameters() if p.requires_grad]
+    fused = ids.device.type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=1e-5, **({"fused": True} if fused else {"foreach": True}))
+    graphs = provider.endswith("graphs")
+
+    def step() -> torch.Tensor:
+        if graphs:  # a new iteration: the graphs' output buffers of the last one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        optimizer.zero_grad(set_to_none=True)
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        return loss.detach().clone()  # kept across steps: not a view of a graph's output buffer
+    return step, "AdamW(fused=True)" if fused else "AdamW(foreach=True)"
+
+
+def kernel_union_ms(kernels: list[tuple[float, float, str]]) -> float:
+    """Milliseconds of the union of the ``(start_us, end_us, name)`` intervals (sorted by start)."""
     busy, covered_to = 0.0, float("-inf")
     for begin, stop, _ in kernels:
         if stop > covered_to:
             busy += stop - max(begin, covered_to)
             covered_to = stop
-    kernel_ms = busy / 1e3
-    return kernel_ms, max(0.0, 1 - kernel_ms / wall_ms)
+    return busy / 1e3
 
 
 def run_provider(model: ModelConfig, layers: int, step_name: str, adapter_dtype: str, batch: int, seq: int,
@@ -187,24 +213,10 @@ def run_provider(model: ModelConfig, layers: int, step_name: str, adapter_dtype:
     record["trainable_params"] = sum(p.numel() for p in params)
     record["adapter_param_dtype"] = (None if STEPS[step_name] is None else
                                      str(next(p.dtype for n, p in hf_model.named_parameters() if "lora_A" in n)))
-    # the Trainer's default optimizer (TrainingArguments.optim "adamw_torch_fused" with torch >= 2.8)
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(params, lr=1e-5, **fused)
-    record["optimizer"] = "AdamW(fused=True)" if device.type == "cuda" else "AdamW(foreach=True)"
     generator = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, model.vocab_size, (batch, seq), generator=generator).to(device)
+    step, record["optimizer"] = training_step(hf_model, step_model, ids, provider)
     cuda = device.type == "cuda"
-
-    graphs = provider.endswith("graphs")
-
-    def step() -> torch.Tensor:
-        if graphs:  # a new iteration: the graphs' output buffers of the last one may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
-        optimizer.zero_grad(set_to_none=True)
-        loss = step_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        return loss.detach().clone()  # kept across steps: not a view of a graph's output buffer
 
     def timed_step() -> tuple[torch.Tensor, float]:
         if not cuda:

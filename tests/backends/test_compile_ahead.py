@@ -167,6 +167,19 @@ def test_eager_first_step_trace_reaches_every_fused_gemm(monkeypatch, planned, f
         assert planned["dry"] == []
 
 
+def test_compiles_ahead_only_for_the_triton_backend_on_a_gpu(monkeypatch):
+    from codagen.backends import compiles_ahead, compiling_ahead
+    assert compiles_ahead(torch.device("cuda")) and not compiles_ahead(torch.device("cpu"))
+    with codagen.use_backend("reference"):
+        assert not compiles_ahead(torch.device("cuda"))
+    monkeypatch.setenv("CODAGEN_COMPILE_AHEAD", "0")
+    assert not compiles_ahead(torch.device("cuda"))
+    mode = _async_compile.AsyncCompileMode(None)
+    mode.future_kernels = {"a": None, "b": None}
+    monkeypatch.setattr(ahead, "_mode", mode)
+    assert compiling_ahead() == 2
+
+
 def test_the_trace_runs_one_layer_of_each_kind():
     """Layers with the same parameters and attention (sliding window) launch the same kernels: the trace keeps
     the first of each kind; a layer whose parameters differ (a frozen one) or whose window differs is its own."""

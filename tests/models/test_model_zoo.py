@@ -67,3 +67,9 @@ def test_harness_smoke(tmp_path):
     records = json.loads(path.read_text())["records"]
     assert {r["name"] for r in records} == set(models.SMOKE_MODELS)
     assert all(r["median_ms"] > 0 and len(r["losses"]) == 3 for r in records), records
+
+
+def test_kernel_union_counts_overlaps_once():
+    """The busy time of a profiled step: overlapping kernels (a copy beside a GEMM) count once, gaps not at all."""
+    kernels = [(0.0, 1000.0, "gemm"), (500.0, 1500.0, "copy"), (1200.0, 1300.0, "inside"), (3000.0, 3500.0, "late")]
+    assert models.kernel_union_ms(kernels) == 2.0
