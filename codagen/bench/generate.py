@@ -18,7 +18,12 @@ Providers (the same model object and weights):
 - ``codagen_eager``: the patched model (:func:`codagen.patch`) with a ``DynamicCache``, the same decode loop
   as eager (no prefill record: its prefill is codagen's);
 - ``codagen``: the patched model; prefill with a ``DynamicCache``, decode through
-  :class:`codagen.models.decode.GreedyDecoder` (``StaticCache``, each decode step one CUDA graph replay).
+  :class:`codagen.models.decode.GreedyDecoder` (``StaticCache``, each decode step one CUDA graph replay);
+- ``generate``, ``generate_static``: the unpatched model's own ``model.generate()`` (greedy,
+  ``min_new_tokens`` = ``max_new_tokens``), with its default ``DynamicCache`` and with
+  ``cache_implementation="static"`` (transformers then compiles the forward, ``mode="reduce-overhead"``);
+- ``codagen_generate``, ``codagen_generate_static``: the same two calls on the patched model (with the static
+  cache each decode step replays as a CUDA graph: :mod:`codagen.models.decode_graphs`).
 
 The physical limit of a decode step: it reads every weight (layers and LM head) and the KV cache of
 the context once. Each decode record has ``bytes_per_step`` (at the mean context of the run), the
@@ -47,7 +52,10 @@ from .common import OUT_HELP, median_ms, pyplot, wall_ms, write_results
 
 __all__ = ["main", "ModelShape", "MODELS"]
 
-PROVIDERS = ("eager", "compile_static", "codagen_eager", "codagen")
+PROVIDERS = ("eager", "compile_static", "codagen_eager", "codagen", "generate", "generate_static", "codagen_generate",
+             "codagen_generate_static")
+#: the providers that call model.generate(); their prefill is another provider's forward (no prefill record)
+GENERATE_PROVIDERS = PROVIDERS[4:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +162,15 @@ class Providers:
 
     def generate(self, name: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
         model = self.model
+        if name in GENERATE_PROVIDERS:
+            cache = {"cache_implementation": "static"} if name.endswith("_static") else {}
+
+            def run(ids, new_tokens):
+                self._state(name.startswith("codagen"))
+                sequences = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **cache)
+                return sequences[:, ids.shape[1]:]
+            return run
         if name in ("eager", "codagen_eager"):
             def run(ids, new_tokens):
                 self._state(name == "codagen_eager")
@@ -230,7 +247,7 @@ def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str],
     with torch.no_grad():
         for batch, seq in prefill_cases:
             ids = torch.randint(0, shape.vocab, (batch, seq), device=device)
-            for provider in [p for p in providers if p != "codagen_eager"]:  # its prefill is codagen's
+            for provider in [p for p in providers if p != "codagen_eager" and p not in GENERATE_PROVIDERS]:
                 record = dict(base, case=f"prefill {batch}x{seq}", pass_="prefill", provider=provider,
                               batch=batch, tokens=batch * seq)
                 try:
@@ -342,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_cases, decode_cases, context = [(1, 64), (2, 32)], [1, 2], 32
         new_tokens = args.new_tokens or 4
         if args.providers is None:
-            providers.remove("compile_static")
+            providers = [p for p in providers if p not in ("compile_static", "generate_static")]
         bandwidth = None
     else:
         if not torch.cuda.is_available():

@@ -40,7 +40,10 @@ approximation):
   ``model.gradient_checkpointing_enable()`` (each regrouped block checkpointed in its layer's place:
   :mod:`codagen.models.checkpoint`).
 - KV cache and ``generate()`` (``past_key_values`` / ``cache``, ``use_cache=True``; padding masks with
-  a cache): :mod:`.hf_cache` (``DynamicCache``, ``StaticCache``; other cache kinds refused).
+  a cache): :mod:`.hf_cache` (``DynamicCache``, ``StaticCache``; other cache kinds refused). On a GPU a decode
+  step with a ``StaticCache`` (``generate(cache_implementation="static")``) replays one CUDA graph
+  (:mod:`.decode_graphs`); transformers' auto-compile of the forward is then off (``_valid_auto_compile_criteria``
+  on the instance, removed by ``unpatch``).
 - Without autograd the fused QKV and gate/up weights are built once and kept while the parameters keep
   their storage and version counters (:func:`.hf_cache.inference_blocks`): ``load_state_dict``, ``copy_``
   under ``no_grad``, optimizer steps and ``p.data = w`` are seen; after in-place writes through
@@ -77,7 +80,7 @@ from torch.distributed.fsdp import FSDPModule
 from codagen import ops
 from codagen.ops._checks import index_range
 
-from . import compile_ahead, fused_layers, hf_cache, layer_units, lora, tensor_parallel
+from . import compile_ahead, decode_graphs, fused_layers, hf_cache, layer_units, lora, tensor_parallel
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
@@ -233,6 +236,8 @@ def patch(model: nn.Module) -> nn.Module:
     _check_hooks(inner)
     if not is_patched(inner):
         inner.forward = _PatchedForward(inner)
+        if hasattr(type(inner), "_valid_auto_compile_criteria"):
+            inner._valid_auto_compile_criteria = _AutoCompileCriteria(inner)
     return model
 
 
@@ -246,6 +251,8 @@ def unpatch(model: nn.Module) -> nn.Module:
                          "fuse_parameters) and transformers' forward needs them separate; load its state_dict() "
                          "(Hugging Face names and layouts) into an unpatched model instead")
     del inner.forward
+    inner.__dict__.pop("_valid_auto_compile_criteria", None)
+    decode_graphs.drop(inner)
     return model
 
 
@@ -268,6 +275,7 @@ def refresh_weights(model: nn.Module) -> nn.Module:
     if not is_patched(inner):
         raise ValueError("codagen.models.hf.refresh_weights: model is not patched by codagen.patch")
     hf_cache.drop_inference_blocks(inner)
+    decode_graphs.drop(inner)
     _FREQUENCIES.pop(inner.model.rotary_emb, None)
     return model
 
@@ -282,6 +290,9 @@ class _PatchedForward:
         self.model = model
 
     def __call__(self, *args, **kwargs):
+        replayed = decode_graphs.replay(self.model, _forward, args, kwargs)  # a static-cache decode step
+        if replayed is not None:
+            return replayed
         compile_ahead.trace_first_step(self.model, _forward, args, kwargs)  # a new shape's kernels, in parallel
         return _forward(self.model, *args, **kwargs)
 
@@ -290,6 +301,26 @@ class _PatchedForward:
 
     def __repr__(self) -> str:
         return f"<codagen.patch forward of {type(self.model).__name__}>"
+
+
+class _AutoCompileCriteria:
+    """``model._valid_auto_compile_criteria`` of a patched model (transformers' test of whether ``generate()``
+    compiles the forward): false where the decode step replays as a CUDA graph (:mod:`.decode_graphs`), whose
+    replay a compiled graph would only wrap; elsewhere transformers' own test. Picklable like
+    :class:`_PatchedForward`."""
+    __slots__ = ("model",)
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, model_kwargs, generation_config):
+        decided = decode_graphs.compiles_forward(self.model, model_kwargs)
+        if decided is not None:
+            return decided
+        return type(self.model)._valid_auto_compile_criteria(self.model, model_kwargs, generation_config)
+
+    def __reduce__(self):
+        return _AutoCompileCriteria, (self.model,)
 
 
 def _has_hooks(module: nn.Module) -> bool:

@@ -378,7 +378,8 @@ def test_gpu_greedy_decoder_cuda_graph(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_generate_static_cache_compiled(monkeypatch):
-    """generate(cache_implementation='static') on the GPU compiles the patched forward (mode reduce-overhead)."""
+    """generate(cache_implementation='static') on the GPU gives the same tokens with transformers' auto-compile
+    allowed and disabled: on a patched model both replay the captured decode step (test_decode_graphs.py)."""
     monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
     model = patch(build("qwen3", **GPU_FIELDS, head_dim=64).cuda().bfloat16().eval())
     ids, mask = (t.cuda() for t in prompts(batch=2, seq=12))

@@ -1,0 +1,165 @@
+"""generate() with a StaticCache on a patched model: each decode step replays one CUDA graph
+(codagen.models.decode_graphs).
+
+The graph runs the same kernels on the same inputs as the eager step, so the replayed generation must give the
+eager one's tokens and logits bitwise (greedy and sampling with a seeded generator, EOS stopping, left padding,
+num_return_sequences), and weights changed between generate() calls must be read."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from codagen.models import decode_graphs, patch, unpatch
+
+from .conftest import build
+
+transformers = pytest.importorskip("transformers")
+
+GPU_FIELDS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 1000, "num_hidden_layers": 2}
+
+
+def test_patch_installs_the_auto_compile_test_and_unpatch_removes_it():
+    model = patch(build("llama").eval())
+    criteria = model.__dict__["_valid_auto_compile_criteria"]
+    assert criteria.model is model
+    copied = copy.deepcopy(model)
+    assert copied._valid_auto_compile_criteria.model is copied
+    assert pickle.loads(pickle.dumps(model))._valid_auto_compile_criteria is not None
+    unpatch(model)
+    assert "_valid_auto_compile_criteria" not in model.__dict__
+
+
+def test_cpu_steps_run_eagerly():
+    """On the CPU nothing is captured: generate() with a static cache runs the eager forward."""
+    model = patch(build("llama").eval())
+    ids = torch.randint(1, 60, (2, 5))
+    model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert decode_graphs.graphs_of(model) == {}
+
+
+def test_auto_compile_left_to_transformers_without_a_replay():
+    """compiles_forward decides only for a CUDA model with a static cache of full-attention layers."""
+    from transformers import DynamicCache, StaticCache
+    model = patch(build("llama").eval())
+    assert decode_graphs.compiles_forward(model, {"past_key_values": StaticCache(config=model.config,
+                                                                                  max_cache_len=8)}) is None  # CPU
+    assert decode_graphs.compiles_forward(model, {"past_key_values": DynamicCache(config=model.config)}) is None
+
+
+# --- GPU ------------------------------------------------------------------------------------------------------
+def gpu_model(family="llama", **fields):
+    return patch(build(family, **GPU_FIELDS, **fields).cuda().bfloat16().eval())
+
+
+def left_padded(batch=3, seq=12, device="cuda"):
+    ids = torch.randint(1, 1000, (batch, seq), device=device)
+    mask = torch.ones_like(ids)
+    for row, pad in zip(range(1, batch), (3, 7)):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def generate_both(model, ids, monkeypatch, seed=None, **settings):
+    """(replayed, eager) outputs of the same static-cache generate() call; the eager one with replays off."""
+    def run():
+        if seed is not None:
+            torch.manual_seed(seed)
+        return model.generate(ids, cache_implementation="static", return_dict_in_generate=True, output_logits=True,
+                              **settings)
+    replayed = run()
+    with monkeypatch.context() as m:
+        m.setattr(decode_graphs, "replay", lambda *args: None)
+        eager = run()
+    return replayed, eager
+
+
+def assert_bitwise_same(replayed, eager):
+    assert torch.equal(replayed.sequences, eager.sequences)
+    assert len(replayed.logits) == len(eager.logits)
+    for step, (a, b) in enumerate(zip(replayed.logits, eager.logits)):
+        assert torch.equal(a, b), f"step {step}"
+
+
+def replays(model) -> int:
+    return sum(step.replays for step in decode_graphs.graphs_of(model).values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_gpu_greedy_replays_the_eager_steps(family, monkeypatch):
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    model = gpu_model(family, **({"head_dim": 64} if family == "qwen3" else {}))
+    ids, mask = left_padded()
+    replayed, eager = generate_both(model, ids, monkeypatch, attention_mask=mask, max_new_tokens=10,
+                                    min_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert replays(model) == 10 - 2  # the prefill and the first decode step run eagerly
+    assert_bitwise_same(replayed, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_each_call_captures_its_new_cache(monkeypatch):
+    """transformers makes a new StaticCache per generate() call: the second call captures again (no eager step)
+    and replays every decode step on its own cache, never the first call's graph."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    model = gpu_model()
+    ids, mask = left_padded()
+    settings = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    generate_both(model, ids, monkeypatch, **settings)
+    other = torch.randint(1, 1000, ids.shape, device="cuda")
+    replayed, eager = generate_both(model, other, monkeypatch, **settings)
+    assert_bitwise_same(replayed, eager)
+    (step,) = decode_graphs.graphs_of(model).values()
+    assert (step.captures, step.replays) == (2, (8 - 2) + (8 - 1))
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_stopping_and_return_sequences(monkeypatch):
+    """Temperature, top-k, top-p, repetition penalty and EOS stopping (transformers' loop after the graph), two
+    sequences per prompt."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    model = gpu_model()
+    ids, mask = left_padded(batch=2)
+    settings = dict(attention_mask=mask, max_new_tokens=24, do_sample=True, temperature=0.8, top_k=50, top_p=0.9,
+                    repetition_penalty=1.3, num_return_sequences=2, pad_token_id=0, eos_token_id=[3, 7, 11])
+    replayed, eager = generate_both(model, ids, monkeypatch, seed=1234, **settings)
+    assert replayed.sequences.shape[0] == 4
+    assert replays(model) > 0
+    assert_bitwise_same(replayed, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_new_weights_between_calls_are_read(monkeypatch):
+    """An optimizer step between two generate() calls (an RL loop): the second call generates from the new
+    weights, as the eager forward does."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    model = gpu_model()
+    ids, mask = left_padded()
+    settings = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    first, _ = generate_both(model, ids, monkeypatch, **settings)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    replayed, eager = generate_both(model, ids, monkeypatch, **settings)
+    assert_bitwise_same(replayed, eager)
+    assert not all(torch.equal(a, b) for a, b in zip(first.logits, replayed.logits))
+
+
+@pytest.mark.gpu
+def test_gpu_compile_config_replays_instead(monkeypatch):
+    """transformers' compiled generation (generation_config.compile_config) on a patched model replays the
+    captured step; nothing is compiled by Dynamo."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    from transformers import CompileConfig
+    model = gpu_model()
+    ids, mask = left_padded()
+    torch._dynamo.reset()
+    frames = torch._dynamo.utils.counters["frames"]
+    before = frames["ok"]
+    model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                   cache_implementation="static", compile_config=CompileConfig())
+    assert replays(model) == 6 - 2
+    assert frames["ok"] == before
