@@ -144,10 +144,9 @@ def test_heuristic_schedule_and_validity():
                 assert cfg in pool and (smem_estimate(program, cfg, 2) <= smem or len(pool) == 1), (program.name, smem)
 
 
-def test_shipped_table_left_out_in_turn_is_chosen_close_to_its_fastest():
-    """Each shipped entry removed in turn and chosen without timing from the rest: at most 1.25x its fastest
-    candidate, 1.5% slower on average (geometric mean; 146 entries: 1.22x / 1.25%), and better on average
-    than the heuristic alone (1.32x / 1.95%)."""
+def left_out_in_turn(group) -> tuple[list[float], list[float]]:
+    """Each group of shipped entries (``group(key)``) removed in turn and each of its entries chosen without
+    timing from the rest: per entry the chosen candidate's time over its fastest, and the heuristic's."""
     import math
     shipped = json.loads(TuningCache.SHIPPED.read_text())
     by_name = {cfg.short(): cfg for cfg in _SM90 + PINGPONG}
@@ -156,18 +155,38 @@ def test_shipped_table_left_out_in_turn_is_chosen_close_to_its_fastest():
         timings = e["timings_ms"]
         pool = [by_name[s] for s in by_name if s in timings and not math.isnan(timings[s])]
         cache = TuningCache(path="/nonexistent/tuning.json")
-        cache._entries = {k: v for k, v in shipped.items() if k != key}
+        cache._entries = {k: v for k, v in shipped.items() if group(k) != group(key)}
         program = library.PROGRAMS[key.split("|")[2].split(":")[0]]()
         k = int(key.rsplit("K", 1)[1])
         cfg, _ = cache.choose(key, e["gemm"], program, pool, k)
         fastest = min(timings[c.short()] for c in pool)
         ratios.append(timings[cfg.short()] / fastest)
         heuristic_ratios.append(timings[heuristic(program, pool, k).short()] / fastest)
+    return ratios, heuristic_ratios
 
-    def geometric_mean(values):
-        return math.exp(sum(map(math.log, values)) / len(values))
+
+def geometric_mean(values):
+    import math
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def test_shipped_table_left_out_in_turn_is_chosen_close_to_its_fastest():
+    """Each shipped entry removed in turn and chosen without timing from the rest: at most 1.25x its fastest
+    candidate, 1.5% slower on average (geometric mean; 146 entries: 1.22x / 1.25%), and better on average
+    than the heuristic alone (1.32x / 1.95%)."""
+    ratios, heuristic_ratios = left_out_in_turn(lambda key: key)
     assert max(ratios) < 1.25 and geometric_mean(ratios) < 1.015, sorted(ratios)[-5:]
     assert geometric_mean(ratios) < geometric_mean(heuristic_ratios)
+
+
+def test_shipped_table_one_width_left_out_is_chosen_within_three_percent():
+    """A model whose projection shapes no entry holds: every entry of one (N, K) bucket pair (a width's
+    projections, at every token count) removed in turn, each chosen from the other widths' entries. 146 entries:
+    1.85% slower than their fastest candidates on average (geometric mean; the heuristic alone 1.95%), at most
+    1.32x (where the heuristic
+    stands in); within 3% on average, as a model's step with the other models' tuning should be."""
+    ratios, _ = left_out_in_turn(lambda key: key.rsplit("|", 1)[1].split()[1:])
+    assert geometric_mean(ratios) < 1.03 and max(ratios) < 1.35, sorted(ratios)[-5:]
 
 
 class _GpuShaped(TritonBackend):
