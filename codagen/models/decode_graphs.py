@@ -29,9 +29,11 @@ not seen, as for every forward without autograd (:func:`codagen.models.hf.refres
 too). Hooks and the patch-time refusals are checked by the eager forwards: each ``generate()`` call's prefill
 and each step kind's first step.
 
-transformers makes a new ``StaticCache`` for each ``generate()`` call (unless one is passed in), so each call
-captures its first decode step again, on the warmed-up stream (21-26 ms at 16 layers of LLaMA-3 1B dims on the
-H200); a graph is replayed only for the cache object it was captured on, with the same tensors.
+A graph replays for a cache whose tensors (each layer's keys, values and length: :func:`_cache_tensors`) are the
+ones it was captured on, at the same addresses and shapes. transformers makes a new ``StaticCache`` for each
+``generate()`` call (unless one is passed in); where the allocator hands it the previous cache's memory, the
+previous graph replays, else the call's first decode step captures again, on the warmed-up stream (21-26 ms at
+16 layers of LLaMA-3 1B dims on the H200).
 """
 from __future__ import annotations
 
@@ -54,22 +56,16 @@ _STEP_ARGUMENTS = frozenset({"input_ids", "attention_mask", "position_ids", "pas
 
 
 class _Step:
-    """One step kind: its stream, warmed up by an eager step; once captured, the graph, the cache it writes (by
-    weak reference, with its tensors' addresses), its input buffers and its output logits."""
+    """One step kind: its stream, warmed up by an eager step; once captured, the graph, the cache tensors it reads
+    and writes (:func:`_cache_tensors`), its input buffers and its output logits."""
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.cache: weakref.ref | None = None
         self.cache_tensors: tuple = ()
         self.inputs: dict[str, torch.Tensor | None] = {}
         self.logits: torch.Tensor | None = None
         self.captures = self.replays = 0
-
-    def holds(self, cache, tensors: tuple) -> bool:
-        """Whether the graph writes exactly this cache: the same object (not a new one at a freed one's address)
-        with the same tensors."""
-        return self.graph is not None and self.cache() is cache and self.cache_tensors == tensors
 
 
 class _ModelGraphs:
@@ -195,7 +191,7 @@ def replay(model: nn.Module, forward: Callable, args: tuple, kwargs: dict):
         return _on_stream(step.stream, lambda: forward(model, *args, **kwargs))
     state.steps.move_to_end(key)
     tensors = _cache_tensors(cache)
-    if not step.holds(cache, tensors):  # the first step of a generate() call: its new cache
+    if step.graph is None or step.cache_tensors != tensors:  # a cache at other addresses: capture again
         _capture(step, model, forward, cache, tensors, inputs, kwargs.get("logits_to_keep", 0))
     else:
         for name, t in inputs.items():
@@ -217,7 +213,10 @@ def _on_stream(stream: torch.cuda.Stream, fn: Callable):
 
 
 def _cache_tensors(cache) -> tuple:
-    return tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length))
+    """Everything of ``cache`` a captured step touches: each layer's keys, values and length, by address and shape.
+    A graph is valid for any cache that matches: the cache object itself is not read."""
+    return tuple((t.data_ptr(), t.shape) for layer in cache.layers
+                 for t in (layer.keys, layer.values, layer.cumulative_length))
 
 
 def _capture(step: _Step, model: nn.Module, forward: Callable, cache, tensors: tuple, inputs: dict,
@@ -238,5 +237,5 @@ def _capture(step: _Step, model: nn.Module, forward: Callable, cache, tensors: t
         finally:
             graph.capture_end()
     torch.cuda.current_stream(step.stream.device).wait_stream(step.stream)
-    step.graph, step.logits, step.cache, step.cache_tensors = graph, out.logits, weakref.ref(cache), tensors
+    step.graph, step.logits, step.cache_tensors = graph, out.logits, tensors
     step.captures += 1

@@ -183,7 +183,8 @@ def test_shipped_table_one_width_left_out_is_chosen_within_three_percent():
     """A model whose projection shapes no entry holds: every entry of one (N, K) bucket pair (a width's
     projections, at every token count) removed in turn, each chosen from the other widths' entries. 146 entries:
     1.85% slower than their fastest candidates on average (geometric mean; the heuristic alone 1.95%), at most
-    1.32x (where the heuristic stands in); within 3% on average, as a model's step with the other models' tuning should be."""
+    1.32x (where the heuristic stands in); within 3% on average, as a model's step with the other models' tuning
+    should be."""
     ratios, _ = left_out_in_turn(lambda key: key.rsplit("|", 1)[1].split()[1:])
     assert geometric_mean(ratios) < 1.03 and max(ratios) < 1.35, sorted(ratios)[-5:]
 
