@@ -19,16 +19,19 @@ Providers (the same model object and weights):
   as eager (no prefill record: its prefill is codagen's);
 - ``codagen``: the patched model; prefill with a ``DynamicCache``, decode through
   :class:`codagen.models.decode.GreedyDecoder` (``StaticCache``, each decode step one CUDA graph replay);
-- ``generate``, ``generate_static``: the unpatched model's own ``model.generate()`` (greedy,
-  ``min_new_tokens`` = ``max_new_tokens``), with its default ``DynamicCache`` and with
+- ``generate``, ``generate_static``: the unpatched model's own ``model.generate()`` (greedy, no EOS token: every
+  run makes ``max_new_tokens``, as the loops do), with its default ``DynamicCache`` and with
   ``cache_implementation="static"`` (transformers then compiles the forward, ``mode="reduce-overhead"``);
-- ``codagen_generate``, ``codagen_generate_static``: the same two calls on the patched model (with the static
-  cache each decode step replays as a CUDA graph: :mod:`codagen.models.decode_graphs`).
+- ``codagen_generate``: the same call on the patched model, as given (on the GPU a ``StaticCache``, each decode
+  step replayed as a CUDA graph: :mod:`codagen.models.decode_graphs`); ``codagen_generate_dynamic``: with
+  ``cache_implementation="dynamic"`` (transformers' ``DynamicCache``, eager steps).
 
 The physical limit of a decode step: it reads every weight (layers and LM head) and the KV cache of
 the context once. Each decode record has ``bytes_per_step`` (at the mean context of the run), the
 measured device copy bandwidth ``copy_gbps`` (read + write of a 2 GiB copy), ``limit_ms`` = bytes /
-bandwidth and ``of_limit`` = limit_ms / median_ms. Records go to ``codagen-results/<date>-generate.json``
+bandwidth and ``of_limit`` = limit_ms / median_ms; where the GPU's datasheet bandwidth is known
+(:data:`SPEC_GBPS`), ``spec_gbps`` and ``of_spec`` = bytes / spec bandwidth / median_ms, the figure published
+comparisons give. Records go to ``codagen-results/<date>-generate.json``
 with a chart beside it. ``--smoke`` runs a tiny model on CPU in seconds (it checks the harness, not speed).
 """
 from __future__ import annotations
@@ -53,7 +56,9 @@ from .common import OUT_HELP, median_ms, pyplot, wall_ms, write_results
 __all__ = ["main", "ModelShape", "MODELS"]
 
 PROVIDERS = ("eager", "compile_static", "codagen_eager", "codagen", "generate", "generate_static", "codagen_generate",
-             "codagen_generate_static")
+             "codagen_generate_dynamic")
+#: datasheet memory bandwidth (GB/s) by GPU name: ``of_spec`` in the decode records
+SPEC_GBPS = {"NVIDIA H200": 4800, "NVIDIA H100 80GB HBM3": 3350, "NVIDIA A100-SXM4-80GB": 2039}
 #: the providers that call model.generate(); their prefill is another provider's forward (no prefill record)
 GENERATE_PROVIDERS = PROVIDERS[4:]
 
@@ -163,12 +168,13 @@ class Providers:
     def generate(self, name: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
         model = self.model
         if name in GENERATE_PROVIDERS:
-            cache = {"cache_implementation": "static"} if name.endswith("_static") else {}
+            cache = ({"cache_implementation": name.rsplit("_", 1)[1]} if name.endswith(("_static", "_dynamic"))
+                     else {})
 
             def run(ids, new_tokens):
                 self._state(name.startswith("codagen"))
                 sequences = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **cache)
+                                           do_sample=False, pad_token_id=0, **cache)
                 return sequences[:, ids.shape[1]:]
             return run
         if name in ("eager", "codagen_eager"):
@@ -240,6 +246,7 @@ def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str],
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(shape.config(layers)).to(dtype).eval()
+    model.generation_config.eos_token_id = None  # random weights: every provider makes all the tokens asked for
     runs = Providers(model, max_cache_len=context + new_tokens, device=device)
     timer = _timer(device)
     base = {"suite": "generate", "name": name, "shape": dict(dataclasses.asdict(shape), layers=layers),
@@ -287,6 +294,10 @@ def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str],
                         record["copy_gbps"] = bandwidth_gbps
                         record["limit_ms"] = bytes_per_step / bandwidth_gbps / 1e6
                         record["of_limit"] = record["limit_ms"] / record["median_ms"]
+                    spec = SPEC_GBPS.get(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+                    if spec:
+                        record["spec_gbps"] = spec
+                        record["of_spec"] = bytes_per_step / spec / 1e6 / record["median_ms"]
                 except Exception as error:  # noqa: BLE001
                     _error(record, error)
                 records.append(record)
@@ -302,7 +313,8 @@ def _print(r: dict) -> None:
         status = r["error"][:120]
     elif r["pass_"] == "decode":
         status = f"{r['median_ms']:.3f} ms/step  {r['tokens_per_s']:.0f} tok/s" + (
-            f"  {100 * r['of_limit']:.0f}% of limit" if "of_limit" in r else "")
+            f"  {100 * r['of_limit']:.0f}% of limit" if "of_limit" in r else "") + (
+            f" ({100 * r['of_spec']:.0f}% of spec)" if "of_spec" in r else "")
     else:
         status = f"{r['median_ms']:.3f} ms"
     print(f"  {r['name']:<10} {r['case']:<15} {r['provider']:<15} {status}", flush=True)

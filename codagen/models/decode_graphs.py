@@ -14,7 +14,9 @@ advances the cache length on the device: :mod:`.hf_cache`), so the patched forwa
 
 transformers' own loop does the rest after the graph: logits processors, sampling, stopping, padding of
 finished rows, ``num_return_sequences``. Patched models leave transformers' auto-compile of the forward off
-where a step replays (:func:`compiles_forward`), so that its compiled graph does not wrap the replay.
+where a step replays (:func:`compiles_forward`), so that its compiled graph does not wrap the replay, and on a GPU
+a greedy or sampling ``generate()`` that names no cache gets a ``StaticCache`` (:func:`default_static_cache`):
+``cache_implementation="dynamic"`` asks for transformers' default, a ``DynamicCache``, whose steps run eagerly.
 
 When a call replays: on a CUDA device, without autograd, outside ``torch.compile``, in eval mode, for
 ``input_ids`` of one token per row (no ``inputs_embeds``, no labels), a ``StaticCache`` of allocated
@@ -46,7 +48,7 @@ from torch import nn
 
 from . import fused_layers, hf_cache, lora
 
-__all__ = ["replay", "compiles_forward", "drop", "graphs_of"]
+__all__ = ["replay", "compiles_forward", "default_static_cache", "drop", "graphs_of"]
 
 #: step kinds kept per model (least recently used dropped first): a new cache or batch size is a new kind
 MAX_STEP_KINDS = 4
@@ -130,6 +132,19 @@ def compiles_forward(model: nn.Module, model_kwargs: dict) -> bool | None:
             and all(type(layer) is cache_utils.StaticLayer for layer in cache.layers)):
         return False
     return None
+
+
+def default_static_cache(model: nn.Module, generation_config, model_kwargs: dict, generation_mode) -> bool:
+    """Whether a ``generate()`` call that names no cache gets a ``StaticCache`` (whose decode steps replay): on a
+    CUDA model without PEFT modules, for greedy decoding and sampling with the cache on, when neither
+    ``cache_implementation`` nor a cache is given (``cache_implementation="dynamic"`` keeps the ``DynamicCache``).
+    Models with sliding-window layers are left out by the caller (their static layers do not replay)."""
+    if (model.device.type != "cuda" or generation_config.cache_implementation is not None
+            or generation_config.use_cache is False or str(generation_mode) not in ("greedy_search", "sample")):
+        return False
+    if any(model_kwargs.get(name) is not None for name in ("cache", "past_key_values")):
+        return False
+    return not any(lora._is_peft_module(m) for m in model.modules())
 
 
 def _step_kind(model: nn.Module, args: tuple, kwargs: dict):

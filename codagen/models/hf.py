@@ -42,8 +42,10 @@ approximation):
 - KV cache and ``generate()`` (``past_key_values`` / ``cache``, ``use_cache=True``; padding masks with
   a cache): :mod:`.hf_cache` (``DynamicCache``, ``StaticCache``; other cache kinds refused). On a GPU a decode
   step with a ``StaticCache`` (``generate(cache_implementation="static")``) replays one CUDA graph
-  (:mod:`.decode_graphs`); transformers' auto-compile of the forward is then off (``_valid_auto_compile_criteria``
-  on the instance, removed by ``unpatch``).
+  (:mod:`.decode_graphs`); transformers' auto-compile of the forward is then off, and a greedy or sampling
+  ``generate()`` on a GPU that names no cache gets a ``StaticCache`` (``cache_implementation="dynamic"`` keeps
+  transformers' ``DynamicCache``). Both through instance attributes (``_valid_auto_compile_criteria``,
+  ``_prepare_cache_for_generation``) that ``unpatch`` removes.
 - Without autograd the fused QKV and gate/up weights are built once and kept while the parameters keep
   their storage and version counters (:func:`.hf_cache.inference_blocks`): ``load_state_dict``, ``copy_``
   under ``no_grad``, optimizer steps and ``p.data = w`` are seen; after in-place writes through
@@ -236,8 +238,9 @@ def patch(model: nn.Module) -> nn.Module:
     _check_hooks(inner)
     if not is_patched(inner):
         inner.forward = _PatchedForward(inner)
-        if hasattr(type(inner), "_valid_auto_compile_criteria"):
-            inner._valid_auto_compile_criteria = _AutoCompileCriteria(inner)
+        for name, hook in _GENERATE_HOOKS.items():  # transformers' generate() steps, where this version has them
+            if hasattr(type(inner), name):
+                setattr(inner, name, hook(inner))
     return model
 
 
@@ -251,7 +254,8 @@ def unpatch(model: nn.Module) -> nn.Module:
                          "fuse_parameters) and transformers' forward needs them separate; load its state_dict() "
                          "(Hugging Face names and layouts) into an unpatched model instead")
     del inner.forward
-    inner.__dict__.pop("_valid_auto_compile_criteria", None)
+    for name in _GENERATE_HOOKS:
+        inner.__dict__.pop(name, None)
     decode_graphs.drop(inner)
     return model
 
@@ -321,6 +325,33 @@ class _AutoCompileCriteria:
 
     def __reduce__(self):
         return _AutoCompileCriteria, (self.model,)
+
+
+class _CacheForGeneration:
+    """``model._prepare_cache_for_generation`` of a patched model: a greedy or sampling ``generate()`` on a GPU that
+    names no cache gets a ``StaticCache``, whose decode steps replay as CUDA graphs
+    (:func:`.decode_graphs.default_static_cache`; set on the call's copy of the generation config), then
+    transformers prepares the cache."""
+    __slots__ = ("model",)
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        model = self.model
+        if (not any(_sliding_window(model, layer) is not None for layer in model.model.layers)
+                and decode_graphs.default_static_cache(model, generation_config, model_kwargs, generation_mode)):
+            generation_config.cache_implementation = "static"
+        return type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, generation_mode,
+                                                        *args, **kwargs)
+
+    def __reduce__(self):
+        return _CacheForGeneration, (self.model,)
+
+
+#: instance attributes patch() sets on the model (unpatch() removes them): transformers' generate() calls them
+_GENERATE_HOOKS = {"_valid_auto_compile_criteria": _AutoCompileCriteria,
+                   "_prepare_cache_for_generation": _CacheForGeneration}
 
 
 def _has_hooks(module: nn.Module) -> bool:

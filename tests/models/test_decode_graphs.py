@@ -22,15 +22,49 @@ GPU_FIELDS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads
               "vocab_size": 1000, "num_hidden_layers": 2}
 
 
-def test_patch_installs_the_auto_compile_test_and_unpatch_removes_it():
+HOOKS = ("_valid_auto_compile_criteria", "_prepare_cache_for_generation")
+
+
+def test_patch_installs_the_generate_hooks_and_unpatch_removes_them():
     model = patch(build("llama").eval())
-    criteria = model.__dict__["_valid_auto_compile_criteria"]
-    assert criteria.model is model
+    assert all(model.__dict__[name].model is model for name in HOOKS)
     copied = copy.deepcopy(model)
-    assert copied._valid_auto_compile_criteria.model is copied
-    assert pickle.loads(pickle.dumps(model))._valid_auto_compile_criteria is not None
+    assert all(getattr(copied, name).model is copied for name in HOOKS)
+    restored = pickle.loads(pickle.dumps(model))
+    assert all(getattr(restored, name).model is restored for name in HOOKS)
     unpatch(model)
-    assert "_valid_auto_compile_criteria" not in model.__dict__
+    assert not any(name in model.__dict__ for name in HOOKS)
+
+
+def test_default_cache_on_a_gpu_is_static(monkeypatch):
+    """A greedy or sampling generate() that names no cache gets a StaticCache on a GPU (faked here: the decision
+    reads model.device); not with a cache or cache_implementation given, beam search, use_cache=False, PEFT
+    modules, sliding-window layers, or on the CPU."""
+    from transformers import DynamicCache, GenerationConfig
+    model = patch(build("llama").eval())
+    assert not decode_graphs.default_static_cache(model, GenerationConfig(), {}, "greedy_search")  # CPU
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+    for mode in ("greedy_search", "sample"):
+        assert decode_graphs.default_static_cache(model, GenerationConfig(), {}, mode)
+    assert not decode_graphs.default_static_cache(model, GenerationConfig(), {}, "beam_search")
+    assert not decode_graphs.default_static_cache(model, GenerationConfig(cache_implementation="dynamic"), {},
+                                                  "sample")
+    assert not decode_graphs.default_static_cache(model, GenerationConfig(use_cache=False), {}, "sample")
+    assert not decode_graphs.default_static_cache(
+        model, GenerationConfig(), {"past_key_values": DynamicCache(config=model.config)}, "sample")
+    mistral = patch(build("mistral", sliding_window=4).eval())
+    monkeypatch.setattr(type(mistral), "device", property(lambda self: torch.device("cuda")))
+    assert decode_graphs.default_static_cache(mistral, GenerationConfig(), {}, "sample")  # but its layers slide:
+    config = GenerationConfig()
+    mistral._prepare_cache_for_generation(config, {}, "sample", 1, 16)
+    assert config.cache_implementation is None
+
+
+def test_cpu_default_generate_keeps_the_dynamic_cache():
+    model = patch(build("llama").eval())
+    out = model.generate(torch.randint(1, 60, (2, 5)), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True)
+    assert type(out.past_key_values).__name__ == "DynamicCache"
 
 
 def test_cpu_steps_run_eagerly():
@@ -152,6 +186,24 @@ def test_gpu_new_weights_between_calls_are_read(monkeypatch):
     replayed, eager = generate_both(model, ids, monkeypatch, **settings)
     assert_bitwise_same(replayed, eager)
     assert not all(torch.equal(a, b) for a, b in zip(first.logits, replayed.logits))
+
+
+@pytest.mark.gpu
+def test_gpu_default_generate_replays_and_dynamic_opts_out(monkeypatch):
+    """generate() naming no cache replays on a StaticCache, giving the explicit static call's tokens and logits;
+    cache_implementation="dynamic" runs the DynamicCache eagerly."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    model = gpu_model()
+    ids, mask = left_padded()
+    settings = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                    return_dict_in_generate=True, output_logits=True)
+    default = model.generate(ids, **settings)
+    assert type(default.past_key_values).__name__ == "StaticCache" and replays(model) == 8 - 2
+    with monkeypatch.context() as m:
+        m.setattr(decode_graphs, "replay", lambda *args: None)
+        assert_bitwise_same(default, model.generate(ids, **settings, cache_implementation="static"))
+    dynamic = model.generate(ids, **settings, cache_implementation="dynamic")
+    assert type(dynamic.past_key_values).__name__ == "DynamicCache" and replays(model) == 8 - 2
 
 
 @pytest.mark.gpu
