@@ -19,7 +19,8 @@ def test_generate_bench_smoke(tmp_path):
     for case in ("prefill 1x64", "prefill 2x32"):
         assert {p for c, p in cases if c == case} == {"eager", "codagen"}
     for case in ("decode b1", "decode b2"):
-        assert {p for c, p in cases if c == case} == {"eager", "codagen_eager", "codagen", "generate", "codagen_generate",
+        assert {p for c, p in cases if c == case} == {"eager", "codagen_eager", "codagen", "generate",
+                                                      "codagen_generate", "codagen_generate_static",
                                                       "codagen_generate_dynamic"}
     decode = [r for r in records if r["pass_"] == "decode"]
     assert all(r["bytes_per_step"] > 0 and r["tokens_equal_first_provider"] == 1.0 for r in decode)

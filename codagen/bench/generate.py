@@ -23,8 +23,9 @@ Providers (the same model object and weights):
   run makes ``max_new_tokens``, as the loops do), with its default ``DynamicCache`` and with
   ``cache_implementation="static"`` (transformers then compiles the forward, ``mode="reduce-overhead"``);
 - ``codagen_generate``: the same call on the patched model, as given (on the GPU a ``StaticCache``, each decode
-  step replayed as a CUDA graph: :mod:`codagen.models.decode_graphs`); ``codagen_generate_dynamic``: with
-  ``cache_implementation="dynamic"`` (transformers' ``DynamicCache``, eager steps).
+  step replayed as a CUDA graph: :mod:`codagen.models.decode_graphs`); ``codagen_generate_static`` and
+  ``codagen_generate_dynamic``: with ``cache_implementation="static"`` (the same path, named) and ``"dynamic"``
+  (transformers' ``DynamicCache``, eager steps).
 
 The physical limit of a decode step: it reads every weight (layers and LM head) and the KV cache of
 the context once. Each decode record has ``bytes_per_step`` (at the mean context of the run), the
@@ -56,7 +57,7 @@ from .common import OUT_HELP, median_ms, pyplot, wall_ms, write_results
 __all__ = ["main", "ModelShape", "MODELS"]
 
 PROVIDERS = ("eager", "compile_static", "codagen_eager", "codagen", "generate", "generate_static", "codagen_generate",
-             "codagen_generate_dynamic")
+             "codagen_generate_static", "codagen_generate_dynamic")
 #: datasheet memory bandwidth (GB/s) by GPU name: ``of_spec`` in the decode records
 SPEC_GBPS = {"NVIDIA H200": 4800, "NVIDIA H100 80GB HBM3": 3350, "NVIDIA A100-SXM4-80GB": 2039}
 #: the providers that call model.generate(); their prefill is another provider's forward (no prefill record)

@@ -140,7 +140,7 @@ def default_static_cache(model: nn.Module, generation_config, model_kwargs: dict
     ``cache_implementation`` nor a cache is given (``cache_implementation="dynamic"`` keeps the ``DynamicCache``).
     Models with sliding-window layers are left out by the caller (their static layers do not replay)."""
     if (model.device.type != "cuda" or generation_config.cache_implementation is not None
-            or generation_config.use_cache is False or str(generation_mode) not in ("greedy_search", "sample")):
+            or generation_config.use_cache is False or generation_mode not in ("greedy_search", "sample")):
         return False
     if any(model_kwargs.get(name) is not None for name in ("cache", "past_key_values")):
         return False

@@ -41,23 +41,30 @@ def test_default_cache_on_a_gpu_is_static(monkeypatch):
     reads model.device); not with a cache or cache_implementation given, beam search, use_cache=False, PEFT
     modules, sliding-window layers, or on the CPU."""
     from transformers import DynamicCache, GenerationConfig
+    from transformers.generation.configuration_utils import GenerationMode  # what generate() passes
     model = patch(build("llama").eval())
-    assert not decode_graphs.default_static_cache(model, GenerationConfig(), {}, "greedy_search")  # CPU
+    assert not decode_graphs.default_static_cache(model, GenerationConfig(), {}, GenerationMode.SAMPLE)  # CPU
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
-    for mode in ("greedy_search", "sample"):
+    for mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         assert decode_graphs.default_static_cache(model, GenerationConfig(), {}, mode)
-    assert not decode_graphs.default_static_cache(model, GenerationConfig(), {}, "beam_search")
+    assert not decode_graphs.default_static_cache(model, GenerationConfig(), {}, GenerationMode.BEAM_SEARCH)
     assert not decode_graphs.default_static_cache(model, GenerationConfig(cache_implementation="dynamic"), {},
-                                                  "sample")
-    assert not decode_graphs.default_static_cache(model, GenerationConfig(use_cache=False), {}, "sample")
+                                                  GenerationMode.SAMPLE)
+    assert not decode_graphs.default_static_cache(model, GenerationConfig(use_cache=False), {}, GenerationMode.SAMPLE)
     assert not decode_graphs.default_static_cache(
-        model, GenerationConfig(), {"past_key_values": DynamicCache(config=model.config)}, "sample")
+        model, GenerationConfig(), {"past_key_values": DynamicCache(config=model.config)}, GenerationMode.SAMPLE)
     mistral = patch(build("mistral", sliding_window=4).eval())
     monkeypatch.setattr(type(mistral), "device", property(lambda self: torch.device("cuda")))
-    assert decode_graphs.default_static_cache(mistral, GenerationConfig(), {}, "sample")  # but its layers slide:
+    assert decode_graphs.default_static_cache(mistral, GenerationConfig(), {}, GenerationMode.SAMPLE)  # but it slides:
     config = GenerationConfig()
-    mistral._prepare_cache_for_generation(config, {}, "sample", 1, 16)
+    mistral._prepare_cache_for_generation(config, {}, GenerationMode.SAMPLE, 1, 16)
     assert config.cache_implementation is None
+    # the hook as generate() calls it: transformers prepares the cache from the call's config, now static
+    seen = []
+    monkeypatch.setattr(type(model), "_prepare_cache_for_generation",
+                        lambda self, config, *args: seen.append(config.cache_implementation))
+    model._prepare_cache_for_generation(GenerationConfig(), {}, GenerationMode.GREEDY_SEARCH, 1, 16)
+    assert seen == ["static"]
 
 
 def test_cpu_default_generate_keeps_the_dynamic_cache():
