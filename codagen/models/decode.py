@@ -22,7 +22,7 @@ from torch import nn
 
 from codagen.ops.kernels import greedy_append
 
-from . import hf_cache
+from . import decode_graphs, hf_cache
 from .hf import _sliding_window, is_patched
 
 __all__ = ["GreedyDecoder"]
@@ -32,7 +32,9 @@ class GreedyDecoder:
     """Greedy decoding with a ``StaticCache`` of ``max_cache_len`` tokens; the decode step replays one CUDA graph.
 
     ``model``: a patched (:func:`codagen.patch`) causal LM in eval mode without sliding-window layers.
-    The cache and the graph are kept for the next call with the same batch size.
+    The cache and the graph are kept for the next call with the same batch size and the same weights: a parameter
+    written (an optimizer step, ``load_state_dict``) or a module swapped since the capture makes the call capture
+    again (:func:`.decode_graphs.weights_key`).
     """
 
     def __init__(self, model: nn.Module, max_cache_len: int, capture: bool | None = None):
@@ -45,6 +47,7 @@ class GreedyDecoder:
             raise ValueError(f"max_cache_len: expected an int > 1, got {max_cache_len!r}")
         self.model, self.max_cache_len, self.capture = model, max_cache_len, capture
         self._batch = None
+        self._weights = None  # decode_graphs.weights_key of the model the graph was captured on
 
     def _setup(self, batch: int, device: torch.device) -> None:
         cache_utils, _, _ = hf_cache._transformers()
@@ -85,6 +88,9 @@ class GreedyDecoder:
         device = input_ids.device
         if self._batch != batch:
             self._setup(batch, device)
+        weights = decode_graphs.weights_key(self.model)
+        if weights != self._weights:  # the graph reads the fused weights of the model it was captured on
+            self.graph, self._weights = None, weights
         self.cache.reset()
         self.attention_bias.fill_(float("-inf"))
         prompt_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.bool().long()

@@ -48,7 +48,7 @@ from torch import nn
 
 from . import fused_layers, hf_cache, lora
 
-__all__ = ["replay", "compiles_forward", "default_static_cache", "drop", "graphs_of"]
+__all__ = ["replay", "compiles_forward", "default_static_cache", "drop", "graphs_of", "weights_key"]
 
 #: step kinds kept per model (least recently used dropped first): a new cache or batch size is a new kind
 MAX_STEP_KINDS = 4
@@ -87,18 +87,25 @@ class _ModelGraphs:
         their storage and the modules (``p.data = w``, a module swap, PEFT's merges)."""
         if self.verified and tuple(p._version for p in self.parameters) == self.versions:
             return
-        modules = list(model.modules())
-        parameters = [p for m in modules for p in m._parameters.values() if p is not None]
-        key = (tuple((p.data_ptr(), p._version) for p in parameters), tuple(map(id, modules)))
+        key = weights_key(model)
         if key != self.modules_key:  # new weights: an eager step rebuilds the kept fused copies first
             self.steps.clear()
-            self.modules_key, self.parameters = key, parameters
-            self.eligible = not any(lora._is_peft_module(m) for m in modules)
+            self.modules_key = key
+            self.parameters = [p for m in model.modules() for p in m._parameters.values() if p is not None]
+            self.eligible = not any(lora._is_peft_module(m) for m in model.modules())
         self.versions = tuple(p._version for p in self.parameters)
         self.verified = True
 
 
 _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def weights_key(model: nn.Module) -> tuple:
+    """What a captured step of ``model`` reads, as a value to compare: every parameter's storage and version
+    counter and every module's identity (a graph keeps the addresses of the fused weights built from them)."""
+    modules = list(model.modules())
+    return (tuple((p.data_ptr(), p._version) for m in modules for p in m._parameters.values() if p is not None),
+            tuple(map(id, modules)))
 
 
 def graphs_of(model: nn.Module) -> dict[tuple, _Step]:

@@ -288,6 +288,22 @@ def test_greedy_decoder_matches_generate(variant, monkeypatch):
         GreedyDecoder(patch(build("mistral", sliding_window=4)), max_cache_len=16)
 
 
+def test_greedy_decoder_captures_again_after_the_weights_change():
+    """The captured step reads the fused weights of the model it was captured on: a kept graph (a stand-in here;
+    the CPU runs the step eagerly) survives a call with the same weights and is dropped once a weight is written."""
+    model = patch(build("llama").eval())
+    decoder = GreedyDecoder(model, max_cache_len=16, capture=False)
+    ids, mask = prompts()
+    decoder(ids, attention_mask=mask, max_new_tokens=3)
+    decoder.graph = captured = object()
+    decoder(ids, attention_mask=mask, max_new_tokens=3)
+    assert decoder.graph is captured
+    with torch.no_grad():  # as an optimizer step writes it
+        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+    decoder(ids, attention_mask=mask, max_new_tokens=3)
+    assert decoder.graph is None
+
+
 def test_greedy_decoder_takes_the_mask_and_token_count_by_keyword():
     decoder = GreedyDecoder(patch(build("llama").eval()), 16)
     ids, _ = prompts()
