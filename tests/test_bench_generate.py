@@ -11,7 +11,7 @@ from codagen.bench import generate  # noqa: E402
 
 
 def test_generate_bench_smoke(tmp_path):
-    assert generate.main(["--smoke", "--new-tokens", "3", "--out", str(tmp_path)]) == 0
+    assert generate.main(["--smoke", "--new-tokens", "3", "--rl", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("*-generate.json")
     records = json.loads(result.read_text())["records"]
     assert not [r for r in records if r.get("error")], [r["error"] for r in records if r.get("error")]
@@ -21,9 +21,13 @@ def test_generate_bench_smoke(tmp_path):
     for case in ("decode b1", "decode b2"):
         assert {p for c, p in cases if c == case} == {"eager", "codagen_eager", "codagen", "generate",
                                                       "codagen_generate", "codagen_generate_static",
-                                                      "codagen_generate_dynamic"}
+                                                      "codagen_generate_dynamic", "generate_sample",
+                                                      "codagen_generate_sample"}
     decode = [r for r in records if r["pass_"] == "decode"]
-    assert all(r["bytes_per_step"] > 0 and r["tokens_equal_first_provider"] == 1.0 for r in decode)
+    assert all(r["bytes_per_step"] > 0 for r in decode)
+    assert all(r["tokens_equal_first_provider"] == 1.0 for r in decode if not r["provider"].endswith("_sample"))
+    (rl,) = [r for r in records if r["pass_"] == "rl"]
+    assert rl["provider"] == "rl_codagen" and rl["generate_ms"] > 0 and rl["train_ms"] > 0
 
 
 def test_bytes_per_step_llama3_1b():

@@ -22,10 +22,17 @@ Providers (the same model object and weights):
 - ``generate``, ``generate_static``: the unpatched model's own ``model.generate()`` (greedy, no EOS token: every
   run makes ``max_new_tokens``, as the loops do), with its default ``DynamicCache`` and with
   ``cache_implementation="static"`` (transformers then compiles the forward, ``mode="reduce-overhead"``);
-- ``codagen_generate``: the same call on the patched model, as given (on the GPU a ``StaticCache``, each decode
-  step replayed as a CUDA graph: :mod:`codagen.models.decode_graphs`); ``codagen_generate_static`` and
-  ``codagen_generate_dynamic``: with ``cache_implementation="static"`` (the same path, named) and ``"dynamic"``
-  (transformers' ``DynamicCache``, eager steps).
+- ``codagen_generate``: the same call on the patched model, as given (on the GPU a ``StaticCache`` and
+  :mod:`codagen.models.generate_loop`'s decode loop, each token one CUDA graph replay); ``codagen_generate_static``
+  and ``codagen_generate_dynamic``: with ``cache_implementation="static"`` (the same path, named) and ``"dynamic"``
+  (transformers' ``DynamicCache`` and loop, eager steps);
+- ``generate_sample``, ``generate_static_sample``, ``codagen_generate_sample``: ``generate``, ``generate_static``
+  and ``codagen_generate`` sampling with LLaMA-3's settings (:data:`SAMPLING`: temperature 0.6, top-p 0.9).
+
+``--rl`` adds the RL-shaped case (:func:`bench_rl`): sample ``8 x 256`` tokens with top-p from a 512-token prompt,
+then one AdamW training step on the samples, repeated; ``rl_compile`` runs the unpatched model (``generate()`` with a
+``StaticCache``, which transformers compiles, and a ``torch.compile``'d training step), ``rl_codagen`` the patched
+one (``generate()`` as called, the eager patched training step).
 
 The physical limit of a decode step: it reads every weight (layers and LM head) and the KV cache of
 the context once. Each decode record has ``bytes_per_step`` (at the mean context of the run), the
@@ -57,7 +64,10 @@ from .common import OUT_HELP, median_ms, pyplot, wall_ms, write_results
 __all__ = ["main", "ModelShape", "MODELS"]
 
 PROVIDERS = ("eager", "compile_static", "codagen_eager", "codagen", "generate", "generate_static", "codagen_generate",
-             "codagen_generate_static", "codagen_generate_dynamic")
+             "codagen_generate_static", "codagen_generate_dynamic", "generate_sample", "generate_static_sample",
+             "codagen_generate_sample")
+#: the sampling providers' settings: LLaMA-3's generation_config (temperature 0.6, top-p 0.9)
+SAMPLING = dict(do_sample=True, temperature=0.6, top_p=0.9)
 #: datasheet memory bandwidth (GB/s) by GPU name: ``of_spec`` in the decode records
 SPEC_GBPS = {"NVIDIA H200": 4800, "NVIDIA H100 80GB HBM3": 3350, "NVIDIA A100-SXM4-80GB": 2039}
 #: the providers that call model.generate(); their prefill is another provider's forward (no prefill record)
@@ -169,13 +179,15 @@ class Providers:
     def generate(self, name: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
         model = self.model
         if name in GENERATE_PROVIDERS:
-            cache = ({"cache_implementation": name.rsplit("_", 1)[1]} if name.endswith(("_static", "_dynamic"))
-                     else {})
+            settings = dict(SAMPLING) if name.endswith("_sample") else dict(do_sample=False)
+            base = name.removesuffix("_sample")
+            if base.endswith(("_static", "_dynamic")):
+                settings["cache_implementation"] = base.rsplit("_", 1)[1]
 
             def run(ids, new_tokens):
                 self._state(name.startswith("codagen"))
                 sequences = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                           do_sample=False, pad_token_id=0, **cache)
+                                           pad_token_id=0, **settings)
                 return sequences[:, ids.shape[1]:]
             return run
         if name in ("eager", "codagen_eager"):
@@ -288,9 +300,10 @@ def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str],
                     record["median_ms"] = (full - one) / (new_tokens - 1)
                     record["run_ms"], record["prefill_and_first_ms"] = full, one
                     record["tokens_per_s"] = 1e3 * batch / record["median_ms"]
-                    if reference is None:
-                        reference = tokens
-                    record["tokens_equal_first_provider"] = float((tokens == reference).float().mean())
+                    if not provider.endswith("_sample"):  # the greedy providers' tokens against the first one's
+                        if reference is None:
+                            reference = tokens
+                        record["tokens_equal_first_provider"] = float((tokens == reference).float().mean())
                     if bandwidth_gbps:
                         record["copy_gbps"] = bandwidth_gbps
                         record["limit_ms"] = bytes_per_step / bandwidth_gbps / 1e6
@@ -309,9 +322,89 @@ def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str],
         torch.cuda.empty_cache()
 
 
+#: the RL-shaped case's providers (see the module docstring)
+RL_PROVIDERS = ("rl_compile", "rl_codagen")
+
+
+def bench_rl(shape: ModelShape, layers: int, providers: list[str], device, dtype, records: list[dict],
+             save: Callable[[], object], batch: int = 8, prompt: int = 512, new_tokens: int = 256,
+             iterations: int = 3) -> None:
+    """The RL-shaped case: ``generate()`` samples ``batch x new_tokens`` tokens with top-p (:data:`SAMPLING`) from a
+    ``prompt``-token prompt, then one AdamW step trains on the samples (loss on the sampled tokens), repeated; the
+    weights change every iteration, so every ``generate()`` reads new weights. One record per provider: the median
+    iteration, its generate and train parts, and the first iteration (compiles, captures) as ``setup_s``."""
+    for provider in providers:
+        record = {"suite": "generate", "name": f"rl {batch}x{new_tokens}", "case": f"rl {batch}x{new_tokens}",
+                  "pass_": "rl", "provider": provider, "batch": batch, "prompt": prompt, "new_tokens": new_tokens,
+                  "shape": dict(dataclasses.asdict(shape), layers=layers), "dtype": str(dtype),
+                  "sampling": SAMPLING, "optimizer": "AdamW (fused on CUDA)"}
+        try:
+            _rl_iterations(record, shape, layers, device, dtype, batch, prompt, new_tokens, iterations)
+        except Exception as error:  # noqa: BLE001
+            _error(record, error)
+        records.append(record)
+        _print(record)
+        save()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _rl_iterations(record: dict, shape: ModelShape, layers: int, device, dtype, batch: int, prompt: int,
+                   new_tokens: int, iterations: int) -> None:
+    """One provider's RL iterations (:func:`bench_rl`), timed into ``record``."""
+    from transformers import LlamaForCausalLM
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(shape.config(layers)).to(dtype)
+    model.generation_config.eos_token_id = None  # random weights: every row samples all its tokens
+    patched = record["provider"] == "rl_codagen"
+    if patched:
+        codagen.patch(model)
+    train_forward = model if patched else torch.compile(model)
+    settings = dict(SAMPLING, **({} if patched else {"cache_implementation": "static"}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
+    ids = torch.randint(0, shape.vocab, (batch, prompt), device=device)
+
+    def iteration() -> tuple[float, float]:
+        model.eval()
+        started = time.perf_counter()
+        sequences = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                   pad_token_id=0, **settings)
+        _sync(device)
+        sampled = time.perf_counter()
+        model.train()
+        labels = sequences.clone()
+        labels[:, :prompt] = -100
+        train_forward(input_ids=sequences, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        return 1e3 * (sampled - started), 1e3 * (time.perf_counter() - sampled)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    iteration()
+    record["setup_s"] = round(time.perf_counter() - started, 2)
+    parts = [iteration() for _ in range(iterations)]
+    record["median_ms"] = statistics.median(g + t for g, t in parts)
+    record["generate_ms"] = statistics.median(g for g, _ in parts)
+    record["train_ms"] = statistics.median(t for _, t in parts)
+    record["iterations"] = iterations
+    if device.type == "cuda":
+        record["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _print(r: dict) -> None:
     if r["median_ms"] is None:
         status = r["error"][:120]
+    elif r["pass_"] == "rl":
+        status = f"{r['median_ms']:.1f} ms/iteration (generate {r['generate_ms']:.1f}, train {r['train_ms']:.1f})"
     elif r["pass_"] == "decode":
         status = f"{r['median_ms']:.3f} ms/step  {r['tokens_per_s']:.0f} tok/s" + (
             f"  {100 * r['of_limit']:.0f}% of limit" if "of_limit" in r else "") + (
@@ -363,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS,
                         help="default: all (without compile_static under --smoke: minutes of CPU compilation)")
     parser.add_argument("--new-tokens", type=int, help="decode tokens per run (default 256; 64 with --quick)")
+    parser.add_argument("--rl", action="store_true",
+                        help="add the RL-shaped case (sample, then train), at llama3-1b dims")
+    parser.add_argument("--rl-only", action="store_true", help="only the RL-shaped case")
     parser.add_argument("--out", help=OUT_HELP)
     args = parser.parse_args(argv)
     providers = list(args.providers or PROVIDERS)
@@ -372,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         prefill_cases, decode_cases, context = [(1, 64), (2, 32)], [1, 2], 32
         new_tokens = args.new_tokens or 4
         if args.providers is None:
-            providers = [p for p in providers if p not in ("compile_static", "generate_static")]
+            compiling = ("compile_static", "generate_static", "generate_static_sample")
+            providers = [p for p in providers if p not in compiling]
         bandwidth = None
     else:
         if not torch.cuda.is_available():
@@ -393,11 +490,19 @@ def main(argv: list[str] | None = None) -> int:
           f"providers {providers}", flush=True)
     started = time.perf_counter()
     records = []
-    for name, (shape, layers) in models.items():
+    save = lambda: write_results("generate", records, args.out)  # noqa: E731
+    for name, (shape, layers) in ({} if args.rl_only else models).items():
         bench_model(name, shape, layers, providers, device, dtype, prefill_cases, decode_cases, context, new_tokens,
-                    bandwidth, records, save=lambda: write_results("generate", records, args.out))
+                    bandwidth, records, save)
+    if args.rl or args.rl_only:
+        if args.smoke:  # no CPU compile: seconds, not minutes
+            bench_rl(SMOKE_MODEL, SMOKE_MODEL.layers, ["rl_codagen"], device, dtype, records, save, batch=2,
+                     prompt=16, new_tokens=4, iterations=1)
+        else:
+            shape = MODELS["llama3-1b"]
+            bench_rl(shape, shape.layers, list(RL_PROVIDERS), device, dtype, records, save)
     path = write_results("generate", records, args.out)
-    chart = plot(records, providers, path.with_suffix(".png"))
+    chart = plot([r for r in records if r["pass_"] != "rl"], providers, path.with_suffix(".png"))
     print(f"\n{time.perf_counter() - started:.0f} s; results: {path}" + (f", chart: {chart}" if chart else ""))
     return 0
 

@@ -39,6 +39,8 @@ previous graph replays, else the call's first decode step captures again, on the
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -48,7 +50,7 @@ from torch import nn
 
 from . import fused_layers, hf_cache, lora
 
-__all__ = ["replay", "compiles_forward", "default_static_cache", "drop", "graphs_of", "weights_key"]
+__all__ = ["replay", "compiles_forward", "default_static_cache", "drop", "eagerly", "graphs_of", "weights_key"]
 
 #: step kinds kept per model (least recently used dropped first): a new cache or batch size is a new kind
 MAX_STEP_KINDS = 4
@@ -98,6 +100,18 @@ class _ModelGraphs:
 
 
 _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_EAGERLY = contextvars.ContextVar("codagen_decode_steps_eagerly", default=False)
+
+
+@contextlib.contextmanager
+def eagerly():
+    """Forwards in this context never replay: a caller that captures a larger step itself
+    (:mod:`.generate_loop`)."""
+    token = _EAGERLY.set(True)
+    try:
+        yield
+    finally:
+        _EAGERLY.reset(token)
 
 
 def weights_key(model: nn.Module) -> tuple:
@@ -157,7 +171,7 @@ def default_static_cache(model: nn.Module, generation_config, model_kwargs: dict
 def _step_kind(model: nn.Module, args: tuple, kwargs: dict):
     """``(key, cache, inputs)`` of a call that can replay, else ``None``; ``key``: its step kind but for the cache
     (a ``StaticCache`` of the same shapes, as each ``generate()`` call makes, reuses the warmed-up stream)."""
-    if torch.compiler.is_compiling() or torch.is_grad_enabled() or model.training:
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() or model.training or _EAGERLY.get():
         return None
     if args or not kwargs.keys() <= _STEP_ARGUMENTS or kwargs.get("use_cache") is False:
         return None

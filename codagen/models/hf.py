@@ -82,7 +82,7 @@ from torch.distributed.fsdp import FSDPModule
 from codagen import ops
 from codagen.ops._checks import index_range
 
-from . import compile_ahead, decode_graphs, fused_layers, hf_cache, layer_units, lora, tensor_parallel
+from . import compile_ahead, decode_graphs, fused_layers, generate_loop, hf_cache, layer_units, lora, tensor_parallel
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
@@ -257,6 +257,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     for name in _GENERATE_HOOKS:
         inner.__dict__.pop(name, None)
     decode_graphs.drop(inner)
+    generate_loop.drop(inner)
     return model
 
 
@@ -280,6 +281,7 @@ def refresh_weights(model: nn.Module) -> nn.Module:
         raise ValueError("codagen.models.hf.refresh_weights: model is not patched by codagen.patch")
     hf_cache.drop_inference_blocks(inner)
     decode_graphs.drop(inner)
+    generate_loop.drop(inner)
     _FREQUENCIES.pop(inner.model.rotary_emb, None)
     return model
 
@@ -349,9 +351,33 @@ class _CacheForGeneration:
         return _CacheForGeneration, (self.model,)
 
 
+class _Generate:
+    """``model.generate`` of a patched model: transformers' ``generate()``, whose greedy and sampling decode loop is
+    :mod:`.generate_loop`'s (each token one CUDA graph replay) where that loop can take the call, passed as
+    transformers' ``custom_generate`` callable (:func:`.generate_loop.takes`). Picklable like
+    :class:`_PatchedForward`."""
+    __slots__ = ("model",)
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @property
+    def __wrapped__(self):  # inspect.signature(model.generate) shows transformers' signature
+        return type(self.model).generate.__get__(self.model)
+
+    def __call__(self, *args, **kwargs):
+        if generate_loop.takes(self.model, args, kwargs):
+            kwargs["custom_generate"] = generate_loop.decode
+        return type(self.model).generate(self.model, *args, **kwargs)
+
+    def __reduce__(self):
+        return _Generate, (self.model,)
+
+
 #: instance attributes patch() sets on the model (unpatch() removes them): transformers' generate() calls them
 _GENERATE_HOOKS = {"_valid_auto_compile_criteria": _AutoCompileCriteria,
-                   "_prepare_cache_for_generation": _CacheForGeneration}
+                   "_prepare_cache_for_generation": _CacheForGeneration,
+                   "generate": _Generate}
 
 
 def _has_hooks(module: nn.Module) -> bool:

@@ -22,7 +22,7 @@ GPU_FIELDS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads
               "vocab_size": 1000, "num_hidden_layers": 2}
 
 
-HOOKS = ("_valid_auto_compile_criteria", "_prepare_cache_for_generation")
+HOOKS = ("_valid_auto_compile_criteria", "_prepare_cache_for_generation", "generate")
 
 
 def test_patch_installs_the_generate_hooks_and_unpatch_removes_them():
@@ -211,20 +211,3 @@ def test_gpu_default_generate_replays_and_dynamic_opts_out(monkeypatch):
         assert_bitwise_same(default, model.generate(ids, **settings, cache_implementation="static"))
     dynamic = model.generate(ids, **settings, cache_implementation="dynamic")
     assert type(dynamic.past_key_values).__name__ == "DynamicCache" and replays(model) == 8 - 2
-
-
-@pytest.mark.gpu
-def test_gpu_compile_config_replays_instead(monkeypatch):
-    """transformers' compiled generation (generation_config.compile_config) on a patched model replays the
-    captured step; nothing is compiled by Dynamo."""
-    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
-    from transformers import CompileConfig
-    model = gpu_model()
-    ids, mask = left_padded()
-    torch._dynamo.reset()
-    frames = torch._dynamo.utils.counters["frames"]
-    before = frames["ok"]
-    model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                   cache_implementation="static", compile_config=CompileConfig())
-    assert replays(model) == 6 - 2
-    assert frames["ok"] == before
