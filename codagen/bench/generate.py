@@ -56,6 +56,7 @@ import torch
 
 import codagen
 from codagen._cli import command_parser, preset_arg
+from codagen.models import generate_loop
 from codagen.models.decode import GreedyDecoder
 from codagen.models.hf_cache import cache_field
 
@@ -290,6 +291,7 @@ def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str],
                     layers, batch, context + new_tokens / 2, dtype.itemsize)
                 record = dict(base, case=f"decode b{batch}", pass_="decode", provider=provider, batch=batch,
                               context=context, new_tokens=new_tokens, bytes_per_step=bytes_per_step)
+                counts = _loop_counts(model)  # the decode loop's captures and replays so far (codagen_generate*)
                 try:
                     run = runs.generate(provider)
                     started = time.perf_counter()
@@ -300,6 +302,9 @@ def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str],
                     record["median_ms"] = (full - one) / (new_tokens - 1)
                     record["run_ms"], record["prefill_and_first_ms"] = full, one
                     record["tokens_per_s"] = 1e3 * batch / record["median_ms"]
+                    if provider.startswith("codagen_generate") and not provider.endswith("_dynamic"):
+                        captures, replays = _loop_counts(model)
+                        record["loop_captures"], record["loop_replays"] = captures - counts[0], replays - counts[1]
                     if not provider.endswith("_sample"):  # the greedy providers' tokens against the first one's
                         if reference is None:
                             reference = tokens
@@ -398,6 +403,11 @@ def _rl_iterations(record: dict, shape: ModelShape, layers: int, device, dtype, 
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _loop_counts(model) -> tuple[int, int]:
+    loops = generate_loop.loops_of(model).values()
+    return sum(loop.captures for loop in loops), sum(loop.replays for loop in loops)
 
 
 def _print(r: dict) -> None:

@@ -88,9 +88,6 @@ class GreedyDecoder:
         device = input_ids.device
         if self._batch != batch:
             self._setup(batch, device)
-        weights = decode_graphs.weights_key(self.model)
-        if weights != self._weights:  # the graph reads the fused weights of the model it was captured on
-            self.graph, self._weights = None, weights
         self.cache.reset()
         self.attention_bias.fill_(float("-inf"))
         prompt_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.bool().long()
@@ -98,6 +95,9 @@ class GreedyDecoder:
         self.step_index.zero_()
         logits = self.model(input_ids, attention_mask=prompt_mask, use_cache=True, logits_to_keep=1,
                             **{hf_cache.cache_field(): self.cache}).logits
+        weights = decode_graphs.weights_key(self.model)  # after the prefill, which builds the fused weights it reads
+        if weights != self._weights:  # the graph reads the fused weights of the model it was captured on
+            self.graph, self._weights = None, weights
         self._append_greedy(logits)
         capture = device.type == "cuda" if self.capture is None else self.capture
         for step in range(1, max_new_tokens):

@@ -116,10 +116,11 @@ def eagerly():
 
 def weights_key(model: nn.Module) -> tuple:
     """What a captured step of ``model`` reads, as a value to compare: every parameter's storage and version
-    counter and every module's identity (a graph keeps the addresses of the fused weights built from them)."""
+    counter, every module's identity, and the build of the fused weights kept for forwards without autograd
+    (:func:`.hf_cache.inference_blocks_build`: a forward with autograd drops them, the next one builds new ones)."""
     modules = list(model.modules())
     return (tuple((p.data_ptr(), p._version) for m in modules for p in m._parameters.values() if p is not None),
-            tuple(map(id, modules)))
+            tuple(map(id, modules)), hf_cache.inference_blocks_build(model))
 
 
 def graphs_of(model: nn.Module) -> dict[tuple, _Step]:

@@ -32,10 +32,13 @@ a model without PEFT modules; model inputs the step understands (``attention_mas
 step). On the CPU the same steps run eagerly (no graph).
 
 A graph is kept per *loop kind* (batch, cache size, processors and their settings, greedy or sampling, the EOS
-tokens' count), and captured again when the cache's tensors move (each ``generate()`` call makes a new
-``StaticCache``; where the allocator hands it the previous one's memory the graph replays as is) or when a
-parameter or module changed (:func:`.decode_graphs.weights_key`, compared once per call). The first step of a new
-kind runs eagerly on the kind's stream (kernel compiles and plans), the next one captures.
+tokens' count), with the cache tensors it was captured on: each ``generate()`` call makes a new ``StaticCache``, whose
+layers are given the kind's kept tensors before the prefill (:func:`_adopt`), so the graph replays as is. It is
+captured again for a cache passed in at other addresses, and when a parameter, a module or the kept fused weights
+changed (:func:`.decode_graphs.weights_key`, compared once per call). A forward with autograd (a training step)
+drops the kept fused weights, and with them the loops, their graphs and kept caches. The first step of a new kind
+runs eagerly on the kind's stream (kernel compiles and plans), the next one captures. Memory: the kinds' kept
+caches stay allocated between calls (:data:`MAX_LOOP_KINDS` at most; :func:`drop` frees them).
 """
 from __future__ import annotations
 
@@ -79,6 +82,7 @@ class _Loop:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.cache_tensors: tuple = ()
         self.bound: dict = {}  # the loop's copies of the processors' tensors, EOS and pad (:func:`_bind`)
+        self.cache_layers: list | None = None  # the last call's cache tensors per layer (:func:`_adopt`)
         self.warmed_up = False
         self.captures = self.replays = 0
 
@@ -191,16 +195,21 @@ def sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, stopping
         return None
     cache, max_length, eos = ran
     batch, prompt = input_ids.shape
-    prompt_mask = model_kwargs.get("attention_mask")
-    outputs = model._prefill(input_ids, generation_config, model_kwargs)
-    model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
-    positions = model_kwargs.get("position_ids")
+    prompt_mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
     do_sample = bool(generation_config.do_sample)
     pad = generation_config._pad_token_tensor
     slots = cache.layers[0].max_cache_len
     key = (batch, slots, None if positions is None else tuple(positions.shape[:-1]), model.dtype, do_sample,
            tuple(map(_processor_key, logits_processor)), None if eos is None else tuple(eos.shape), pad is None)
+    state = _LOOPS.get(model)
+    kept = None if state is None or key not in state.loops else state.loops[key].cache_layers
+    if kept is not None:
+        _adopt(cache, kept)
+    outputs = model._prefill(input_ids, generation_config, model_kwargs)
+    model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
+    positions = model_kwargs.get("position_ids")
     loop = _loop_for(model, key, positions, slots, input_ids.device)
+    loop.cache_layers = [(layer.keys, layer.values, layer.cumulative_length) for layer in cache.layers]
     _start(loop, input_ids, prompt_mask, positions)
     choose = _Choose(loop, logits_processor, do_sample, *_bind(loop, logits_processor, eos, pad))
     choose(outputs.logits[:, -1])
@@ -249,6 +258,18 @@ def _loop_for(model: nn.Module, key: tuple, positions, slots: int, device: torch
         loop = state.loops[key] = _Loop(key[0], slots, positions, model.dtype, device)
     state.loops.move_to_end(key)
     return loop
+
+
+def _adopt(cache, kept: list) -> None:
+    """Give a new ``StaticCache``'s layers the tensors the loop kind kept from its last call (the ones its graph was
+    captured on), so that its decode steps replay without a capture. A layer is initialized by transformers' own
+    ``lazy_initialization`` (the version's metadata; it allocates a zeroed copy, dropped at once), then reads the
+    kept tensors. The slots past the new prompt hold the last call's keys and values: masked until written."""
+    for layer, (keys, values, length) in zip(cache.layers, kept):
+        if layer.is_initialized or layer.max_cache_len != keys.shape[2]:
+            continue
+        layer.lazy_initialization(keys[:, :, :1], values[:, :, :1])
+        layer.keys, layer.values, layer.cumulative_length = keys, values, length.zero_()
 
 
 def _start(loop: _Loop, input_ids: torch.Tensor, prompt_mask: torch.Tensor | None, positions) -> None:

@@ -602,8 +602,10 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
         # differentiable gathers, rebuilt every forward (traceable: no graph break); a copy kept by an
         # earlier forward without autograd is dropped. Under torch.compile only a KV-cache forward (a decode
         # step, where the gathers would cost as much as its GEMMs) reads the kept copy, at one graph break
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():  # the decode graphs read the kept copy: they go with it
             hf_cache.drop_inference_blocks(self)
+            decode_graphs.drop(self)
+            generate_loop.drop(self)
         blocks = fuse()
     else:
         blocks = hf_cache.inference_blocks(self, dtype, fuse, modules)

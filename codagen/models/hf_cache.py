@@ -35,14 +35,14 @@ from codagen.ops.kernels import half_split_heads, static_cache_write
 
 from .llama import AttentionSpec, BlockWeights, block_out_mlp, block_qkv
 
-__all__ = ["inference_blocks", "new_dynamic_cache", "check_cache", "attention_masks", "decoder_stack_with_cache",
-           "half_split_heads", "output"]
+__all__ = ["inference_blocks", "inference_blocks_build", "new_dynamic_cache", "check_cache", "attention_masks",
+           "decoder_stack_with_cache", "half_split_heads", "output"]
 
 _SUPPORTED_CACHES = ("DynamicCache", "StaticCache")
 _SUPPORTED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
 
 
-# model -> (what the fused weights were built from, the fused weights)
+# model -> (what the fused weights were built from, the fused weights, a token of this build)
 _FUSED_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -73,9 +73,16 @@ def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWei
            tuple(map(id, modules)))
     kept = _FUSED_WEIGHTS.get(model)
     if kept is None or kept[0] != key:
-        kept = (key, fuse())
+        kept = (key, fuse(), object())
         _FUSED_WEIGHTS[model] = kept
     return kept[1]
+
+
+def inference_blocks_build(model) -> object | None:
+    """A token of the fused weights :func:`inference_blocks` keeps for ``model`` (``None``: none kept), new with each
+    build: a captured decode step reads that build's tensors, so it is valid while the token is the same."""
+    kept = _FUSED_WEIGHTS.get(model)
+    return None if kept is None else kept[2]
 
 
 _TRANSFORMERS: tuple | None = None

@@ -156,6 +156,36 @@ def test_processor_tensors_are_the_loops_own():
     assert torch.equal(loop.bound["pad"], torch.tensor(0))
 
 
+def test_each_call_reuses_the_kinds_cache_tensors():
+    """transformers makes a new StaticCache per call; its layers get the tensors the loop kind kept from the last call
+    (the ones a graph was captured on), and the tokens stay the unpatched model's (test_loop_gives_the_unpatched_tokens
+    runs two calls per kind)."""
+    model = patch(build("llama").eval())
+    ids, mask = prompts()
+    generate(model, ids, mask, **SETTINGS["greedy"])
+    (loop,) = generate_loop.loops_of(model).values()
+    first = [tuple(t.data_ptr() for t in layer) for layer in loop.cache_layers]
+    generate(model, *prompts(pad=(2, 0, 1)), **SETTINGS["greedy"])
+    assert [tuple(t.data_ptr() for t in layer) for layer in loop.cache_layers] == first
+
+
+def test_a_training_forward_drops_the_loops_and_graphs():
+    """A forward with autograd drops the fused weights kept for inference, which the captured steps read: the loops
+    (their graphs and kept caches) and the per-step graphs go with them, and the weights key changes."""
+    model = patch(build("llama").eval())
+    ids, mask = prompts()
+    generate(model, ids, mask, **SETTINGS["greedy"])
+    key = decode_graphs.weights_key(model)
+    assert generate_loop.loops_of(model)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    assert generate_loop.loops_of(model) == {}
+    model.eval()
+    with torch.no_grad():
+        model(ids)  # rebuilds the fused weights: parameters and modules as before, a new build
+    assert decode_graphs.weights_key(model) != key
+
+
 def test_patched_generate_keeps_its_signature():
     import inspect
     model = build("llama").eval()
