@@ -13,7 +13,8 @@ The prefill runs eagerly (one forward over the prompt); the first decode step ru
 compiles and plans the kernels), then the captured step replays ``max_new_tokens - 2`` times. Positions
 follow ``transformers``: ``cache length + step``, with or without left padding. No stopping criteria:
 every row gets ``max_new_tokens`` tokens. ``capture=False`` runs the same step eagerly (CPU, tests).
-``generate()`` stays the general entry point (sampling, logits processors, stopping).
+``model.generate()`` is the general entry point: on a GPU it replays a captured loop of its own (sampling, logits
+processors, stopping: :mod:`.generate_loop`) at 0.93-1.18x this decoder's step time.
 """
 from __future__ import annotations
 

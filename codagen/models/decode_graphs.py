@@ -13,7 +13,9 @@ advances the cache length on the device: :mod:`.hf_cache`), so the patched forwa
 3. every later call copies its inputs into the buffers, replays the graph and returns a copy of the logits.
 
 transformers' own loop does the rest after the graph: logits processors, sampling, stopping, padding of
-finished rows, ``num_return_sequences``. Patched models leave transformers' auto-compile of the forward off
+finished rows, ``num_return_sequences``. (A greedy or sampling ``generate()`` that :mod:`.generate_loop` takes replays
+a graph of the whole token instead; the steps here serve the calls it leaves to transformers' loop, and any caller
+that runs decode steps itself.) Patched models leave transformers' auto-compile of the forward off
 where a step replays (:func:`compiles_forward`), so that its compiled graph does not wrap the replay, and on a GPU
 a greedy or sampling ``generate()`` that names no cache gets a ``StaticCache`` (:func:`default_static_cache`):
 ``cache_implementation="dynamic"`` asks for transformers' default, a ``DynamicCache``, whose steps run eagerly.

@@ -44,8 +44,10 @@ approximation):
   step with a ``StaticCache`` (``generate(cache_implementation="static")``) replays one CUDA graph
   (:mod:`.decode_graphs`); transformers' auto-compile of the forward is then off, and a greedy or sampling
   ``generate()`` on a GPU that names no cache gets a ``StaticCache`` (``cache_implementation="dynamic"`` keeps
-  transformers' ``DynamicCache``). Both through instance attributes (``_valid_auto_compile_criteria``,
-  ``_prepare_cache_for_generation``) that ``unpatch`` removes.
+  transformers' ``DynamicCache``). A greedy or sampling ``generate()`` with a ``StaticCache`` runs
+  :mod:`.generate_loop` (each token one CUDA graph replay, processors and stopping included). All through instance
+  attributes (``_valid_auto_compile_criteria``, ``_prepare_cache_for_generation``, ``generate``) that ``unpatch``
+  removes.
 - Without autograd the fused QKV and gate/up weights are built once and kept while the parameters keep
   their storage and version counters (:func:`.hf_cache.inference_blocks`): ``load_state_dict``, ``copy_``
   under ``no_grad``, optimizer steps and ``p.data = w`` are seen; after in-place writes through
