@@ -25,6 +25,7 @@ import sys
 import torch
 
 from codagen.backends.triton.configs import SMALL_M, KernelConfig, smem_estimate
+from codagen.backends.triton.targets import TARGETS
 from codagen.bench.common import environment
 from codagen.bench.generate import MODELS
 
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
             cublas = graph_us([lambda b=c.b: torch.nn.functional.linear(bound.a, b) for c in copies])
             print(f"\n== {name} M={bound.m} N={bound.n} K={bound.k}: cuBLAS {cublas:.1f} us "
                   f"({weight_bytes / cublas / 1e6:.2f} TB/s)", flush=True)
-            launch = backend._prepare(bound, False, 9)
+            launch = backend._prepare(bound, False, TARGETS["sm_90"])
             fitting = [cfg for cfg in pool if smem_estimate(bound.program, cfg, 2) <= smem_limit
                        and (cfg.split_k == 1 or bound.n <= 8192 or cfg in args.tiles)]
             backend._compile_ahead(bound, launch, fitting)

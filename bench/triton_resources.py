@@ -21,31 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from codagen.backends.triton.backend import load_kernel  # noqa: E402
 from codagen.backends.triton.configs import SM90, candidates, smem_estimate  # noqa: E402
+from codagen.backends.triton.cross_compile import compile_persistent  # noqa: E402
+from codagen.backends.triton.targets import TARGETS  # noqa: E402
 from codagen.epilogue import library  # noqa: E402
-from codagen.epilogue.ir import RowVector, Store, TileInput  # noqa: E402
-
-
-def signature(program, dtype: str) -> dict[str, str]:
-    sig = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}"}
-    for name, e in program.inputs.items():
-        if isinstance(e, RowVector) and e.index:
-            sig[f"{name}_ptr"] = "*i64"
-        elif isinstance(e, TileInput):
-            sig[f"{name}_ptr"] = f"*{dtype}"
-        else:
-            sig[f"{name}_ptr"] = "*fp32"
-    for o in program.outputs:
-        sig[f"{o.name}_ptr"] = (f"*{dtype}" if o.dtype == "input" else "*fp32") if isinstance(o, Store) else "*fp32"
-    sig.update(M="i32", N="i32", K="i32")
-    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EPILOGUE_SPLIT", "SUB_N", "TMA_MAINLOOP", "TMA_EPILOGUE",
-              "UPCAST_OPERANDS", "DOT_PRECISION", "FLATTEN", "INTERPRETER", "PDL", "PREFETCH_K"):
-        sig[c] = "constexpr"
-    return sig
 
 
 def resources(cubin: bytes) -> tuple[int, int]:
@@ -66,17 +47,7 @@ def compile_one(program, cfg, dtype: str, arch: int):
         from codagen.backends.triton import pingpong
         kernel = load_kernel(program, dtypes=f"report:{dtype}", arch=f"sm_{arch}", interpret=False, schedule="pingpong")
         return pingpong.compile_sm90(kernel, program, cfg.sub_n, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
-    kernel = load_kernel(program, dtypes=f"report:{dtype}", arch=f"sm_{arch}", interpret=False)
-    sig = signature(program, dtype)
-    n_ptr = sum(1 for v in sig.values() if v.startswith("*"))
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr + 3)}  # aligned pointers, M, N, K % 16 == 0
-    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                      EPILOGUE_SPLIT=cfg.epilogue_split, SUB_N=cfg.sub_n, TMA_MAINLOOP=True,
-                      TMA_EPILOGUE=cfg.tma_epilogue, UPCAST_OPERANDS=False, DOT_PRECISION="tf32", FLATTEN=True,
-                      INTERPRETER=False, PDL=False, PREFETCH_K=0)
-    src = ASTSource(kernel, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return compile_persistent(program, cfg, TARGETS[f"sm_{arch}"], dtype)
 
 
 def main(argv=None) -> int:
@@ -90,8 +61,8 @@ def main(argv=None) -> int:
     print(f"{'program':36s} {'config':34s} {'est KiB':>7s} {'smem KiB':>8s} {'regs':>4s} {'stack':>5s} wgmma")
     for name in names:
         program = library.PROGRAMS[name]()
-        pool = list(SM90) if args.all else candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True,
-                                                                        tma_epilogue=True)
+        pool = list(SM90) if args.all else candidates(program, target="sm_90", operand_bytes=2, smem_limit=232448,
+                                                      tma=True, tma_epilogue=True)
         for cfg in pool:
             est = smem_estimate(program, cfg, 2) / 1024
             try:

@@ -218,8 +218,8 @@ def test_qk_norm_head_dim_128_in_float32_on_a_gpu_names_the_dtype():
     from codagen.backends.triton.configs import candidates
     program = library.rms_qkv_rope(128, 1e-6)
     with pytest.raises(ProgramError, match=r"groups of \[128\] columns.*sub-tile widths \[64\].*bfloat16 or float16"):
-        candidates(program, major=9, operand_bytes=4, smem_limit=232448, tma=True)
-    assert candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True)
+        candidates(program, target="sm_90", operand_bytes=4, smem_limit=232448, tma=True)
+    assert candidates(program, target="sm_90", operand_bytes=2, smem_limit=232448, tma=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=["fp16", "fp32", "fp64"])
@@ -323,7 +323,7 @@ def test_logsumexp_and_target_programs_compile_for_sm90(program, schedule):
     else:
         constexprs = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EPILOGUE_SPLIT=2, SUB_N=64,
                           TMA_MAINLOOP=True, TMA_EPILOGUE=True, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
-                          FLATTEN=True, INTERPRETER=False, PDL=False, PREFETCH_K=0)
+                          FLATTEN=True, PORTABLE=False, PDL=False, PREFETCH_K=0)
         ptx = sm90_ptx(program, "kernel", {"a_ptr": "*bf16", "b_ptr": "*bf16"}, ("M", "N", "K"), constexprs, 8, 3)
     assert "wgmma.mma_async" in ptx
 

@@ -10,7 +10,7 @@ from codagen.backends.triton.configs import SMALL_M, SMALL_M_ROWS, candidates, s
 from codagen.epilogue import library
 
 DECODE_PROGRAMS = ["rms_qkv_rope", "residual_rms_stats", "rms_gate_up_swiglu", "rms_linear"]
-H200 = dict(major=9, operand_bytes=2, smem_limit=232448, tma=True, tma_epilogue=True, num_sms=132)
+H200 = dict(target="sm_90", operand_bytes=2, smem_limit=232448, tma=True, tma_epilogue=True, num_sms=132)
 
 
 @pytest.mark.parametrize("m, n, first", [

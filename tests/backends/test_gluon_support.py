@@ -44,7 +44,7 @@ def test_unsupported_releases_are_named(version):
 
 
 def _sm90_candidates():
-    return candidates(library.rms_norm_backward(), major=9, operand_bytes=2, smem_limit=232448, tma=True,
+    return candidates(library.rms_norm_backward(), target="sm_90", operand_bytes=2, smem_limit=232448, tma=True,
                       tma_epilogue=True)
 
 

@@ -30,7 +30,7 @@ PROGRAMS.update({"rms_norm_backward_accumulate": library.rms_norm_backward("accu
 
 
 def _pool(program, **overrides):
-    args = dict(major=9, operand_bytes=2, smem_limit=H200_SMEM, tma=True, tma_epilogue=True)
+    args = dict(target="sm_90", operand_bytes=2, smem_limit=H200_SMEM, tma=True, tma_epilogue=True)
     return candidates(program, **{**args, **overrides})
 
 
@@ -142,7 +142,8 @@ def test_offered_only_where_it_runs():
     assert SPLIT8 in _pool(swiglu_backward)
     residual = library.residual_rms_stats()
     assert SPLIT4 in _pool(residual) and SPLIT8 in _pool(residual)
-    for where in (dict(tma_epilogue=False), dict(tma=False), dict(major=8), dict(major=10), dict(operand_bytes=4),
+    for where in (dict(tma_epilogue=False), dict(tma=False), dict(target="sm_80"), dict(target="sm_100"),
+                  dict(operand_bytes=4),
                   dict(smem_limit=smem_estimate(residual, SPLIT8, 2) - 1)):
         assert not any(cfg.schedule == "pingpong" for cfg in _pool(residual, **where)), where
     for program in (library.weight_grad(), library.rms_qkv_rope(qk_norm_head_dim=64)):

@@ -21,6 +21,7 @@ import torch
 from codagen.backends import execute
 from codagen.backends.triton import INTERPRETER_CONFIG, KernelConfig, TritonBackend, arrivals, program_source
 from codagen.backends.triton.configs import candidates
+from codagen.backends.triton.targets import TARGETS
 from codagen.bench.kernels import random_inputs
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
@@ -210,8 +211,8 @@ def test_segment_wider_than_the_tile_is_refused():
     heads: tests/test_robustness.py)."""
     program = library.rms_qkv_rope(128, 1e-6)
     with pytest.raises(ProgramError, match=r"groups of \[128\] columns \(the QK-norm head_dim\).*widths \[64\]"):
-        candidates(program, major=9, operand_bytes=4, smem_limit=232448, tma=True)  # the fp32 pool: 64x64 tiles
-    kept = candidates(program, major=9, operand_bytes=2, smem_limit=232448, tma=True)
+        candidates(program, target="sm_90", operand_bytes=4, smem_limit=232448, tma=True)  # the fp32 pool: 64x64 tiles
+    kept = candidates(program, target="sm_90", operand_bytes=2, smem_limit=232448, tma=True)
     assert kept and all(cfg.sub_n % 128 == 0 for cfg in kept)
     a, b, tensors = random_inputs(library.rms_qkv_rope(64, 1e-6), 8, 128, 16, torch.float16, "cpu")
     with pytest.raises(Exception, match=r"segment_sum\(size=64\): the epilogue sub-tile"):
@@ -380,7 +381,7 @@ def test_shipped_tuning_covers_the_kernel_benchmark():
         for case in kernel_cases(model):
             a, b, tensors = random_inputs(case.program, case.m, case.n, case.k, torch.bfloat16, "meta")
             bound = bind(case.program, a, b, tensors)
-            launch = backend._prepare(bound, False, 9)
+            launch = backend._prepare(bound, False, TARGETS["sm_90"])
             key = tuning_key("NVIDIA H200", bound, launch.tma_mainloop, launch.tma_epilogue_ok, measured_with)
             if key not in shipped:
                 missing.append(f"{model.name} {case.name}: {key.split('|', 2)[2]}")
@@ -570,7 +571,7 @@ def test_split_k_kernel_compiles_for_sm90(name):
     from tests.sm90 import sm90_ptx
     constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, EPILOGUE_SPLIT=1, SUB_N=64,
                       TMA_MAINLOOP=True, TMA_EPILOGUE=False, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
-                      FLATTEN=True, INTERPRETER=False, PDL=True, PREFETCH_K=512)
+                      FLATTEN=True, PORTABLE=False, PDL=True, PREFETCH_K=512)
     leading = {"a_ptr": "*bf16", "b_ptr": "*bf16", "partial_ptr": "*fp32", "arrivals_ptr": "*i32"}
     ptx = sm90_ptx(library.PROGRAMS[name](), "split_k_kernel", leading, ("M", "N", "K"), constexprs, 4, 4)
     assert ptx.count("atom.global.gpu.acq_rel.add") == 1, \

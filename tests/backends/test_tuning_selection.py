@@ -20,6 +20,7 @@ from codagen.backends.triton.configs import (
     heuristic,
     smem_estimate,
 )
+from codagen.backends.triton.targets import TARGETS
 from codagen.epilogue import library
 from codagen.epilogue.bind import bind
 
@@ -28,7 +29,7 @@ VERSIONS = "triton 3.6.0, torch 2.11.0"
 
 
 def h200_pool(program) -> list[KernelConfig]:
-    return candidates(program, major=9, operand_bytes=2, smem_limit=H200_SMEM, tma=True, tma_epilogue=True)
+    return candidates(program, target="sm_90", operand_bytes=2, smem_limit=H200_SMEM, tma=True, tma_epilogue=True)
 
 
 def bound_at(program, m, n, k):
@@ -133,12 +134,13 @@ def test_heuristic_schedule_and_validity():
     assert heuristic(norm_bwd, h200_pool(norm_bwd), 4096).schedule == "pingpong"
     assert heuristic(norm_bwd, h200_pool(norm_bwd), 32768).schedule == "persistent"
     assert heuristic(grad, h200_pool(grad), 8192).schedule == "persistent"
-    no_tma_epilogue = candidates(norm_bwd, major=9, operand_bytes=2, smem_limit=H200_SMEM, tma=True, tma_epilogue=False)
+    no_tma_epilogue = candidates(norm_bwd, target="sm_90", operand_bytes=2, smem_limit=H200_SMEM, tma=True,
+                                 tma_epilogue=False)
     assert heuristic(norm_bwd, no_tma_epilogue, 4096).schedule == "persistent"
     small_smem = 101376  # an sm_89-sized opt-in limit: the pool keeps only what fits
     for program in (library.PROGRAMS[name]() for name in library.PROGRAMS):
         for smem in (H200_SMEM, small_smem):
-            pool = candidates(program, major=9, operand_bytes=2, smem_limit=smem, tma=True, tma_epilogue=True)
+            pool = candidates(program, target="sm_90", operand_bytes=2, smem_limit=smem, tma=True, tma_epilogue=True)
             for k in (1024, 4096, 65536):
                 cfg = heuristic(program, pool, k)
                 assert cfg in pool and (smem_estimate(program, cfg, 2) <= smem or len(pool) == 1), (program.name, smem)
@@ -211,7 +213,7 @@ class _GpuShaped(TritonBackend):
 
 def choose(backend, program, m, n, k):
     bound = bound_at(program, m, n, k)
-    return backend._choose(bound, backend._prepare(bound, True, 9), interpret=False)
+    return backend._choose(bound, backend._prepare(bound, True, TARGETS["sm_90"]), interpret=False)
 
 
 def test_no_timing_by_default_at_an_unseen_key(monkeypatch, tmp_path):
@@ -290,7 +292,7 @@ def test_gpu_tuning_compiles_the_persistent_candidates_ahead_once(monkeypatch, t
     bound = bind(program, *random_inputs(program, 3000, 1536, 1024, torch.bfloat16, "cuda"))
     backend.run(bound)
     torch.cuda.synchronize()
-    pool = backend._candidates(bound, backend._prepare(bound, False, 9))
+    pool = backend._candidates(bound, backend._prepare(bound, False, TARGETS["sm_90"]))
     persistent = [cfg for cfg in pool if cfg.schedule != "pingpong"]
     ahead = [key for key, warmup in compiles if warmup]
     assert len(persistent) > 1 and list(backend.choices.values()) == ["timed"]

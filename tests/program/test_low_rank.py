@@ -149,7 +149,7 @@ def test_pingpong_refuses_low_rank_programs():
     assert "low-rank" in pingpong.refusal(program)
     with pytest.raises(ValueError, match="low-rank operand pair"):
         pingpong.generate(program)
-    kw = dict(major=9, operand_bytes=2, smem_limit=232448, tma=True, tma_epilogue=True)
+    kw = dict(target="sm_90", operand_bytes=2, smem_limit=232448, tma=True, tma_epilogue=True)
     assert any(cfg.schedule == "pingpong" for cfg in candidates(library.rms_gate_up_swiglu(), **kw))
     assert all(cfg.schedule != "pingpong" for cfg in candidates(program, **kw))
 
@@ -161,7 +161,7 @@ def test_persistent_kernel_compiles_for_sm90(name):
     from tests.sm90 import sm90_ptx
     constexprs = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, BLOCK_R=16, EPILOGUE_SPLIT=2, SUB_N=64,
                       TMA_MAINLOOP=True, TMA_EPILOGUE=True, UPCAST_OPERANDS=False, DOT_PRECISION="tf32",
-                      FLATTEN=True, INTERPRETER=False, PDL=False, PREFETCH_K=0)
+                      FLATTEN=True, PORTABLE=False, PDL=False, PREFETCH_K=0)
     leading = {"a_ptr": "*bf16", "b_ptr": "*bf16", "a2_ptr": "*bf16", "b2_ptr": "*bf16"}
     ptx = sm90_ptx(library.PROGRAMS[name]().with_low_rank(), "kernel", leading, ("M", "N", "K", "R"), constexprs,
                    8, 3)

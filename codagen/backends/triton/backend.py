@@ -18,16 +18,17 @@ import triton
 import triton.testing
 from triton.runtime.errors import OutOfResources
 
-from codagen.backends.device import capability, on_device
+from codagen.backends.device import on_device
 from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import Gemm, Program, ProgramError, Store
 
-from . import ahead, arrivals, dependent_launch, pingpong
+from . import ahead, arrivals, dependent_launch, pingpong, targets
 from .configs import KernelConfig, TuningCache, candidates, gemm_layout, interpreter_config
 from .gluon_support import pingpong_unsupported
 from .interpreter import check_numpy, interpreting
 from .modules import load_kernel, program_source
 from .switches import env_flag
+from .targets import Target
 from .tuning import TRITON_DTYPE, kernel_hash, tuning_key
 
 __all__ = ["TritonBackend", "program_source", "load_kernel", "tuning_key", "kernel_hash", "SUPPORTED_DTYPES"]
@@ -71,6 +72,7 @@ class _Launch:
     upcast: bool
     precision: str
     interpret: bool
+    portable: bool = False  # the device math without inline PTX (interpreter, AMD: .targets)
     pdl: bool = False  # launched as a programmatic dependent (decode rows: .dependent_launch)
     pingpong_kernel: object = None  # loaded on first use
     split_k_kernel: object = None  # loaded on first use
@@ -126,33 +128,32 @@ class TritonBackend:
         self.chosen: dict[str, KernelConfig] = {}
 
     # -- checks ------------------------------------------------------------------------------------
-    def _check(self, bound: BoundProgram) -> tuple[bool, int]:
-        """(interpret?, compute capability major); raises on what this backend cannot run."""
+    def _check(self, bound: BoundProgram) -> tuple[bool, Target | None]:
+        """(interpret?, the GPU's :class:`.targets.Target`, ``None`` when interpreted); raises on what this backend
+        cannot run."""
         dev = bound.device
         if bound.dtype not in SUPPORTED_DTYPES:
             raise ProgramError(f"{bound.program.name}: the triton backend multiplies float16, bfloat16 or float32 "
                                f"operands, got a: {bound.dtype}; use backend='reference' for {bound.dtype}")
         if dev.type == "cpu":
             check_numpy()
-            return True, 0
+            return True, None
         if dev.type != "cuda":
             raise ProgramError(f"{bound.program.name}: the triton backend runs CUDA tensors (compiled) and CPU "
                                f"tensors (interpreted), got device {dev}")
-        major, minor = capability(dev)
-        if major < 8:
-            raise ProgramError(f"{bound.program.name}: the triton backend needs an NVIDIA GPU of compute "
-                               f"capability 8.0 or newer (Ampere, Ada, Hopper), got {major}.{minor} "
-                               f"({torch.cuda.get_device_name(dev)})")
-        return False, major
+        try:
+            return False, targets.of_device(dev)
+        except RuntimeError as error:
+            raise ProgramError(f"{bound.program.name}: {error}") from None
 
-    def _prepare(self, bound: BoundProgram, interpret: bool, major: int) -> _Launch:
+    def _prepare(self, bound: BoundProgram, interpret: bool, target: Target | None) -> _Launch:
         program = bound.program
         dtypes = ",".join(f"{n}:{TRITON_DTYPE.get(t.dtype, str(t.dtype))}" for n, t in
                           [("a", bound.a)] + sorted(bound.tensors.items()))
-        arch = "interpreter" if interpret else f"sm_{major}x"
+        arch = "interpreter" if interpret else target.name
         kernel = load_kernel(program, dtypes=dtypes, arch=arch, interpret=interpret)
         m, n, k = bound.m, bound.n, bound.k
-        tma_hw = interpret or major in (9, 10)
+        tma_hw = interpret or target.tma
         tma_mainloop = self.tma and tma_hw and k > 0 and _tma_ok(bound.a) and _tma_ok(bound.b)
         tiles = [bound.tensors[name] for name, e in program.inputs.items() if e.kind == "tile"]
         tiles += [bound.tensors[o.name] for o in program.outputs if isinstance(o, Store) and o.accumulate]
@@ -162,11 +163,14 @@ class TritonBackend:
                 if isinstance(o, Store) and not o.accumulate:
                     row_bytes = o.value.width.columns(n) * torch.empty((), dtype=bound.store_dtype(o)).element_size()
                     tma_epilogue_ok &= row_bytes % 16 == 0 and row_bytes > 0
+        fp32 = bound.dtype == torch.float32
         return _Launch(kernel=kernel, dtypes=dtypes, arch=arch, args=[], m=m, n=n, k=k, tma_mainloop=tma_mainloop,
                        tma_epilogue_ok=tma_epilogue_ok,
                        upcast=interpret and bound.dtype == torch.bfloat16,
-                       precision="ieee" if bound.dtype == torch.float32 or interpret else "tf32",
-                       interpret=interpret, pdl=not interpret and dependent_launch.enabled(m, bound.device))
+                       precision="ieee" if fp32 or interpret else target.dot_precision(fp32),
+                       interpret=interpret, portable=interpret or target.portable,
+                       pdl=not interpret and target.ptx
+                       and dependent_launch.enabled(m, bound.device))
 
     # -- launching ---------------------------------------------------------------------------------
     def _launch(self, bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict[str, torch.Tensor]):
@@ -260,25 +264,26 @@ class TritonBackend:
         self._plans.clear()
 
     def run(self, bound: BoundProgram) -> dict[str, torch.Tensor]:
-        interpret, major = self._check(bound)
+        interpret, target = self._check(bound)
         if bound.m == 0 or bound.n == 0:
             cfg = self.config or (interpreter_config(bound.program) if interpret
                                   else KernelConfig(128, 256, 64, 3, 8, 2))
             return bound.allocate_outputs(cfg.block_m, cfg.block_n)
         if ahead.tracing():
-            return self._compile_for_trace(bound, interpret, major)
-        launch, cfg, specs = self._plan(bound, interpret, major)
+            return self._compile_for_trace(bound, interpret, target)
+        launch, cfg, specs = self._plan(bound, interpret, target)
         outs = bound.allocate_outputs(cfg.block_m, cfg.block_n, specs)
         self._launch(bound, launch, cfg, outs)
         self.last_config = cfg
         return outs
 
-    def _compile_for_trace(self, bound: BoundProgram, interpret: bool, major: int) -> dict[str, torch.Tensor]:
+    def _compile_for_trace(self, bound: BoundProgram, interpret: bool,
+                           target: Target | None) -> dict[str, torch.Tensor]:
         """A dry run's call (fake tensors, :mod:`.ahead`): the kernel of the config a real call would choose
         submitted for compilation, the outputs allocated (fakes). Nothing is remembered: the real call plans
         again with real addresses. A key that would be timed is left to its real call (which compiles its
         candidates at once)."""
-        launch = self._prepare(bound, interpret, major)
+        launch = self._prepare(bound, interpret, target)
         if not interpret and self.config is None and self._times(self._tuning_key(bound, launch)):
             return bound.allocate_outputs(128, 256)
         cfg = self._choose(bound, launch, interpret)
@@ -289,7 +294,7 @@ class TritonBackend:
         return outs
 
     def _plan(self, bound: BoundProgram, interpret: bool,
-              major: int) -> tuple[_Launch, KernelConfig, tuple]:
+              target: Target | None) -> tuple[_Launch, KernelConfig, tuple]:
         """The kernel, config and output specs (:meth:`BoundProgram.output_specs`) for this call, remembered
         per call signature.
 
@@ -302,7 +307,7 @@ class TritonBackend:
                      *[(name, t.dtype, t.shape, t.data_ptr() % 16) for name, t in bound.tensors.items()])
         plan = self._plans.get(signature)
         if plan is None or plan[0] is not bound.program:  # the id of a collected program can be reused
-            launch = self._prepare(bound, interpret, major)
+            launch = self._prepare(bound, interpret, target)
             cfg = self._choose(bound, launch, interpret)
             plan = (bound.program, launch, cfg, bound.output_specs(cfg.block_m, cfg.block_n))
             self._plans[signature] = plan
@@ -312,10 +317,10 @@ class TritonBackend:
     def launcher(self, bound: BoundProgram):
         """``(launch, outputs, config)``: a zero-argument function that re-runs the kernel into
         ``outputs`` (allocated once, poisoned). For benchmarks, which time the kernel alone."""
-        interpret, major = self._check(bound)
+        interpret, target = self._check(bound)
         if bound.m == 0 or bound.n == 0:
             raise ProgramError(f"{bound.program.name}: nothing to launch for M = {bound.m}, N = {bound.n}")
-        launch, cfg, specs = self._plan(bound, interpret, major)
+        launch, cfg, specs = self._plan(bound, interpret, target)
         outs = bound.allocate_outputs(cfg.block_m, cfg.block_n, specs)
         return (lambda: self._launch(bound, launch, cfg, outs)), outs, cfg
 
@@ -369,7 +374,7 @@ class TritonBackend:
         """The configurations this GPU can run for these tensors, best guess first."""
         dev = bound.device
         smem_limit = _smem_limit(dev)
-        pool = candidates(bound.program, major=torch.cuda.get_device_capability(dev)[0],
+        pool = candidates(bound.program, target=targets.of_device(dev).name,
                           operand_bytes=bound.a.element_size(), smem_limit=smem_limit, tma=launch.tma_mainloop,
                           tma_epilogue=launch.tma_epilogue_ok, m=bound.m, n=bound.n, num_sms=_num_sms(dev))
         if any(cfg.schedule == "pingpong" for cfg in pool):  # the estimate assumed 2-byte tiles
@@ -464,7 +469,7 @@ def _common_meta(launch: _Launch, cfg: KernelConfig) -> dict:
     programmatic dependent launch's (:mod:`.dependent_launch`: its ``PDL`` constexpr and launch option)."""
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPILOGUE_SPLIT=cfg.epilogue_split,
                 SUB_N=cfg.sub_n, TMA_MAINLOOP=launch.tma_mainloop, UPCAST_OPERANDS=launch.upcast,
-                DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, INTERPRETER=launch.interpret,
+                DOT_PRECISION=launch.precision, FLATTEN=not launch.interpret, PORTABLE=launch.portable,
                 PREFETCH_K=dependent_launch.PREFETCH_K if launch.pdl else 0,
                 **dependent_launch.launch_options(launch.pdl))
 

@@ -57,6 +57,7 @@ from codagen.epilogue.ir import Program, ProgramError, Store
 
 from . import pingpong
 from .gluon_support import pingpong_available
+from .targets import TARGETS
 
 __all__ = ["KernelConfig", "candidates", "smem_estimate", "cache_dir", "atomic_write", "TuningCache",
            "INTERPRETER_CONFIG", "PINGPONG", "heuristic", "gemm_layout", "interpreter_config", "SMALL_M",
@@ -149,6 +150,12 @@ _SM80 = (
     KernelConfig(128, 128, 32, 4, 8, epilogue_split=1),
     KernelConfig(128, 64, 32, 4, 4, epilogue_split=1),
 )
+# AMD CDNA (pointer loads, Triton's stream pipeliner double-buffers): 2-stage rings whose compiled LDS fits the
+# MI300's 64 KiB for every library program (at most 56 KiB, the cross-entropy epilogues; at 128 x 128 those need 80)
+_CDNA = (
+    KernelConfig(128, 64, 64, 2, 4, epilogue_split=2),
+    KernelConfig(64, 128, 64, 2, 4, epilogue_split=2),
+)
 # float32 operands multiply in IEEE fp32 (no tensor cores): small tiles
 _FP32 = (KernelConfig(64, 64, 32, 3, 4, epilogue_split=1),)
 
@@ -209,28 +216,31 @@ def _holds_segments(cfg: KernelConfig, segments) -> bool:
     return all(int(cfg.sub_n * s.width.value) % s.column_group == 0 for s in segments)
 
 
-def candidates(program: Program, *, major: int, operand_bytes: int, smem_limit: int, tma: bool,
+def candidates(program: Program, *, target: str, operand_bytes: int, smem_limit: int, tma: bool,
                tma_epilogue: bool = False, m: int | None = None, n: int | None = None,
                num_sms: int | None = None) -> list[KernelConfig]:
-    """Configurations worth compiling for this program on this GPU, best guess first.
+    """Configurations worth compiling for this program on ``target`` (a :data:`.targets.TARGETS` name), best guess
+    first.
 
-    ``tma``: A and B are TMA-aligned; ``tma_epilogue``: so are the tile operands and outputs (the
-    ping-pong kernel has no pointer fallback). With ``m <= SMALL_M_ROWS`` (and ``n``, ``num_sms``) on
+    ``tma``: A and B are TMA-aligned (and the target has TMA); ``tma_epilogue``: so are the tile operands and
+    outputs (the ping-pong kernel has no pointer fallback). With ``m <= SMALL_M_ROWS`` (and ``n``, ``num_sms``) on
     sm_90 the pool is the decode configurations, in :func:`small_m_order`."""
-    small_m = m is not None and m <= SMALL_M_ROWS and major == 9 and tma and operand_bytes == 2
+    chip = TARGETS[target]
+    tma = tma and chip.tma
+    small_m = m is not None and m <= SMALL_M_ROWS and chip.name == "sm_90" and tma and operand_bytes == 2
     if operand_bytes == 4:
         pool = _FP32
     elif tma:
         pool = _SM90
     else:
-        pool = _SM80
+        pool = _CDNA if chip.pool == "cdna" else _SM80
     segments = program.column_groups()
     if small_m:  # the decode tiles alone, unless none holds whole segments (heads wider than 128 columns)
         fitting = tuple(cfg for cfg in small_m_order(m, n, num_sms) if _holds_segments(cfg, segments)
                         and (cfg.split_k == 1 or not program.gemm.low_rank))  # the low-rank loop: unsplit only
         pool = fitting or pool
     pingpong_pool = ()
-    if major == 9 and tma and tma_epilogue and operand_bytes == 2 and not small_m and pingpong_available():
+    if chip.pingpong and tma and tma_epilogue and operand_bytes == 2 and not small_m and pingpong_available():
         if pingpong.refusal(program) is None:
             pingpong_pool = tuple(cfg for cfg in PINGPONG if smem_estimate(program, cfg, operand_bytes) <= smem_limit)
     # A SegmentSum group (a head, for QK-norm) must lie inside one epilogue sub-tile: a hard constraint,

@@ -36,8 +36,10 @@ PREFETCH_K = 256
 
 
 def enabled(rows: int, device: torch.device) -> bool:
-    """Whether a kernel over ``rows`` rows on ``device`` launches as a programmatic dependent."""
-    return rows <= DEPENDENT_LAUNCH_ROWS and device.type == "cuda" and capability(device)[0] >= 9
+    """Whether a kernel over ``rows`` rows on ``device`` launches as a programmatic dependent (NVIDIA sm_90+; a ROCm
+    GPU reports a capability of its own, 9.4 on MI300)."""
+    return (rows <= DEPENDENT_LAUNCH_ROWS and device.type == "cuda" and torch.version.hip is None
+            and capability(device)[0] >= 9)
 
 
 def launch_options(pdl: bool) -> dict:

@@ -1,7 +1,7 @@
 """Device math shared by the generated GEMM epilogues and the row kernels (``codagen.ops.kernels``).
 
-Each function takes ``INTERPRETER``: the Triton interpreter runs no inline PTX, so there it computes
-the same formula with numpy.
+Each function takes ``PORTABLE``: where there is no inline PTX (the Triton interpreter, AMD GPUs:
+:mod:`.targets`) it computes the same formula with ``tl``'s own functions (numpy's in the interpreter).
 
 ``sigmoid``. ``tl.sigmoid`` is ``1 / (1 + exp(-x))`` with denormal-safe ``ex2`` and ``div.full``: ptxas
 wraps both in range checks and rescaling (about 12 instructions per element). An epilogue runs on one
@@ -24,15 +24,15 @@ __all__ = ["cos_sin", "sigmoid", "SIGMOID_PTX"]
 
 
 @triton.jit
-def cos_sin(theta, INTERPRETER: tl.constexpr):
+def cos_sin(theta, PORTABLE: tl.constexpr):
     """(cos, sin) of fp32 angles: reduced to [-pi, pi] by 2*pi in three parts (Cody-Waite, exact
     products in fma), then the hardware approximations (MUFU, abs error < 2**-20 on [-pi, pi]).
-    The Triton interpreter has no inline PTX: there, numpy's cos/sin of the reduced angle."""
+    ``PORTABLE`` (no inline PTX): ``tl.cos``/``tl.sin`` of the reduced angle."""
     k = tl.floor(theta * 0.15915494309189535 + 0.5)
     r = tl.fma(k, -6.28125, theta)                  # 6.28125 has 8 significant bits: k * it is exact
     r = tl.fma(k, -0.0019353071693331003, r)        # fp32(2 pi - 6.28125), exact in fp32
     r = tl.fma(k, -1.0253376606378076e-11, r)       # 2 pi - 6.28125 - the above
-    if INTERPRETER:
+    if PORTABLE:
         c = tl.cos(r)
         s = tl.sin(r)
     else:
@@ -48,8 +48,8 @@ SIGMOID_PTX = tl.constexpr("{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.ap
 
 
 @triton.jit
-def sigmoid(x, INTERPRETER: tl.constexpr):
+def sigmoid(x, PORTABLE: tl.constexpr):
     """1 / (1 + 2**(-x log2 e)) on fp32, in four instructions (see the module docstring)."""
-    if INTERPRETER:
+    if PORTABLE:
         return 1.0 / (1.0 + tl.exp(-x))
     return tl.inline_asm_elementwise(SIGMOID_PTX, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)

@@ -30,7 +30,7 @@ RESERVED_NAMES = frozenset("""
     partial_offsets pid_m pid_n piece pieces probe_even probe_odd producer range ready row_layout row_ok
     row_ok_P row_ok_H row_ok_a rows rows_64 rows_a sigmoid slot slot_index stamp stamp_slot stamping
     tile_coords tile_id tile_index tile_ok tile_ok_double tile_ok_half timeline_ptr tl tma triton turn vectors
-    BK BLOCK_K BLOCK_M BLOCK_N BLOCK_R BM BN B_NK DOT_PRECISION EPILOGUE_SPLIT FLATTEN GROUP_M H INTERPRETER
+    BK BLOCK_K BLOCK_M BLOCK_N BLOCK_R BM BN B_NK DOT_PRECISION EPILOGUE_SPLIT FLATTEN GROUP_M H PORTABLE
     IN_SLOTS J K M N OUT_BUFFERS P PDL PIECES PREFETCH_K R PIECE_N RING SPLIT_K SUB_N TIMELINE_TILES TMA_EPILOGUE
     TMA_MAINLOOP
     UPCAST_OPERANDS WHICH

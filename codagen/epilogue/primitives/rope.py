@@ -82,7 +82,7 @@ class Rope(Expr):
             theta = em.fresh("theta")
             em.emit(f"# rotation angle of each pair, in registers: theta = {self.positions} * {self.frequencies}")
             em.emit(f"{theta} = {em.names[self.positions]} * {em.names[self.frequencies]}")
-            em.emit(f"{theta}_cos, {theta}_sin = cos_sin({theta}, INTERPRETER)")
+            em.emit(f"{theta}_cos, {theta}_sin = cos_sin({theta}, PORTABLE)")
             em.memo[angle_key] = theta
         theta = em.memo[angle_key]
         em.emit(f"# {em.comment(self)}")

@@ -41,7 +41,8 @@ else:
     TRITON_AVAILABLE = True
 
 __all__ = ["triton", "tl", "cos_sin", "sigmoid", "launch_kernel", "dependent_launch", "arrivals", "last_to_arrive",
-           "launcher", "dispatcher", "use_triton", "interpreting", "row_block", "next_power_of_2", "cdiv"]
+           "launcher", "dispatcher", "use_triton", "interpreting", "portable_math", "row_block", "next_power_of_2",
+           "cdiv"]
 
 #: widest block of a row kernel that loops over its row
 MAX_BLOCK = 2048
@@ -74,8 +75,14 @@ def dispatcher(ref: Callable, triton_launcher: Callable, *, tensor_arg: int = 0)
 
 
 def interpreting() -> bool:
-    """Whether the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``): no inline PTX there."""
+    """Whether the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``)."""
     return bool(triton.knobs.runtime.interpret)
+
+
+def portable_math() -> bool:
+    """Whether the device math takes its portable formulas (``PORTABLE``: no inline PTX): in the interpreter and
+    on AMD GPUs (a ROCm build of torch)."""
+    return interpreting() or torch.version.hip is not None
 
 
 def next_power_of_2(n: int) -> int:

@@ -14,7 +14,7 @@ import torch
 from codagen.backends import reference
 
 from .._checks import stats_dtype
-from ._launch import cos_sin, dispatcher, interpreting, launch_kernel, launcher, next_power_of_2, tl, triton
+from ._launch import cos_sin, dispatcher, launch_kernel, launcher, next_power_of_2, portable_math, tl, triton
 
 __all__ = ["rope_backward", "rope_backward_ref", "rope_backward_triton", "rope_block"]
 
@@ -44,7 +44,7 @@ def _store_pairs(ptr, even, odd, mask, HALF: tl.constexpr):
 
 @triton.jit
 def _rope_backward_chunk(grad_ptr, values_ptr, grad_z_ptr, frequencies_ptr, n_valid, position,
-                         PRE_ROPE: tl.constexpr, BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+                         PRE_ROPE: tl.constexpr, BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
     """BLOCK columns of a row from an even column on (``n_valid`` of them in bounds): rotate the gradient
     back and store it; return the lanes' share of ``sum z * dz``. ``values`` are the RoPE outputs
     (dotted with the incoming gradient: rotations preserve dot products) or, ``PRE_ROPE``, its inputs
@@ -54,7 +54,7 @@ def _rope_backward_chunk(grad_ptr, values_ptr, grad_z_ptr, frequencies_ptr, n_va
     y0, y1 = _load_pairs(values_ptr, mask, BLOCK // 2)
     pair = tl.arange(0, BLOCK // 2)
     frequency = tl.load(frequencies_ptr + pair, mask=2 * pair < n_valid, other=0.0).to(tl.float32)
-    cos, sin = cos_sin(position * frequency, INTERPRETER)
+    cos, sin = cos_sin(position * frequency, PORTABLE)
     u0, u1 = g0 * cos + g1 * sin, g1 * cos - g0 * sin  # rotate by -theta
     _store_pairs(grad_z_ptr, u0, u1, mask, BLOCK // 2)
     if PRE_ROPE:
@@ -64,21 +64,21 @@ def _rope_backward_chunk(grad_ptr, values_ptr, grad_z_ptr, frequencies_ptr, n_va
 
 @triton.jit
 def _rope_backward_columns(grad_ptr, values_ptr, grad_z_ptr, frequencies_ptr, n_cols, position,
-                           PRE_ROPE: tl.constexpr, BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+                           PRE_ROPE: tl.constexpr, BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
     """A row's ``n_cols`` columns of one column block, BLOCK at a time (:func:`_rope_backward_chunk`);
     returns the lanes' share of their ``sum z * dz``."""
     z_dz = tl.zeros([BLOCK // 2], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         z_dz += _rope_backward_chunk(grad_ptr + start, values_ptr + start, grad_z_ptr + start,
                                      frequencies_ptr + start // 2, n_cols - start, position, PRE_ROPE, BLOCK,
-                                     INTERPRETER)
+                                     PORTABLE)
     return z_dz
 
 
 @triton.jit
 def _rope_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, k_stride, v_stride, q_cols, k_cols,
                           v_cols, qkv_ptr, positions_ptr, frequencies_ptr, grad_z_ptr, mean_z_dz_ptr, inv_width,
-                          BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+                          BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
     """One row per program. The gradient arrives as three column blocks (q, k, v, as attention's
     backward wrote them, each with its own row stride), read in place: no concatenation first."""
     row = tl.program_id(0).to(tl.int64)
@@ -86,12 +86,12 @@ def _rope_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, k_stride
     position = tl.load(positions_ptr + row).to(tl.float32)
     qkv_row, grad_z_row = qkv_ptr + row * n, grad_z_ptr + row * n
     z_dz = _rope_backward_columns(grad_q_ptr + row * q_stride, qkv_row, grad_z_row, frequencies_ptr, q_cols,
-                                  position, False, BLOCK, INTERPRETER)
+                                  position, False, BLOCK, PORTABLE)
     z_dz += _rope_backward_columns(grad_k_ptr + row * k_stride, qkv_row + q_cols, grad_z_row + q_cols,
-                                   frequencies_ptr + q_cols // 2, k_cols, position, False, BLOCK, INTERPRETER)
+                                   frequencies_ptr + q_cols // 2, k_cols, position, False, BLOCK, PORTABLE)
     column = q_cols + k_cols
     z_dz += _rope_backward_columns(grad_v_ptr + row * v_stride, qkv_row + column, grad_z_row + column,
-                                   frequencies_ptr + column // 2, v_cols, position, False, BLOCK, INTERPRETER)
+                                   frequencies_ptr + column // 2, v_cols, position, False, BLOCK, PORTABLE)
     tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
 
 
@@ -146,7 +146,7 @@ def rope_backward_triton(grad_blocks: Sequence[torch.Tensor], qkv: torch.Tensor,
     if m:
         launch_kernel(_rope_backward_kernel, (m,), grad_q, grad_k, grad_v, *(b.stride(0) for b in blocks),
                       *(b.shape[1] for b in blocks), qkv, positions, frequencies, grad_z, mean_z_dz,
-                      1.0 / width, BLOCK=block, INTERPRETER=interpreting(), num_warps=warps)
+                      1.0 / width, BLOCK=block, PORTABLE=portable_math(), num_warps=warps)
     return grad_z, mean_z_dz
 
 

@@ -19,7 +19,7 @@ from codagen.backends import reference
 
 from .._checks import stats_dtype
 from ..layouts import kv_heads_of
-from ._launch import cos_sin, dispatcher, interpreting, launch_kernel, launcher, next_power_of_2, tl, triton
+from ._launch import cos_sin, dispatcher, launch_kernel, launcher, next_power_of_2, portable_math, tl, triton
 from .finish import finish_col_sum_triton
 from .rope import _cat_columns, _load_pairs, _rope_backward_columns, _store_pairs, _three_blocks, rope_block
 
@@ -33,7 +33,7 @@ QK_NORM_LAUNCH = (16, 1024, 4)
 @triton.jit
 def _qk_norm_heads_backward(grad_ptr, preact_ptr, grad_z_ptr, frequencies_ptr, gamma_even, gamma_odd, n_heads,
                             head_dim, position, row_ok, eps, HEADS: tl.constexpr, HEAD_BLOCK: tl.constexpr,
-                            INTERPRETER: tl.constexpr):
+                            PORTABLE: tl.constexpr):
     """A row's ``n_heads`` heads of one kind (Q or K), HEADS at a time as one ``[HEADS, 2 HEAD_BLOCK]``
     tile, loaded contiguously, pairs split in registers: rotate the gradient back, QK-norm backward
     per head, store ``dz``. Returns the row's ``z dz`` and its terms of the norm weight's gradient
@@ -57,7 +57,7 @@ def _qk_norm_heads_backward(grad_ptr, preact_ptr, grad_z_ptr, frequencies_ptr, g
         z0, z1 = tl.split(tl.reshape(z, [HEADS, HEAD_BLOCK, 2]))
         frequency = tl.load(frequencies_ptr + (first + head) * half_head + pair,
                             mask=in_step & (pair < half_head), other=0.0).to(tl.float32)
-        cos, sin = cos_sin(position * frequency, INTERPRETER)
+        cos, sin = cos_sin(position * frequency, PORTABLE)
         u0 = g0 * cos + g1 * sin  # rotated back by -theta: the gradient of the QK-norm output
         u1 = g1 * cos - g0 * sin
         rho = (1.0 / tl.sqrt(tl.sum(z0 * z0 + z1 * z1, axis=1) * inv_head_dim + eps))[:, None]
@@ -80,7 +80,7 @@ def _rope_qk_norm_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, 
                                   grad_z_ptr, mean_z_dz_ptr, partial_grad_norm_weight_ptr,
                                   n_rows, n_pairs, head_dim, num_heads, num_kv_heads, eps, inv_width,
                                   ROWS: tl.constexpr, HEADS: tl.constexpr, HEAD_BLOCK: tl.constexpr,
-                                  BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+                                  BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
     """ROWS rows per program; each row's Q heads, then K heads (:func:`_qk_norm_heads_backward`), then
     its V columns BLOCK at a time (rotated back only). The gradient arrives as the q, k and v column
     blocks, read in place. Norm-weight gradients accumulate over the program's rows in registers and
@@ -103,11 +103,11 @@ def _rope_qk_norm_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, 
         position = tl.load(positions_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
         q_z_dz, q_even, q_odd = _qk_norm_heads_backward(
             grad_q_ptr + row.to(tl.int64) * q_stride, preact_row, grad_z_row, frequencies_ptr, q_gamma_even,
-            q_gamma_odd, num_heads, head_dim, position, row_ok, eps, HEADS, HEAD_BLOCK, INTERPRETER)
+            q_gamma_odd, num_heads, head_dim, position, row_ok, eps, HEADS, HEAD_BLOCK, PORTABLE)
         k_z_dz, k_even, k_odd = _qk_norm_heads_backward(
             grad_k_ptr + row.to(tl.int64) * k_stride, preact_row + q_cols, grad_z_row + q_cols,
             frequencies_ptr + q_cols // 2, k_gamma_even, k_gamma_odd, num_kv_heads, head_dim, position, row_ok,
-            eps, HEADS, HEAD_BLOCK, INTERPRETER)
+            eps, HEADS, HEAD_BLOCK, PORTABLE)
         grad_q_even += q_even
         grad_q_odd += q_odd
         grad_k_even += k_even
@@ -115,7 +115,7 @@ def _rope_qk_norm_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, 
         v_dz = _rope_backward_columns(  # V: rotated back only; none of a row past the end
             grad_v_ptr + row.to(tl.int64) * v_stride, preact_row + qk_cols, grad_z_row + qk_cols,
             frequencies_ptr + qk_cols // 2, tl.where(row_ok, 2 * n_pairs - qk_cols, 0), position, True, BLOCK,
-            INTERPRETER)
+            PORTABLE)
         row_z_dz = tl.sum(tl.sum(q_z_dz + k_z_dz, axis=1), axis=0) + tl.sum(v_dz, axis=0)
         tl.store(mean_z_dz_ptr + row, row_z_dz * inv_width, mask=row_ok)
     # partial row of this program: [q_norm grad | k_norm grad], each head_dim wide
@@ -194,7 +194,7 @@ def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: to
             k_norm_weight, grad_z, mean_z_dz, partial,
             m, n // 2, hd, num_heads, num_kv_heads, eps, 1.0 / width,
             ROWS=rows, HEADS=max(1, step // (2 * head_block)), HEAD_BLOCK=head_block,
-            BLOCK=rope_block(widths[2], step), INTERPRETER=interpreting(), num_warps=warps)
+            BLOCK=rope_block(widths[2], step), PORTABLE=portable_math(), num_warps=warps)
     grad_norm_weight = finish_col_sum_triton(partial, torch.float32)
     return grad_z, mean_z_dz, grad_norm_weight[:hd], grad_norm_weight[hd:]
 

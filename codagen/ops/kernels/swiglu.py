@@ -11,14 +11,14 @@ import torch
 from codagen.backends import reference
 
 from .._checks import stats_dtype
-from ._launch import dispatcher, interpreting, launch_kernel, launcher, row_block, sigmoid, tl, triton
+from ._launch import dispatcher, launch_kernel, launcher, portable_math, row_block, sigmoid, tl, triton
 
 __all__ = ["swiglu_backward", "swiglu_backward_ref", "swiglu_backward_triton"]
 
 
 @triton.jit
 def _swiglu_backward_kernel(grad_ptr, preact_ptr, grad_preact_ptr, mean_z_dz_ptr, n_out, inv_width,
-                            BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+                            BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_dz = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_out, BLOCK):
@@ -28,7 +28,7 @@ def _swiglu_backward_kernel(grad_ptr, preact_ptr, grad_preact_ptr, mean_z_dz_ptr
         gate_at, up_at = row * 2 * n_out + 2 * j, row * 2 * n_out + 2 * j + 1
         gate = tl.load(preact_ptr + gate_at, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(preact_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
-        sig = sigmoid(gate, INTERPRETER)
+        sig = sigmoid(gate, PORTABLE)
         d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
         d_up = dy * gate * sig
         z_dz += gate * d_gate + up * d_up
@@ -55,7 +55,7 @@ def swiglu_backward_triton(grad_act: torch.Tensor, preact: torch.Tensor,
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=grad_act.device)
     if m:
         launch_kernel(_swiglu_backward_kernel, (m,), grad_act, preact, grad_preact, mean_z_dz, f, 1.0 / width,
-                      BLOCK=row_block(f), INTERPRETER=interpreting())
+                      BLOCK=row_block(f), PORTABLE=portable_math())
     return grad_preact, mean_z_dz
 
 

@@ -143,7 +143,7 @@ class PersistentEmitter(Emitter):
         key = ("sigmoid", var)
         if key not in self.memo:
             name = f"{var}_sigmoid"
-            self.emit(f"{name} = sigmoid({var}, INTERPRETER)")
+            self.emit(f"{name} = sigmoid({var}, PORTABLE)")
             self.memo[key] = name
         return self.memo[key]
 
@@ -199,7 +199,7 @@ class PersistentEmitter(Emitter):
                 self.emit(f"    {out.name}_old = tl.load({out.name}_ptr + {self.tile_offsets(w)}, "
                           f"mask={self.tile_ok(w)}, other=0.0).to(tl.float32)")
                 v = f"({out.name}_old + {v})"
-            cast = f"cast_for_store({v}, {out.name}_ptr, INTERPRETER)"
+            cast = f"cast_for_store({v}, {out.name}_ptr, PORTABLE)"
             self.emit("if TMA_EPILOGUE:")
             self.emit(f"    {out.name}_desc.store([off_m, {_TILE_OFFSET[w]}], {cast})")
             self.emit("else:")
@@ -361,9 +361,9 @@ def generate(program: Program, header: str = "") -> str:
     pointer_args = inputs + outputs
     ep_args = ", ".join(pointer_args + descs)
     ep_params = ["acc, off_m, off_n, M, N"] + [", ".join(group) for group in (pointer_args, descs) if group]
-    ep_params.append("BLOCK_M: tl.constexpr, SUB_N: tl.constexpr, TMA_EPILOGUE: tl.constexpr, INTERPRETER: tl.constexpr")
+    ep_params.append("BLOCK_M: tl.constexpr, SUB_N: tl.constexpr, TMA_EPILOGUE: tl.constexpr, PORTABLE: tl.constexpr")
     ep_sig = ",\n        ".join(ep_params)
-    ep_call_args = f"M, N, {ep_args}, BLOCK_M, SUB_N, TMA_EPILOGUE, INTERPRETER" if ep_args else "M, N, BLOCK_M, SUB_N, TMA_EPILOGUE, INTERPRETER"
+    ep_call_args = f"M, N, {ep_args}, BLOCK_M, SUB_N, TMA_EPILOGUE, PORTABLE" if ep_args else "M, N, BLOCK_M, SUB_N, TMA_EPILOGUE, PORTABLE"
 
     # epilogue descriptors (tile operands and tile outputs), created once per program instance
     desc_lines = []
@@ -433,7 +433,7 @@ def generate(program: Program, header: str = "") -> str:
         "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr"
         + (", BLOCK_R: tl.constexpr" if low_rank else ""),
         "EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr",
-        "UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr",
+        "UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, PORTABLE: tl.constexpr",
         "PDL: tl.constexpr, PREFETCH_K: tl.constexpr",
     ]))
 
@@ -507,7 +507,7 @@ def {name}_split_k_kernel(
         a_ptr, b_ptr, partial_ptr, arrivals_ptr, {pointer_params}, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr,
-        UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, INTERPRETER: tl.constexpr,
+        UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, PORTABLE: tl.constexpr,
         PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
     """Split-K: partial[split] = op(A)[:, K range of split] @ op(B)[K range of split, :] in fp32; the tile's last
     split sums its SPLIT_K partials in split order and runs the {name} epilogue on the sum."""

@@ -36,13 +36,14 @@ def column_halves(x, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def cast_for_store(x, ptr, INTERPRETER: tl.constexpr):
+def cast_for_store(x, ptr, PORTABLE: tl.constexpr):
     """fp32 -> the output's dtype, rounding to nearest even.
 
-    The Triton 3.6 interpreter truncates fp32 -> bf16; there, round the fp32 bits to bf16 precision
-    first (add 0x7FFF plus the lowest kept bit, clear the low half), so the truncation is exact.
+    The Triton 3.6 interpreter truncates fp32 -> bf16; with ``PORTABLE`` (the interpreter, AMD: .targets) the fp32
+    bits are rounded to bf16 precision first (add 0x7FFF plus the lowest kept bit, clear the low half), so a
+    truncation is exact and a rounding conversion gives the same value.
     """
-    if INTERPRETER:
+    if PORTABLE:
         if ptr.dtype.element_ty == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000

@@ -1,0 +1,97 @@
+"""The GPU targets the Triton backend compiles for, and what each one offers the kernels.
+
+A :class:`Target` is what the backend's choices read instead of a compute capability alone: whether the chip has
+TMA descriptors (the Hopper and Blackwell copy engine: the TMA mainloop and epilogue), whether the Gluon ping-pong
+kernel runs there (sm_90 only: Triton 3.6 applies ``warp_specialize`` elsewhere differently or not at all), the
+shared memory (LDS on AMD) one program may take, whether inline PTX exists (the device math's fast ``sigmoid`` and
+``cos``/``sin``; elsewhere :mod:`.device_math`'s portable formulas, as in the interpreter), the ``tl.dot`` input
+precisions it accepts, and the instruction family its matrix multiplies compile to (what the compile matrix checks
+in the assembly: ``tests/backends/test_compile_matrix.py``).
+
+Supported: NVIDIA sm_80 (A100), sm_86 / sm_89 (RTX 30 / 40, L40), sm_90 (H100, H200), sm_100 (B200), sm_120
+(RTX 50); AMD gfx942 (MI300) and gfx950 (MI350). Measured: sm_90 only; the others are compiled in CI
+(``docs/triton.md``, "Targets").
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Target", "TARGETS", "of_device", "compile_target"]
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str             # "sm_90", "gfx942"
+    backend: str          # Triton's backend: "cuda" or "hip"
+    arch: int | str       # Triton's GPUTarget arch: 90, "gfx942"
+    warp_size: int
+    shared_memory: int    # bytes one program may take (the opt-in limit; the device's property wins at run time)
+    tma: bool             # TMA descriptors: the TMA mainloop and epilogue
+    pingpong: bool        # the warp-specialized Gluon kernel (.pingpong)
+    ptx: bool             # inline PTX (the device math's fast paths)
+    dot_precisions: tuple[str, ...]  # tl.dot input_precision values accepted
+    mma: str              # what a bf16 tl.dot compiles to, as it appears in the assembly
+    pool: str             # the configurations' family in .configs: "sm90" (TMA), "sm80" (pointer loads), "cdna"
+
+    @property
+    def portable(self) -> bool:
+        """The device math without inline PTX (as in the interpreter)."""
+        return not self.ptx
+
+    def dot_precision(self, fp32_operands: bool) -> str:
+        """``tl.dot``'s input precision: IEEE fp32 for fp32 operands, else tf32 where accepted (bf16 and fp16
+        operands ignore it)."""
+        return "ieee" if fp32_operands or "tf32" not in self.dot_precisions else "tf32"
+
+
+_NVIDIA = ("tf32", "tf32x3", "ieee")
+_AMD = ("ieee", "bf16x3", "bf16x6")
+TARGETS = {t.name: t for t in (
+    Target("sm_80", "cuda", 80, 32, 166912, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
+           mma="mma.sync", pool="sm80"),
+    Target("sm_86", "cuda", 86, 32, 101376, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
+           mma="mma.sync", pool="sm80"),
+    Target("sm_89", "cuda", 89, 32, 101376, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
+           mma="mma.sync", pool="sm80"),
+    Target("sm_90", "cuda", 90, 32, 232448, tma=True, pingpong=True, ptx=True, dot_precisions=_NVIDIA,
+           mma="wgmma", pool="sm90"),
+    Target("sm_100", "cuda", 100, 32, 232448, tma=True, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
+           mma="tcgen05", pool="sm90"),
+    Target("sm_120", "cuda", 120, 32, 101376, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
+           mma="mma.sync", pool="sm80"),
+    Target("gfx942", "hip", "gfx942", 64, 65536, tma=False, pingpong=False, ptx=False, dot_precisions=_AMD,
+           mma="v_mfma", pool="cdna"),
+    Target("gfx950", "hip", "gfx950", 64, 163840, tma=False, pingpong=False, ptx=False, dot_precisions=_AMD,
+           mma="v_mfma", pool="cdna"),
+)}
+
+
+@functools.cache
+def _of_index(index: int) -> Target:
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip is not None:
+        name = props.gcnArchName.split(":")[0]
+    else:
+        major, minor = torch.cuda.get_device_capability(index)
+        name = f"sm_{major}{minor}"
+        if name not in TARGETS and major in (9, 10, 12):  # sm_90a, sm_103, sm_121: the family's target
+            name = f"sm_{major}0"
+    target = TARGETS.get(name)
+    if target is None:
+        raise RuntimeError(f"codagen's triton backend compiles for {', '.join(TARGETS)}; "
+                           f"{torch.cuda.get_device_name(index)} is {name}: use backend='reference'")
+    return target
+
+
+def of_device(device: torch.device) -> Target:
+    """The target of CUDA (or ROCm) ``device``, read once per GPU; an unknown chip is refused, naming the known ones."""
+    return _of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def compile_target(target: Target):
+    """Triton's ``GPUTarget`` of ``target`` (compiling without that GPU: the compile matrix, bench scripts)."""
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget(target.backend, target.arch, target.warp_size)

@@ -1,0 +1,114 @@
+"""The compile matrix: every library program's persistent kernel compiles for every target of
+``codagen.backends.triton.targets`` (NVIDIA sm_80 to sm_120, AMD gfx942 and gfx950) on this CPU-only machine, in the
+configurations the tuner offers there, within the target's shared memory, to the target's matrix instruction
+(wgmma on sm_90, tcgen05 on sm_100, mma.sync on sm_80/86/89/120, MFMA on AMD), with TMA copies only where the chip
+has TMA and no inline PTX on AMD.
+
+Sampled to fit CI's time: per target, every program in its first candidate (the untuned choice) and the whole pool
+of one program (a different one per target). Registers and spills are not checked here (``bench/triton_resources.py``
+reads them from the cubin); the ping-pong kernel (sm_90 only) compiles in ``test_pingpong.py``.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from codagen.backends.triton.configs import candidates  # noqa: E402
+from codagen.backends.triton.cross_compile import compile_persistent  # noqa: E402
+from codagen.backends.triton.targets import TARGETS  # noqa: E402
+from codagen.epilogue import library  # noqa: E402
+
+PROGRAMS = sorted(library.PROGRAMS)
+
+
+def pool(name: str, target) -> list:
+    return [cfg for cfg in candidates(library.PROGRAMS[name](), target=target.name, operand_bytes=2,
+                                      smem_limit=target.shared_memory, tma=target.tma, tma_epilogue=target.tma)
+            if cfg.schedule == "persistent"]
+
+
+def cases():
+    for index, target in enumerate(TARGETS.values()):
+        whole = PROGRAMS[index * 5 % len(PROGRAMS)]
+        for name in PROGRAMS:
+            configs = pool(name, target) if name == whole else pool(name, target)[:1]
+            for cfg in configs:
+                yield pytest.param(target, name, cfg, id=f"{target.name}-{name}-{cfg.short().replace(' ', '_')}")
+
+
+def report(target_name: str, name: str, cfg) -> dict:
+    """One compile's facts, or its error (run in a worker process)."""
+    target = TARGETS[target_name]
+    try:
+        compiled = compile_persistent(library.PROGRAMS[name](), cfg, target)
+    except Exception as error:  # noqa: BLE001 - reported by the test of this case
+        return {"error": f"{type(error).__name__}: {str(error)[-2000:]}"}
+    code = compiled.asm.get("ptx") or compiled.asm["amdgcn"]
+    return {"shared": compiled.metadata.shared, "mma": target.mma in code, "tma": "cp.async.bulk.tensor" in code,
+            "binary": "cubin" in compiled.asm or "hsaco" in compiled.asm}
+
+
+CASES = list(cases())
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """Every case compiled once, in parallel (worker processes: each compile is mostly single-threaded)."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+    jobs = [(case.values[0].name, case.values[1], case.values[2]) for case in CASES]
+    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1),
+                             mp_context=multiprocessing.get_context("spawn")) as workers:
+        return dict(zip(jobs, workers.map(report, *zip(*jobs))))
+
+
+@pytest.mark.parametrize("target, name, cfg", CASES)
+def test_compiles(target, name, cfg, reports):
+    facts = reports[(target.name, name, cfg)]
+    assert "error" not in facts, facts.get("error")
+    assert facts["shared"] <= target.shared_memory, (facts["shared"], target.shared_memory)
+    assert facts["mma"], f"{target.name}: no {target.mma} in the assembly"
+    assert facts["tma"] == target.tma
+    assert facts["binary"]
+
+
+def test_every_target_has_a_pool_for_every_program():
+    for target in TARGETS.values():
+        for name in PROGRAMS:
+            assert pool(name, target), (target.name, name)
+
+
+def test_targets_choose_their_families():
+    """TMA and the ping-pong kernel where the chip has them; no tf32 precision or inline PTX on AMD."""
+    assert [t.name for t in TARGETS.values() if t.tma] == ["sm_90", "sm_100"]
+    assert [t.name for t in TARGETS.values() if t.pingpong] == ["sm_90"]
+    for target in TARGETS.values():
+        assert target.portable == (target.backend == "hip")
+        assert target.dot_precision(fp32_operands=True) == "ieee"
+        assert target.dot_precision(fp32_operands=False) == ("ieee" if target.backend == "hip" else "tf32")
+
+
+@pytest.mark.parametrize("capability, hip_arch, want", [((9, 0), None, "sm_90"), ((8, 0), None, "sm_80"),
+                                                        ((12, 1), None, "sm_120"), ((10, 3), None, "sm_100"),
+                                                        (None, "gfx942:sramecc+:xnack-", "gfx942"),
+                                                        ((7, 5), None, None), (None, "gfx1100", None)])
+def test_a_device_maps_to_its_target_or_is_refused(capability, hip_arch, want, monkeypatch):
+    import torch
+
+    from codagen.backends.triton import targets
+
+    class Properties:
+        gcnArchName = hip_arch or ""
+    monkeypatch.setattr(torch.version, "hip", "6.4" if hip_arch else None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Properties())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "a test GPU")
+    of_index = targets._of_index.__wrapped__
+    if want is None:
+        with pytest.raises(RuntimeError, match="compiles for sm_80, .*gfx950; a test GPU is (sm_75|gfx1100): use "
+                                               "backend='reference'"):
+            of_index(0)
+    else:
+        assert of_index(0).name == want
