@@ -10,36 +10,18 @@ That is what decides which configurations can run before any device time is spen
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 from codagen.backends.triton.backend import load_kernel  # noqa: E402
 from codagen.backends.triton.configs import SM90, candidates, smem_estimate  # noqa: E402
-from codagen.backends.triton.cross_compile import compile_persistent  # noqa: E402
+from codagen.backends.triton.cross_compile import compile_persistent, cubin_resources  # noqa: E402
 from codagen.backends.triton.targets import TARGETS  # noqa: E402
 from codagen.epilogue import library  # noqa: E402
-
-
-def resources(cubin: bytes) -> tuple[int, int]:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    regs = re.search(r"REG:(\d+)", text)
-    stack = re.search(r"STACK:(\d+)", text)
-    return int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1
 
 
 def compile_one(program, cfg, dtype: str, arch: int):
@@ -70,7 +52,7 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - a report: show the failure and go on
                 print(f"{name:36s} {cfg.short():34s} {est:7.0f} FAILED {type(e).__name__}: {str(e)[:80]}")
                 continue
-            regs, stack = resources(c.asm["cubin"])
+            regs, stack = cubin_resources(c.asm["cubin"])
             print(f"{name:36s} {cfg.short():34s} {est:7.0f} {c.metadata.shared / 1024:8.0f} {regs:4d} {stack:5d} "
                   f"{'yes' if 'wgmma' in c.asm['ptx'] else 'NO'}", flush=True)
     return 0

@@ -223,5 +223,6 @@ def test_refusals_advise_what_works_for_the_model():
 def test_qk_norm_head_dims_are_those_the_triton_epilogue_sub_tiles_hold():
     """QK_NORM_HEAD_DIMS: the even divisors of the widest epilogue sub-tile of the fp16/bf16 configurations."""
     configs = pytest.importorskip("codagen.backends.triton.configs")
-    widest = max(cfg.sub_n for cfg in configs.SM90 + configs._SM80)
+    pools = configs.SM90 + configs._SM80 + configs._AMPERE + configs._BLACKWELL + configs._CDNA
+    widest = max(cfg.sub_n for cfg in pools)
     assert QK_NORM_HEAD_DIMS == tuple(d for d in range(2, widest + 1, 2) if widest % d == 0)

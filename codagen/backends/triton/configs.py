@@ -145,16 +145,33 @@ SM90 = _SM90  # the Hopper pool by its public name (bench/mainloop_configs.py, b
 # (num_warps counts one), the epilogue in four or eight TMA-staged column pieces (eight: half the buffers)
 PINGPONG = tuple(KernelConfig(128, 128, 64, 4, 4, epilogue_split=split, tma_epilogue=True, schedule="pingpong")
                  for split in (4, 8))
-# Ampere/Ada (pointer loads, cp.async pipelining)
+# pointer loads (cp.async pipelining) on a TMA chip whose operands are not TMA-aligned
 _SM80 = (
     KernelConfig(128, 128, 32, 4, 8, epilogue_split=1),
     KernelConfig(128, 64, 32, 4, 4, epilogue_split=1),
 )
+# Ampere, Ada and sm_120 (pointer loads): the 128 x 128 tile's epilogue in quarters first, which no library program
+# spills in (the whole tile at once spills in the norm, cross-entropy and SwiGLU backwards, halves in the SwiGLU
+# backward on sm_120: the compile matrix); the whole tile last, for QK-norm heads of 128 columns
+_AMPERE = (
+    KernelConfig(128, 128, 32, 4, 8, epilogue_split=4),
+    KernelConfig(128, 128, 32, 4, 8, epilogue_split=2),
+    KernelConfig(128, 128, 32, 4, 8, epilogue_split=1),
+)
+# Blackwell (TMA, tcgen05): 128 x 128 tiles, the epilogue in quarters (128 x 256 spills in the backwards there);
+# 128 x 256 in halves last, for QK-norm heads of 64 and 128 columns
+_BLACKWELL = (
+    KernelConfig(128, 128, 64, 4, 8, epilogue_split=4, tma_epilogue=False),
+    KernelConfig(128, 128, 64, 4, 8, epilogue_split=4, tma_epilogue=True),
+    KernelConfig(128, 256, 64, 3, 8, epilogue_split=2, tma_epilogue=False),
+)
 # AMD CDNA (pointer loads, Triton's stream pipeliner double-buffers): 2-stage rings whose compiled LDS fits the
-# MI300's 64 KiB for every library program (at most 56 KiB, the cross-entropy epilogues; at 128 x 128 those need 80)
+# MI300's 64 KiB for every library program (at most 56 KiB, the cross-entropy epilogues; at 128 x 128 those need 80);
+# the whole 128-column tile last, for QK-norm heads of 128 columns (40 KiB)
 _CDNA = (
     KernelConfig(128, 64, 64, 2, 4, epilogue_split=2),
     KernelConfig(64, 128, 64, 2, 4, epilogue_split=2),
+    KernelConfig(64, 128, 64, 2, 4, epilogue_split=1),
 )
 # float32 operands multiply in IEEE fp32 (no tensor cores): small tiles
 _FP32 = (KernelConfig(64, 64, 32, 3, 4, epilogue_split=1),)
@@ -231,9 +248,9 @@ def candidates(program: Program, *, target: str, operand_bytes: int, smem_limit:
     if operand_bytes == 4:
         pool = _FP32
     elif tma:
-        pool = _SM90
+        pool = _BLACKWELL if chip.pool == "blackwell" else _SM90
     else:
-        pool = _CDNA if chip.pool == "cdna" else _SM80
+        pool = {"cdna": _CDNA, "ampere": _AMPERE}.get(chip.pool, _SM80)
     segments = program.column_groups()
     if small_m:  # the decode tiles alone, unless none holds whole segments (heads wider than 128 columns)
         fitting = tuple(cfg for cfg in small_m_order(m, n, num_sms) if _holds_segments(cfg, segments)

@@ -7,6 +7,12 @@ where the target has no inline PTX (:mod:`.targets`).
 """
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
 from triton.compiler import ASTSource
 
 from codagen.epilogue.ir import Program, RowVector, Store, TileInput
@@ -15,7 +21,7 @@ from .configs import KernelConfig
 from .modules import load_kernel
 from .targets import Target, compile_target
 
-__all__ = ["signature", "compile_persistent"]
+__all__ = ["signature", "compile_persistent", "cubin_resources"]
 
 _CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EPILOGUE_SPLIT", "SUB_N", "TMA_MAINLOOP", "TMA_EPILOGUE",
                "UPCAST_OPERANDS", "DOT_PRECISION", "FLATTEN", "PORTABLE", "PDL", "PREFETCH_K")
@@ -54,3 +60,18 @@ def compile_persistent(program: Program, cfg: KernelConfig, target: Target, dtyp
                       PDL=False, PREFETCH_K=0)
     return triton.compile(ASTSource(kernel, sig, constexprs, aligned), target=compile_target(target),
                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def cubin_resources(cubin: bytes) -> tuple[int, int]:
+    """``(registers per thread, stack bytes per thread)`` of an NVIDIA kernel (``cuobjdump --dump-resource-usage``,
+    the one Triton ships); stack bytes are spilled registers or local arrays. ``-1`` where it prints none."""
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    registers, stack = re.search(r"REG:(\d+)", text), re.search(r"STACK:(\d+)", text)
+    return int(registers.group(1)) if registers else -1, int(stack.group(1)) if stack else -1

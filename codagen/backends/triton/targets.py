@@ -35,7 +35,7 @@ class Target:
     ptx: bool             # inline PTX (the device math's fast paths)
     dot_precisions: tuple[str, ...]  # tl.dot input_precision values accepted
     mma: str              # what a bf16 tl.dot compiles to, as it appears in the assembly
-    pool: str             # the configurations' family in .configs: "sm90" (TMA), "sm80" (pointer loads), "cdna"
+    pool: str             # the configurations' family in .configs: "sm90", "blackwell" (TMA), "ampere", "cdna"
 
     @property
     def portable(self) -> bool:
@@ -52,17 +52,17 @@ _NVIDIA = ("tf32", "tf32x3", "ieee")
 _AMD = ("ieee", "bf16x3", "bf16x6")
 TARGETS = {t.name: t for t in (
     Target("sm_80", "cuda", 80, 32, 166912, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
-           mma="mma.sync", pool="sm80"),
+           mma="mma.sync", pool="ampere"),
     Target("sm_86", "cuda", 86, 32, 101376, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
-           mma="mma.sync", pool="sm80"),
+           mma="mma.sync", pool="ampere"),
     Target("sm_89", "cuda", 89, 32, 101376, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
-           mma="mma.sync", pool="sm80"),
+           mma="mma.sync", pool="ampere"),
     Target("sm_90", "cuda", 90, 32, 232448, tma=True, pingpong=True, ptx=True, dot_precisions=_NVIDIA,
            mma="wgmma", pool="sm90"),
     Target("sm_100", "cuda", 100, 32, 232448, tma=True, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
-           mma="tcgen05", pool="sm90"),
+           mma="tcgen05", pool="blackwell"),
     Target("sm_120", "cuda", 120, 32, 101376, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
-           mma="mma.sync", pool="sm80"),
+           mma="mma.sync", pool="ampere"),
     Target("gfx942", "hip", "gfx942", 64, 65536, tma=False, pingpong=False, ptx=False, dot_precisions=_AMD,
            mma="v_mfma", pool="cdna"),
     Target("gfx950", "hip", "gfx950", 64, 163840, tma=False, pingpong=False, ptx=False, dot_precisions=_AMD,
