@@ -31,7 +31,7 @@ from transformers import LlamaForCausalLM
 
 import codagen
 from codagen.bench.generate import MODELS
-from codagen.models import generate_loop
+from codagen.models import decode_graphs, generate_loop
 from codagen.models.decode import GreedyDecoder
 
 PROMPT = 2048
@@ -65,13 +65,13 @@ def decode_attention_us(run) -> float:
 
 
 def captured_after(prepare):
-    """``generate_loop._capture`` that runs ``prepare()`` first."""
-    capture = generate_loop._capture
+    """``decode_graphs.capture`` (the loop's capture) that runs ``prepare()`` first."""
+    capture = decode_graphs.capture
 
-    def _capture(loop, step, tensors):
+    def capture_after_prepare(stream, fn):
         prepare()
-        return capture(loop, step, tensors)
-    return _capture
+        return capture(stream, fn)
+    return capture_after_prepare
 
 
 def standalone(batch: int, layers_shape) -> list[tuple[str, float]]:
@@ -110,7 +110,7 @@ def main() -> None:
         model = LlamaForCausalLM(shape.config(args.layers)).to(torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
     codagen.patch(model)
-    capture = generate_loop._capture
+    capture = decode_graphs.capture
     with torch.no_grad():
         for batch in args.batches:
             ids = torch.randint(0, shape.vocab, (batch, PROMPT), device="cuda")
@@ -137,11 +137,11 @@ def main() -> None:
                         ("generate(), ... and gc.collect", captured_after(as_torch_cuda_graph), generate)]
             for name, loop_capture, run in variants:
                 if loop_capture is not None:
-                    generate_loop._capture = loop_capture
+                    decode_graphs.capture = loop_capture
                     generate_loop.drop(model)
                 print(f"b{batch:<3d} {name:42s} {step_ms(run):.3f} ms/token, decode SDPA "
                       f"{decode_attention_us(run):.1f} us", flush=True)
-            generate_loop._capture = capture
+            decode_graphs.capture = capture
             for name, us in standalone(batch, shape):
                 print(f"b{batch:<3d} {name:42s} {us:.1f} us", flush=True)
 

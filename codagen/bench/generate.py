@@ -248,19 +248,26 @@ def _error(record: dict, error: Exception) -> None:
     record["traceback"] = traceback.format_exc()[-1500:]
 
 
+def random_model(shape: ModelShape, layers: int, device, dtype):
+    """A ``LlamaForCausalLM`` of ``shape`` with random weights (seed 0) and no EOS token (random weights: every run
+    makes all the tokens asked for). Dynamo is reset first: transformers' forward wrapper is one function for every
+    model, so each model gets a fresh recompilation budget (else the second model's compiled decode steps run
+    eagerly once Dynamo's recompile limit is reached)."""
+    from transformers import LlamaForCausalLM
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(shape.config(layers)).to(dtype)
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def bench_model(name: str, shape: ModelShape, layers: int, providers: list[str], device, dtype, prefill_cases,
                 decode_cases, context: int, new_tokens: int, bandwidth_gbps: float | None,
                 records: list[dict], save: Callable[[], object]) -> None:
     """Appends one record per (case, provider) to ``records`` and calls ``save`` after each case, so a run cut
     short keeps what it measured."""
-    from transformers import LlamaForCausalLM
-    # transformers' forward wrapper is one function for every model: a fresh recompilation budget per model, or
-    # the second model's compiled decode steps run eagerly once Dynamo's recompile limit is reached
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(shape.config(layers)).to(dtype).eval()
-    model.generation_config.eos_token_id = None  # random weights: every provider makes all the tokens asked for
+    model = random_model(shape, layers, device, dtype).eval()
     runs = Providers(model, max_cache_len=context + new_tokens, device=device)
     timer = _timer(device)
     base = {"suite": "generate", "name": name, "shape": dict(dataclasses.asdict(shape), layers=layers),
@@ -357,12 +364,7 @@ def bench_rl(shape: ModelShape, layers: int, providers: list[str], device, dtype
 def _rl_iterations(record: dict, shape: ModelShape, layers: int, device, dtype, batch: int, prompt: int,
                    new_tokens: int, iterations: int) -> None:
     """One provider's RL iterations (:func:`bench_rl`), timed into ``record``."""
-    from transformers import LlamaForCausalLM
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(shape.config(layers)).to(dtype)
-    model.generation_config.eos_token_id = None  # random weights: every row samples all its tokens
+    model = random_model(shape, layers, device, dtype)
     patched = record["provider"] == "rl_codagen"
     if patched:
         codagen.patch(model)

@@ -33,7 +33,7 @@ not seen, as for every forward without autograd (:func:`codagen.models.hf.refres
 too). Hooks and the patch-time refusals are checked by the eager forwards: each ``generate()`` call's prefill
 and each step kind's first step.
 
-A graph replays for a cache whose tensors (each layer's keys, values and length: :func:`_cache_tensors`) are the
+A graph replays for a cache whose tensors (each layer's keys, values and length: :func:`cache_tensors`) are the
 ones it was captured on, at the same addresses and shapes. transformers makes a new ``StaticCache`` for each
 ``generate()`` call (unless one is passed in); where the allocator hands it the previous cache's memory, the
 previous graph replays, else the call's first decode step captures again, on the warmed-up stream (21-26 ms at
@@ -52,7 +52,8 @@ from torch import nn
 
 from . import fused_layers, hf_cache, lora
 
-__all__ = ["replay", "compiles_forward", "default_static_cache", "drop", "eagerly", "graphs_of", "weights_key"]
+__all__ = ["replay", "compiles_forward", "default_static_cache", "drop", "eagerly", "graphs_of", "weights_key",
+           "on_stream", "cache_tensors", "capture", "given_cache", "static_full_attention"]
 
 #: step kinds kept per model (least recently used dropped first): a new cache or batch size is a new kind
 MAX_STEP_KINDS = 4
@@ -63,7 +64,7 @@ _STEP_ARGUMENTS = frozenset({"input_ids", "attention_mask", "position_ids", "pas
 
 class _Step:
     """One step kind: its stream, warmed up by an eager step; once captured, the graph, the cache tensors it reads
-    and writes (:func:`_cache_tensors`), its input buffers and its output logits."""
+    and writes (:func:`cache_tensors`), its input buffers and its output logits."""
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device)
@@ -136,24 +137,31 @@ def drop(model: nn.Module) -> None:
     _GRAPHS.pop(model, None)
 
 
+def given_cache(model_kwargs: dict):
+    """The cache a ``generate()`` call's model inputs hold (``cache`` from transformers 5.2x, ``past_key_values``
+    before), or ``None``."""
+    return next((model_kwargs[name] for name in ("cache", "past_key_values") if model_kwargs.get(name) is not None),
+                None)
+
+
+def static_full_attention(cache) -> bool:
+    """A ``StaticCache`` whose layers are all full-attention ``StaticLayer``\\ s (allocated or not)."""
+    cache_utils, _, _ = hf_cache._transformers()
+    return (type(cache) is cache_utils.StaticCache and bool(cache.layers)
+            and all(type(layer) is cache_utils.StaticLayer for layer in cache.layers))
+
+
 def _full_static_cache(cache) -> bool:
     """A ``StaticCache`` whose layers are all allocated full-attention ``StaticLayer``\\ s with a device length."""
-    cache_utils, _, _ = hf_cache._transformers()
-    if type(cache) is not cache_utils.StaticCache or not cache.layers:
-        return False
-    return all(type(layer) is cache_utils.StaticLayer and layer.is_initialized
-               and torch.is_tensor(layer.cumulative_length) for layer in cache.layers)
+    return static_full_attention(cache) and all(layer.is_initialized and torch.is_tensor(layer.cumulative_length)
+                                                for layer in cache.layers)
 
 
 def compiles_forward(model: nn.Module, model_kwargs: dict) -> bool | None:
     """``False`` where ``generate()`` with these ``model_kwargs`` would replay the decode step (a CUDA model and
     a ``StaticCache`` of full-attention layers): transformers' auto-compile stays off. ``None``: transformers
     decides."""
-    cache_utils, _, _ = hf_cache._transformers()
-    cache = next((model_kwargs[name] for name in ("cache", "past_key_values") if model_kwargs.get(name) is not None),
-                 None)
-    if (type(cache) is cache_utils.StaticCache and model.device.type == "cuda"
-            and all(type(layer) is cache_utils.StaticLayer for layer in cache.layers)):
+    if model.device.type == "cuda" and static_full_attention(given_cache(model_kwargs)):
         return False
     return None
 
@@ -166,7 +174,7 @@ def default_static_cache(model: nn.Module, generation_config, model_kwargs: dict
     if (model.device.type != "cuda" or generation_config.cache_implementation is not None
             or generation_config.use_cache is False or generation_mode not in ("greedy_search", "sample")):
         return False
-    if any(model_kwargs.get(name) is not None for name in ("cache", "past_key_values")):
+    if given_cache(model_kwargs) is not None:
         return False
     return not any(lora._is_peft_module(m) for m in model.modules())
 
@@ -227,9 +235,9 @@ def replay(model: nn.Module, forward: Callable, args: tuple, kwargs: dict):
         while len(state.steps) >= MAX_STEP_KINDS:
             state.steps.popitem(last=False)
         step = state.steps[key] = _Step(inputs["input_ids"].device)
-        return _on_stream(step.stream, lambda: forward(model, *args, **kwargs))
+        return on_stream(step.stream, lambda: forward(model, *args, **kwargs))
     state.steps.move_to_end(key)
-    tensors = _cache_tensors(cache)
+    tensors = cache_tensors(cache)
     if step.graph is None or step.cache_tensors != tensors:  # a cache at other addresses: capture again
         _capture(step, model, forward, cache, tensors, inputs, kwargs.get("logits_to_keep", 0))
     else:
@@ -242,7 +250,8 @@ def replay(model: nn.Module, forward: Callable, args: tuple, kwargs: dict):
     return output if return_dict is None or return_dict else output.to_tuple()
 
 
-def _on_stream(stream: torch.cuda.Stream, fn: Callable):
+def on_stream(stream: torch.cuda.Stream, fn: Callable):
+    """``fn()`` run on ``stream``, ordered after and before the current stream's work; its result."""
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
@@ -251,30 +260,38 @@ def _on_stream(stream: torch.cuda.Stream, fn: Callable):
     return result
 
 
-def _cache_tensors(cache) -> tuple:
+def cache_tensors(cache) -> tuple:
     """Everything of ``cache`` a captured step touches: each layer's keys, values and length, by address and shape.
     A graph is valid for any cache that matches: the cache object itself is not read."""
     return tuple((t.data_ptr(), t.shape) for layer in cache.layers
                  for t in (layer.keys, layer.values, layer.cumulative_length))
 
 
-def _capture(step: _Step, model: nn.Module, forward: Callable, cache, tensors: tuple, inputs: dict,
-             logits_to_keep: int) -> None:
-    """Capture the step on ``step.stream`` (the stream its eager step warmed up: the kernels' per-stream state)
-    with buffers holding this call's inputs; the graph is replayed by the caller. ``capture_begin`` directly, not
+def capture(stream: torch.cuda.Stream, fn: Callable) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``(graph, fn's result)``: ``fn`` captured on ``stream`` (the stream its eager run warmed up: the kernels'
+    per-stream state); capturing runs nothing, the caller replays. ``capture_begin`` directly, not
     ``torch.cuda.graph``: that also synchronizes the device, collects garbage and empties the allocator's cache,
-    tens of milliseconds once per ``generate()`` call."""
-    step.graph = step.logits = None  # the previous cache's graph and its memory go first
-    step.inputs = {name: None if t is None else t.clone() for name, t in inputs.items()}
+    tens of milliseconds per capture."""
     graph = torch.cuda.CUDAGraph()
-    step.stream.wait_stream(torch.cuda.current_stream(step.stream.device))
-    with torch.cuda.stream(step.stream):
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
         graph.capture_begin()
         try:
-            out = forward(model, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
-                          return_dict=True, **{name: t for name, t in step.inputs.items() if t is not None})
+            result = fn()
         finally:
             graph.capture_end()
-    torch.cuda.current_stream(step.stream.device).wait_stream(step.stream)
+    torch.cuda.current_stream(stream.device).wait_stream(stream)
+    return graph, result
+
+
+def _capture(step: _Step, model: nn.Module, forward: Callable, cache, tensors: tuple, inputs: dict,
+             logits_to_keep: int) -> None:
+    """Capture the step (:func:`capture`) with buffers holding this call's inputs; the graph is replayed by the
+    caller."""
+    step.graph = step.logits = None  # the previous cache's graph and its memory go first
+    step.inputs = {name: None if t is None else t.clone() for name, t in inputs.items()}
+    graph, out = capture(step.stream, lambda: forward(
+        model, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep, return_dict=True,
+        **{name: t for name, t in step.inputs.items() if t is not None}))
     step.graph, step.logits, step.cache_tensors = graph, out.logits, tensors
     step.captures += 1

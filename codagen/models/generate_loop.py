@@ -125,8 +125,7 @@ def takes(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     named = {**bound.get("kwargs", {}), **{k: v for k, v in bound.items() if k not in ("self", "kwargs")}}
     if any(named.get(name) is not None and named.get(name) is not False for name in _GENERATE_OWN):
         return False
-    settings = {k: v for k, v in bound.get("kwargs", {}).items()}
-    generation_config, _ = model._prepare_generation_config(named.get("generation_config"), **settings)
+    generation_config, _ = model._prepare_generation_config(named.get("generation_config"), **bound.get("kwargs", {}))
     return generation_config.get_generation_mode() in _SAMPLE_MODES
 
 
@@ -151,18 +150,14 @@ def _processor_key(processor) -> tuple:
 def _runs_here(model: nn.Module, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
                synced_gpus: bool, streamer, model_kwargs: dict):
     """``(cache, max_length, eos)`` where this loop runs the call, else ``None``."""
-    cache_utils, _, _ = hf_cache._transformers()
     if synced_gpus or streamer is not None or generation_config.return_dict_in_generate:
         return None
     if getattr(generation_config, "is_assistant", False) or not model_kwargs.keys() <= _MODEL_INPUTS:
         return None
     if model_kwargs.get("use_cache") is False or input_ids.dim() != 2:
         return None
-    cache = next((model_kwargs[name] for name in ("cache", "past_key_values") if model_kwargs.get(name) is not None),
-                 None)
-    if type(cache) is not cache_utils.StaticCache or not cache.layers:
-        return None
-    if not all(type(layer) is cache_utils.StaticLayer for layer in cache.layers):
+    cache = decode_graphs.given_cache(model_kwargs)
+    if not decode_graphs.static_full_attention(cache):
         return None
     if any(type(p).__name__ not in SET_PROCESSORS for p in logits_processor):
         return None
@@ -226,7 +221,7 @@ def sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, stopping
                            return_dict=True, **inputs, **{cache_field: cache}).logits
         choose(logits[:, -1])
 
-    cache_tensors = _cache_tensors(cache)  # allocated by the prefill; fixed for the call
+    cache_tensors = decode_graphs.cache_tensors(cache)  # allocated by the prefill; fixed for the call
     produced = 1
     while produced < new_tokens:
         if eos is not None and produced % CHECK_EVERY == 0 and bool(loop.all_finished[prompt:prompt + produced].any()):
@@ -337,11 +332,6 @@ class _Choose:
             loop.positions.add_(1)
 
 
-def _cache_tensors(cache) -> tuple:
-    return tuple((t.data_ptr(), t.shape) for layer in cache.layers
-                 for t in (layer.keys, layer.values, layer.cumulative_length))
-
-
 def _run_step(loop: _Loop, step, cache_tensors: tuple, remaining: int) -> None:
     """One decode step: eagerly on the CPU and for a new kind's first step (on its stream, which warms up the
     kernels), else by replaying the kind's graph (captured first where there is none for this cache and at
@@ -350,38 +340,16 @@ def _run_step(loop: _Loop, step, cache_tensors: tuple, remaining: int) -> None:
         step()
         return
     if not loop.warmed_up:
-        _on_stream(loop.stream, step)
+        decode_graphs.on_stream(loop.stream, step)
         loop.warmed_up = True
         return
     if loop.graph is None or loop.cache_tensors != cache_tensors:
         if remaining < 2:
-            _on_stream(loop.stream, step)
+            decode_graphs.on_stream(loop.stream, step)
             return
-        _capture(loop, step, cache_tensors)
+        loop.graph = None  # the previous cache's graph and its memory go first
+        loop.graph, _ = decode_graphs.capture(loop.stream, step)
+        loop.cache_tensors = cache_tensors
+        loop.captures += 1
     loop.graph.replay()
     loop.replays += 1
-
-
-def _on_stream(stream: torch.cuda.Stream, fn) -> None:
-    current = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        fn()
-    current.wait_stream(stream)
-
-
-def _capture(loop: _Loop, step, tensors: tuple) -> None:
-    """Capture ``step`` on the kind's stream (``capture_begin`` directly: ``torch.cuda.graph`` also synchronizes,
-    collects garbage and empties the allocator's cache). Capturing runs nothing: the caller replays."""
-    loop.graph = None  # the previous cache's graph and its memory go first
-    graph = torch.cuda.CUDAGraph()
-    loop.stream.wait_stream(torch.cuda.current_stream(loop.stream.device))
-    with torch.cuda.stream(loop.stream):
-        graph.capture_begin()
-        try:
-            step()
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream(loop.stream.device).wait_stream(loop.stream)
-    loop.graph, loop.cache_tensors = graph, tensors
-    loop.captures += 1

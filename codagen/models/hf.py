@@ -258,8 +258,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     del inner.forward
     for name in _GENERATE_HOOKS:
         inner.__dict__.pop(name, None)
-    decode_graphs.drop(inner)
-    generate_loop.drop(inner)
+    _drop_decode_graphs(inner)
     return model
 
 
@@ -282,10 +281,15 @@ def refresh_weights(model: nn.Module) -> nn.Module:
     if not is_patched(inner):
         raise ValueError("codagen.models.hf.refresh_weights: model is not patched by codagen.patch")
     hf_cache.drop_inference_blocks(inner)
-    decode_graphs.drop(inner)
-    generate_loop.drop(inner)
+    _drop_decode_graphs(inner)
     _FREQUENCIES.pop(inner.model.rotary_emb, None)
     return model
+
+
+def _drop_decode_graphs(model: nn.Module) -> None:
+    """Forget ``model``'s captured decode steps and loops (their graphs read the fused inference weights)."""
+    decode_graphs.drop(model)
+    generate_loop.drop(model)
 
 
 class _PatchedForward:
@@ -606,8 +610,7 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
         # step, where the gathers would cost as much as its GEMMs) reads the kept copy, at one graph break
         if not torch.compiler.is_compiling():  # the decode graphs read the kept copy: they go with it
             hf_cache.drop_inference_blocks(self)
-            decode_graphs.drop(self)
-            generate_loop.drop(self)
+            _drop_decode_graphs(self)
         blocks = fuse()
     else:
         blocks = hf_cache.inference_blocks(self, dtype, fuse, modules)

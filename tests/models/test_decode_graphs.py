@@ -96,10 +96,11 @@ def gpu_model(family="llama", **fields):
     return patch(build(family, **GPU_FIELDS, **fields).cuda().bfloat16().eval())
 
 
-def left_padded(batch=3, seq=12, device="cuda"):
+def left_padded(batch=3, seq=12, device="cuda", pads=(3, 7)):
+    """Random prompts; rows 1, 2, ... start with ``pads`` padding tokens (mask 0)."""
     ids = torch.randint(1, 1000, (batch, seq), device=device)
     mask = torch.ones_like(ids)
-    for row, pad in zip(range(1, batch), (3, 7)):
+    for row, pad in zip(range(1, batch), pads):
         mask[row, :pad] = 0
     return ids, mask
 

@@ -18,6 +18,7 @@ from codagen.models.hf_cache import cache_field
 from codagen.ops import _checks
 
 from .conftest import build
+from .test_decode_graphs import gpu_model, left_padded
 from .test_hf_generate import _HostSyncs, prompts
 
 transformers = pytest.importorskip("transformers")
@@ -196,22 +197,6 @@ def test_patched_generate_keeps_its_signature():
 
 
 # --- GPU ------------------------------------------------------------------------------------------------------
-GPU_FIELDS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 1000, "num_hidden_layers": 2}
-
-
-def gpu_model(family="llama", **fields):
-    return patch(build(family, **GPU_FIELDS, **fields).cuda().bfloat16().eval())
-
-
-def left_padded(batch=3, seq=12, pads=(3, 7)):
-    ids = torch.randint(1, 1000, (batch, seq), device="cuda")
-    mask = torch.ones_like(ids)
-    for row, pad in zip(range(1, batch), pads):
-        mask[row, :pad] = 0
-    return ids, mask
-
-
 def replayed_and_eager(model, ids, mask, monkeypatch, seed=0, **settings):
     """The same generate() call through the replayed loop and through the loop run eagerly."""
     def run():

@@ -167,7 +167,7 @@ class TritonBackend:
         return _Launch(kernel=kernel, dtypes=dtypes, arch=arch, args=[], m=m, n=n, k=k, tma_mainloop=tma_mainloop,
                        tma_epilogue_ok=tma_epilogue_ok,
                        upcast=interpret and bound.dtype == torch.bfloat16,
-                       precision="ieee" if fp32 or interpret else target.dot_precision(fp32),
+                       precision="ieee" if interpret else target.dot_precision(fp32),
                        interpret=interpret, portable=interpret or target.portable,
                        pdl=not interpret and target.ptx
                        and dependent_launch.enabled(m, bound.device))

@@ -48,25 +48,27 @@ class Target:
         return "ieee" if fp32_operands or "tf32" not in self.dot_precisions else "tf32"
 
 
-_NVIDIA = ("tf32", "tf32x3", "ieee")
-_AMD = ("ieee", "bf16x3", "bf16x6")
+def _nvidia(name: str, arch: int, shared_memory: int, mma: str, pool: str, tma: bool = False,
+            pingpong: bool = False) -> Target:
+    return Target(name, "cuda", arch, 32, shared_memory, tma=tma, pingpong=pingpong, ptx=True,
+                  dot_precisions=("tf32", "tf32x3", "ieee"), mma=mma, pool=pool)
+
+
+def _amd(arch: str, lds: int) -> Target:
+    """AMD CDNA: wave64, no TMA, no inline PTX, no tf32."""
+    return Target(arch, "hip", arch, 64, lds, tma=False, pingpong=False, ptx=False,
+                  dot_precisions=("ieee", "bf16x3", "bf16x6"), mma="v_mfma", pool="cdna")
+
+
 TARGETS = {t.name: t for t in (
-    Target("sm_80", "cuda", 80, 32, 166912, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
-           mma="mma.sync", pool="ampere"),
-    Target("sm_86", "cuda", 86, 32, 101376, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
-           mma="mma.sync", pool="ampere"),
-    Target("sm_89", "cuda", 89, 32, 101376, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
-           mma="mma.sync", pool="ampere"),
-    Target("sm_90", "cuda", 90, 32, 232448, tma=True, pingpong=True, ptx=True, dot_precisions=_NVIDIA,
-           mma="wgmma", pool="sm90"),
-    Target("sm_100", "cuda", 100, 32, 232448, tma=True, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
-           mma="tcgen05", pool="blackwell"),
-    Target("sm_120", "cuda", 120, 32, 101376, tma=False, pingpong=False, ptx=True, dot_precisions=_NVIDIA,
-           mma="mma.sync", pool="ampere"),
-    Target("gfx942", "hip", "gfx942", 64, 65536, tma=False, pingpong=False, ptx=False, dot_precisions=_AMD,
-           mma="v_mfma", pool="cdna"),
-    Target("gfx950", "hip", "gfx950", 64, 163840, tma=False, pingpong=False, ptx=False, dot_precisions=_AMD,
-           mma="v_mfma", pool="cdna"),
+    _nvidia("sm_80", 80, 166912, "mma.sync", "ampere"),
+    _nvidia("sm_86", 86, 101376, "mma.sync", "ampere"),
+    _nvidia("sm_89", 89, 101376, "mma.sync", "ampere"),
+    _nvidia("sm_90", 90, 232448, "wgmma", "sm90", tma=True, pingpong=True),
+    _nvidia("sm_100", 100, 232448, "tcgen05", "blackwell", tma=True),
+    _nvidia("sm_120", 120, 101376, "mma.sync", "ampere"),
+    _amd("gfx942", 65536),
+    _amd("gfx950", 163840),
 )}
 
 
