@@ -68,12 +68,15 @@ def test_shift_labels_with_labels_take_the_loss_from_shift_labels():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def _accuracy(prediction):
+def _metrics(prediction):
+    """Accuracy, and the mean logit of each target: a random model's accuracy may be 0, its target logit is not."""
     logits, labels = prediction.predictions, prediction.label_ids
     logits = logits[0] if isinstance(logits, tuple) else logits
-    predicted, targets = logits[:, :-1].argmax(-1), labels[:, 1:]
+    logits, targets = torch.as_tensor(logits[:, :-1]), torch.as_tensor(labels[:, 1:])
     keep = targets != -100
-    return {"accuracy": float((predicted[keep] == targets[keep]).mean())}
+    target_logit = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return {"accuracy": float((logits.argmax(-1)[keep] == targets[keep]).float().mean()),
+            "target_logit": float(target_logit[keep].mean())}
 
 
 def _trainer(model, tmp_path):
@@ -82,7 +85,7 @@ def _trainer(model, tmp_path):
                                           use_cpu=True, disable_tqdm=True)
     return transformers.Trainer(model=model, args=args, eval_dataset=ragged_dataset(tokenizer, rows=8),
                                 data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False),
-                                compute_metrics=_accuracy)
+                                compute_metrics=_metrics)
 
 
 def test_trainer_evaluate_and_predict_match_unpatched(tmp_path):
@@ -91,7 +94,10 @@ def test_trainer_evaluate_and_predict_match_unpatched(tmp_path):
     want = _trainer(reference, tmp_path / "reference")
     got = _trainer(patch(model), tmp_path / "patched")
     want_metrics, got_metrics = want.evaluate(), got.evaluate()
-    assert 0 < got_metrics["eval_accuracy"] == want_metrics["eval_accuracy"]
+    assert got_metrics["eval_target_logit"] != 0
+    torch.testing.assert_close(got_metrics["eval_target_logit"], want_metrics["eval_target_logit"],
+                               rtol=1e-4, atol=1e-5)
+    assert got_metrics["eval_accuracy"] == want_metrics["eval_accuracy"]
     torch.testing.assert_close(got_metrics["eval_loss"], want_metrics["eval_loss"], rtol=1e-4, atol=1e-6)
     want_prediction = want.predict(want.eval_dataset)
     got_prediction = got.predict(got.eval_dataset)
