@@ -51,16 +51,22 @@ STEPS = {"full": None,
          "lora-all-r16": (16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
          "lora-qv-r8": (8, 16.0, ("q_proj", "v_proj"))}
 _LIGER = {"llama": "apply_liger_kernel_to_llama", "mistral": "apply_liger_kernel_to_mistral",
-          "qwen2": "apply_liger_kernel_to_qwen2", "qwen3": "apply_liger_kernel_to_qwen3"}
+          "qwen2": "apply_liger_kernel_to_qwen2", "qwen3": "apply_liger_kernel_to_qwen3",
+          "phi3": "apply_liger_kernel_to_phi3", "granite": "apply_liger_kernel_to_granite",
+          "smollm3": "apply_liger_kernel_to_smollm3"}
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+            "smollm3": "SmolLM3ForCausalLM"}
+#: LoRA targets by the projections Phi-3 fuses (PEFT adapts the fused module: q/v -> all of qkv_proj)
+_FUSED_TARGETS = {"phi3": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The ``config.json`` values of one published model that shape its step (the rest are transformers'
     defaults, which those files do not change)."""
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # a key of codagen.models.families.FAMILIES
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -73,6 +79,7 @@ class ModelConfig:
     num_hidden_layers: int  # the published depth; the benchmark trims it (--layers)
     rope_scaling: dict | None = None
     attention_bias: bool = False  # Qwen2: biases on q/k/v (its config has no field: the family always has them)
+    fields: tuple = ()  # the family's own config.json fields, as (name, value) pairs (Granite's multipliers, ...)
 
 
 _LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -97,6 +104,16 @@ MODELS = {
                               attention_bias=True),
     "Mistral-7B-v0.3": ModelConfig("mistral", 4096, 14336, 32, 8, 128, 32768, False, 1000000.0, 1e-5, 32),
     "SmolLM2-1.7B": ModelConfig("llama", 2048, 8192, 32, 32, 64, 49152, True, 130000.0, 1e-5, 24),
+    "Phi-3-mini-4k": ModelConfig("phi3", 3072, 8192, 32, 32, 96, 32064, False, 10000.0, 1e-5, 32,
+                                 fields=(("sliding_window", 2047),)),
+    "Granite-3.1-2B": ModelConfig("granite", 2048, 8192, 32, 8, 64, 49155, True, 5000000.0, 1e-5, 40,
+                                  fields=(("embedding_multiplier", 12.0), ("residual_multiplier", 0.22),
+                                          ("attention_multiplier", 0.015625), ("logits_scaling", 8.0))),
+    "Granite-3.1-8B": ModelConfig("granite", 4096, 12800, 32, 8, 128, 49155, True, 10000000.0, 1e-5, 40,
+                                  fields=(("embedding_multiplier", 12.0), ("residual_multiplier", 0.22),
+                                          ("attention_multiplier", 0.0078125), ("logits_scaling", 16.0))),
+    "SmolLM3-3B": ModelConfig("smollm3", 2048, 11008, 16, 4, 128, 128256, True, 5000000.0, 1e-6, 36,
+                              fields=(("no_rope_layer_interval", 4),)),
 }
 #: the CPU check of the harness: a tiny config with every structural feature of the matrix
 SMOKE_MODELS = {"smoke-qwen2": ModelConfig("qwen2", 64, 128, 4, 2, 16, 250, True, 1000000.0, 1e-6, 2,
@@ -119,6 +136,11 @@ def hf_config(model: ModelConfig, layers: int | None = None):
         config.attention_bias = model.attention_bias
     if model.family == "mistral":
         config.sliding_window = None  # Mistral-7B-v0.3's config.json; MistralConfig's default is 4096
+    for field, value in model.fields:
+        setattr(config, field, value)
+    if model.family == "smollm3":  # its layers read no_rope_layers, which the config derives from the interval
+        config.no_rope_layers = [int((i + 1) % config.no_rope_layer_interval != 0)
+                                 for i in range(config.num_hidden_layers)]
     return config
 
 
@@ -135,6 +157,8 @@ def build(model: ModelConfig, layers: int, step: str, adapter_dtype: str, provid
     if STEPS[step] is not None:
         import peft
         rank, alpha, targets = STEPS[step]
+        fused = _FUSED_TARGETS.get(model.family, {})
+        targets = dict.fromkeys(fused.get(name, name) for name in targets)  # in order, once each
         hf_model = peft.get_peft_model(hf_model, peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
                                                                  target_modules=list(targets)),
                                        autocast_adapter_dtype=adapter_dtype == "peft")

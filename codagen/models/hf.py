@@ -2,7 +2,7 @@
 
 ::
 
-    model = LlamaForCausalLM(config)        # or Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM
+    model = LlamaForCausalLM(config)        # or another family of codagen.models.families
     codagen.patch(model)                     # model.forward runs the fused CODA decoder
     loss = model(input_ids, labels=labels).loss
     codagen.unpatch(model)                   # back to the transformers forward
@@ -73,6 +73,7 @@ approximation):
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import weakref
 from collections.abc import Sequence
@@ -84,13 +85,23 @@ from torch.distributed.fsdp import FSDPModule
 from codagen import ops
 from codagen.ops._checks import index_range
 
-from . import compile_ahead, decode_graphs, fused_layers, generate_loop, hf_cache, layer_units, lora, tensor_parallel
+from . import (
+    compile_ahead,
+    decode_graphs,
+    families,
+    fused_layers,
+    generate_loop,
+    hf_cache,
+    layer_units,
+    lora,
+    tensor_parallel,
+)
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 
 __all__ = ["patch", "unpatch", "is_patched", "refresh_weights", "SUPPORTED_MODELS"]
 
-SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_MODELS = tuple(name for family in families.FAMILIES.values() for name in family.model_classes)
 _ROPE_TYPES = ("default", "linear", "llama3")  # static inv_freq and attention_scaling == 1
 _FLASH_ATTENTION_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 # rotary module -> (what the frequencies were built from, the fused QKV's per-pair frequencies)
@@ -127,10 +138,7 @@ def _is_silu(act_fn: nn.Module) -> bool:
 
 def _check_model(model: nn.Module) -> None:
     """Refuse, at patch time, architectures the fused decoder would compute differently."""
-    names = [cls.__name__ for cls in type(model).__mro__]
-    if not any(name in SUPPORTED_MODELS for name in names):
-        raise TypeError(f"codagen.patch: model must be one of {SUPPORTED_MODELS} (or a subclass), "
-                        f"got {type(model).__name__}")
+    family = families.family_of(model)
     config = model.config
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         raise _refuse(f"hidden_act={config.hidden_act!r} (only SiLU/SwiGLU)", model)
@@ -138,13 +146,18 @@ def _check_model(model: nn.Module) -> None:
     rope_type = getattr(rotary, "rope_type", "default")
     if rope_type not in _ROPE_TYPES or getattr(rotary, "attention_scaling", 1.0) != 1.0:
         raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES} with attention_scaling 1)", model)
+    families.scales(family, model)  # ValueError naming a multiplier that is not a finite nonzero number
+    scalings = {getattr(layer.self_attn, "scaling", None) for layer in model.model.layers}
+    if len(scalings) > 1:
+        raise _refuse(f"attention scalings that differ between layers ({sorted(scalings, key=str)})", model)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if not _is_silu(mlp.act_fn):
-            raise _refuse(f"act_fn {type(mlp.act_fn).__name__} (layer {i}; only SiLU)", model)
-        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        act_fn = getattr(mlp, family.act_fn)
+        if not _is_silu(act_fn):
+            raise _refuse(f"{family.act_fn} {type(act_fn).__name__} (layer {i}; only SiLU)", model)
+        if any(getattr(mlp, n).bias is not None for n in (*family.gate_up, "down_proj")):
             raise _refuse(f"MLP biases (layer {i})", model)
-        qkv_bias = [getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
+        qkv_bias = [getattr(attn, n).bias is not None for n in family.qkv]  # one fused projection: all or none
         if any(qkv_bias) and not all(qkv_bias):
             raise _refuse(f"biases on only some of q/k/v_proj (layer {i})", model)
         if not (layer.input_layernorm.variance_epsilon == layer.post_attention_layernorm.variance_epsilon
@@ -160,7 +173,21 @@ def _check_model(model: nn.Module) -> None:
                 raise _refuse(f"QK-norm weights of shape other than [head_dim] = ({attn.head_dim},) (layer {i})", model)
             if any(norm.variance_epsilon != layer.input_layernorm.variance_epsilon for norm in qk_norms):
                 raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})", model)
+    _check_residual_dropout(model, family)
     lora.prepare_adapters(model, patched=is_patched(model))
+
+
+def _check_residual_dropout(model: nn.Module, family: families.Family) -> None:
+    """Refuse dropout on the residual branches (Phi-3's ``resid_pdrop``) where it drops: in training mode (an
+    activation-sized mask the fused epilogues lack). At patch time and on every forward (the mode can change)."""
+    for i, layer in enumerate(model.model.layers):
+        for name in families.residual_dropout(family, layer):
+            module = getattr(layer, name)
+            what = (f"dropout p={module.p} in training mode" if isinstance(module, nn.Dropout)
+                    else f"a {type(module).__name__} module")
+            raise NotImplementedError(f"codagen.patch: {what} on the residual branch ({name} of layer {i}) is not "
+                                      f"supported by the fused kernels; train with resid_pdrop=0 or "
+                                      f"{_advice(model)}")
 
 
 def _check_shapes(model: nn.Module) -> None:
@@ -171,6 +198,7 @@ def _check_shapes(model: nn.Module) -> None:
         raise ValueError(f"codagen.patch: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
                          f"({kv_heads})")
     hidden = model.model.norm.weight.shape[0]
+    family = families.family_of(model)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         head_dim = attn.head_dim
@@ -180,22 +208,24 @@ def _check_shapes(model: nn.Module) -> None:
             raise ValueError(f"codagen.patch: head_dim = {head_dim} with QK-norm (layer {i}): the Triton QK-norm "
                              f"epilogue normalizes whole heads inside one epilogue sub-tile of at most 128 columns; "
                              f"head_dim must be one of {list(QK_NORM_HEAD_DIMS)}")
-        expected = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
-                    "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim)}
+        expected = dict(zip(family.qkv, [((heads + 2 * kv_heads) * head_dim, hidden)] if len(family.qkv) == 1 else
+                            [(heads * head_dim, hidden), (kv_heads * head_dim, hidden), (kv_heads * head_dim, hidden)]))
+        expected["o_proj"] = (hidden, heads * head_dim)
         for name, shape in expected.items():
             got = tuple(getattr(attn, name).weight.shape)
             if got != shape:
                 raise ValueError(f"codagen.patch: self_attn.{name}.weight of layer {i} is {got}; num_attention_heads "
                                  f"= {heads}, num_key_value_heads = {kv_heads}, head_dim = {head_dim} and "
                                  f"hidden_size = {hidden} give {shape}")
-        ffn = mlp.gate_proj.weight.shape[0]
+        ffn = getattr(mlp, family.gate_up[0]).weight.shape[0] // (3 - len(family.gate_up))  # [gate; up]: 2 ffn rows
         if ffn % 2:  # the down projection's backward epilogue works on (gate, up) column pairs
             raise ValueError(f"codagen.patch: intermediate_size must be even, got {ffn} (layer {i})")
-        got = tuple(tuple(getattr(mlp, n).weight.shape) for n in ("gate_proj", "up_proj", "down_proj"))
-        if got != ((ffn, hidden), (ffn, hidden), (hidden, ffn)):
-            raise ValueError(f"codagen.patch: gate_proj, up_proj, down_proj weights of layer {i} are {got}; "
-                             f"intermediate_size = {ffn} and hidden_size = {hidden} give "
-                             f"{((ffn, hidden), (ffn, hidden), (hidden, ffn))}")
+        names = (*family.gate_up, "down_proj")
+        got = tuple(tuple(getattr(mlp, n).weight.shape) for n in names)
+        want = (*([(ffn, hidden)] * 2 if len(family.gate_up) == 2 else [(2 * ffn, hidden)]), (hidden, ffn))
+        if got != want:
+            raise ValueError(f"codagen.patch: {', '.join(names)} weights of layer {i} are {got}; "
+                             f"intermediate_size = {ffn} and hidden_size = {hidden} give {want}")
         rotary_pairs = model.model.rotary_emb.inv_freq.shape[0]
         if rotary_pairs != head_dim // 2:
             raise _refuse(f"partial rotary embeddings (partial_rotary_factor: {2 * rotary_pairs} of head_dim "
@@ -207,8 +237,14 @@ def _structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> tu
     module's identity (a projection or ``act_fn`` swapped), its parameters' presence and shapes (a bias added), its
     ``variance_epsilon`` and ``head_dim``, and the config and rotary fields."""
     config, rotary = model.config, model.model.rotary_emb
+    family = families.family_of(model)
+    layers = model.model.layers
+    fields = [getattr(model.model, family.embedding_multiplier, None) if family.embedding_multiplier else None,
+              getattr(config, family.logits_divisor, None) if family.logits_divisor else None,
+              *(getattr(layer, family.residual_multiplier, None) for layer in layers if family.residual_multiplier),
+              *(getattr(layer.self_attn, "scaling", None) for layer in layers)]
     return (tuple((id(m), tuple(None if p is None else p.shape for p in m._parameters.values()),
-                   m.__dict__.get("variance_epsilon"), m.__dict__.get("head_dim")) for _, m in modules),
+                   m.__dict__.get("variance_epsilon"), m.__dict__.get("head_dim")) for _, m in modules), tuple(fields),
             config.hidden_act, config.num_attention_heads, config.num_key_value_heads,
             getattr(rotary, "rope_type", "default"), getattr(rotary, "attention_scaling", 1.0), rotary.inv_freq.shape)
 
@@ -224,7 +260,7 @@ def _check_structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]])
 
 
 def patch(model: nn.Module) -> nn.Module:
-    """Make a ``transformers`` Llama/Mistral/Qwen2/Qwen3 ``...ForCausalLM`` run on codagen kernels; returns it.
+    """Make a ``transformers`` ``...ForCausalLM`` of a family in :mod:`.families` run on codagen kernels; returns it.
 
     Undo with :func:`unpatch`. Patching twice is a no-op. See the module docstring for what is
     handled and what is refused. A ``peft.PeftModel`` (LoRA) is accepted: the ``...ForCausalLM`` inside it
@@ -422,27 +458,45 @@ def _check_hooks(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | No
                           f"never calls its forward; hooks on the model itself run){fsdp}", model)
 
 
-def _block_weights(layer: nn.Module, head_dim: int, sliding_window: int | None, dtype: torch.dtype) -> BlockWeights:
+def _block_weights(layer: nn.Module, family: families.Family, spec: AttentionSpec, sliding_window: int | None,
+                   residual_scale: float, dtype: torch.dtype) -> BlockWeights:
     """One HF decoder layer's parameters in the fused layout and ``dtype`` (differentiable gathers and
-    casts, see the module docstring), with its PEFT LoRA updates (:mod:`codagen.models.lora`)."""
+    casts, see the module docstring), with its PEFT LoRA updates (:mod:`codagen.models.lora`). ``residual_scale``
+    (Granite's residual multiplier) is folded into the O and down projections: ``x + m (a W^T) = x + a (m W)^T``."""
     attn, mlp = layer.self_attn, layer.mlp
+    head_dim = spec.head_dim
+    q_rows, kv_rows = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
 
     def cast(t):
         return None if t is None else t.to(dtype)
-    qkv = fuse_qkv(*(cast(getattr(attn, n).weight) for n in ("q_proj", "k_proj", "v_proj")), head_dim)
-    qkv_bias = (None if attn.q_proj.bias is None
-                else fuse_qkv(*(cast(getattr(attn, n).bias) for n in ("q_proj", "k_proj", "v_proj")), head_dim))
+
+    def scaled(t):
+        return None if t is None else _scaled(t, residual_scale)
+    weights, biases = families.qkv_projections(family, attn, q_rows, kv_rows)
+    qkv = fuse_qkv(*(cast(w) for w in weights), head_dim)
+    qkv_bias = None if biases[0] is None else fuse_qkv(*(cast(b) for b in biases), head_dim)
     # QK-norm (Qwen3): each head's channels permuted to pair order, like the Q/K rows of qkv
     q_norm, k_norm = (None if getattr(attn, n, None) is None
                       else ops.rope_pairs_from_half_split(cast(getattr(attn, n).weight), head_dim)
                       for n in ("q_norm", "k_norm"))
+    (gate, up), _ = families.gate_up_projections(family, mlp)
+    o_low_rank, down_low_rank = (lora.linear_low_rank(module, dtype) for module in (attn.o_proj, mlp.down_proj))
+    if residual_scale != 1.0:
+        o_low_rank, down_low_rank = (None if low_rank is None
+                                     else dataclasses.replace(low_rank, scale=low_rank.scale * residual_scale)
+                                     for low_rank in (o_low_rank, down_low_rank))
     return BlockWeights(
         attn_norm=cast(layer.input_layernorm.weight), qkv=qkv, qkv_bias=qkv_bias,
-        o=cast(attn.o_proj.weight), o_bias=cast(attn.o_proj.bias), mlp_norm=cast(layer.post_attention_layernorm.weight),
-        gate_up=ops.interleave_gate_up(cast(mlp.gate_proj.weight), cast(mlp.up_proj.weight)),
-        down=cast(mlp.down_proj.weight), q_norm=q_norm, k_norm=k_norm, sliding_window=sliding_window,
-        qkv_low_rank=lora.qkv_low_rank(attn, head_dim, dtype), o_low_rank=lora.linear_low_rank(attn.o_proj, dtype),
-        gate_up_low_rank=lora.gate_up_low_rank(mlp, dtype), down_low_rank=lora.linear_low_rank(mlp.down_proj, dtype))
+        o=scaled(cast(attn.o_proj.weight)), o_bias=scaled(cast(attn.o_proj.bias)),
+        mlp_norm=cast(layer.post_attention_layernorm.weight),
+        gate_up=ops.interleave_gate_up(cast(gate), cast(up)), down=scaled(cast(mlp.down_proj.weight)),
+        q_norm=q_norm, k_norm=k_norm, sliding_window=sliding_window, rope=families.uses_rope(family, layer),
+        qkv_low_rank=lora.qkv_low_rank(attn, family, head_dim, q_rows, kv_rows, dtype), o_low_rank=o_low_rank,
+        gate_up_low_rank=lora.gate_up_low_rank(mlp, family, dtype), down_low_rank=down_low_rank)
+
+
+def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
+    return t if scale == 1.0 else t * scale
 
 
 def _sliding_window(model: nn.Module, layer: nn.Module) -> int | None:
@@ -463,6 +517,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     _check_hooks(self, modules)
     if not fused_layers.is_fused(self) and not torch.compiler.is_compiling():  # Dynamo guards what it traced
         _check_structure(self, modules)
+        _check_residual_dropout(self, families.family_of(self))  # the training mode can change without a patch
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
                       f"documents come from position_ids: DataCollatorWithFlattening(return_flash_attn_kwargs=False))",
@@ -499,6 +554,9 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
         raise ValueError(f"codagen.patch: inputs_embeds must be [batch, seq, hidden_size = {hidden_size}], got shape "
                          f"{tuple(inputs_embeds.shape)}")
     x = _embed(self.model.embed_tokens, input_ids) if inputs_embeds is None else inputs_embeds
+    family = families.family_of(self)
+    scales = families.scales(family, self)
+    x = _scaled(x, scales.embedding)  # Granite's embedding multiplier, on given inputs_embeds too (as transformers)
     batch, seq, hidden = x.shape
     # with a KV cache the mask spans the cached tokens too (transformers' mask functions read it, a
     # prepared 4-D one as given); without one it is the [batch, seq] padding mask
@@ -512,10 +570,8 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     with torch.autocast(device_type, enabled=False):
-        return _decoder_forward(self, x.to(dtype), dtype, attention_mask, position_ids, labels, shift_labels,
-                                logits_to_keep, num_items_in_batch, return_dict, cache, adapters, modules)
-
-
+        return _decoder_forward(self, family, scales, x.to(dtype), dtype, attention_mask, position_ids, labels,
+                                shift_labels, logits_to_keep, num_items_in_batch, return_dict, cache, adapters, modules)
 
 # the signature of ...ForCausalLM.forward without self: transformers' Trainer reads it to keep dataset columns
 _PatchedForward.__signature__ = inspect.Signature(list(inspect.signature(_forward).parameters.values())[1:])
@@ -546,11 +602,12 @@ def _rope_frequencies(rotary: nn.Module, num_heads: int, num_kv_heads: int, head
     return kept[1]
 
 
-def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift_labels, logits_to_keep,
-                     num_items_in_batch, return_dict, cache=None, adapters=False, modules=None):
+def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_ids, labels, shift_labels,
+                     logits_to_keep, num_items_in_batch, return_dict, cache=None, adapters=False, modules=None):
     """The checked forward: embeddings ``x`` [B, S, d] in ``dtype`` through the fused decoder and head;
     with ``cache`` (a checked ``transformers`` cache) the KV-cache forward of :mod:`.hf_cache`; ``adapters``:
-    the model holds LoRA layers (:func:`.lora.prepare_adapters`); ``modules``: ``self.named_modules()``."""
+    the model holds LoRA layers (:func:`.lora.prepare_adapters`); ``modules``: ``self.named_modules()``;
+    ``family``, ``scales``: the model's :class:`.families.Family` and its :class:`.families.Scales`."""
     batch, seq, hidden = x.shape
     config = self.config
     # As transformers: a padding mask when given, else documents from position_ids (packed rows); both on the
@@ -580,8 +637,10 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
                 else getattr(config, "head_dim", hidden // config.num_attention_heads))
     frequencies = _rope_frequencies(rotary, config.num_attention_heads, config.num_key_value_heads, head_dim,
                                     x.device)
+    scaling = None if fused or attn0 is None else getattr(attn0, "scaling", None)  # SDPA's default: head_dim^-0.5
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                         dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype))
+                         dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype),
+                         scale=None if scaling is None or scaling == head_dim ** -0.5 else float(scaling))
     layers = self.model.layers[: config.num_hidden_layers]
     if compile_ahead.tracing():  # a layer of each structure launches every kernel the others of it would
         layers = compile_ahead.one_of_each(layers, lambda layer: _sliding_window(self, layer))
@@ -589,8 +648,11 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     # there): each layer reads only its own parameters, inside its own module call (codagen.models.layer_units)
     layer_aligned = any(_has_hooks(module) for module in (*layers, self.model.norm))
 
+    layer_index = {id(layer): i for i, layer in enumerate(self.model.layers)}
+
     def weights(layer):
-        return _block_weights(layer, head_dim, _sliding_window(self, layer), dtype)
+        residual_scale = scales.residual[layer_index[id(layer)]]
+        return _block_weights(layer, family, spec, _sliding_window(self, layer), residual_scale, dtype)
 
     def fuse():
         return [weights(layer) for layer in layers]
@@ -615,12 +677,14 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
     else:
         blocks = hf_cache.inference_blocks(self, dtype, fuse, modules)
     # under tensor parallelism these are replicated DTensors (codagen.models.sharding.parallelize); layer-aligned,
-    # the final norm's module call reads its weight
+    # the final norm's module call reads its weight. A logits multiplier (Granite's 1 / logits_scaling) is folded
+    # into the final norm's weight, which only the head reads: rstd (x (g s)) W^T = s logits
     eps = self.model.norm.variance_epsilon
-    norm_weight = None if layer_aligned else tensor_parallel.local(self.model.norm.weight).to(dtype)
+    norm_weight = None if layer_aligned else _scaled(tensor_parallel.local(self.model.norm.weight).to(dtype),
+                                                     scales.logits)
     if layer_aligned or _has_hooks(self.lm_head):  # the head reads its weights inside the LM head's module call
         def head(h, normed, rstd, targets, reduction="mean"):
-            return layer_units.head(self.lm_head, self.model.norm, h, normed, rstd, targets, reduction)
+            return layer_units.head(self.lm_head, self.model.norm, h, normed, rstd, targets, reduction, scales.logits)
     else:
         head_weight = tensor_parallel.local(self.lm_head.weight).to(dtype)
 
@@ -634,7 +698,7 @@ def _decoder_forward(self, x, dtype, attention_mask, position_ids, labels, shift
         x = x.reshape(batch * seq, hidden).contiguous()
         if layer_aligned:
             h, normed, rstd = layer_units.decoder_stack(x, layers, self.model.norm, None if fused else weights, eps,
-                                                        spec, positions, frequencies, checkpoints)
+                                                        spec, positions, frequencies, checkpoints, scales.logits)
         elif fused:
             h, normed, rstd = fused_layers.decoder_stack(x, layers, norm_weight, eps, spec, positions, frequencies,
                                                          checkpoints)

@@ -216,7 +216,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
     if mask is not None:
         mask = mask[:, :, :, : keys.shape[-2]]
     out = F.scaled_dot_product_attention(q_heads, keys, values, attn_mask=mask, is_causal=mask is None and s > 1,
-                                         dropout_p=spec.dropout, enable_gqa=kv != h)
+                                         dropout_p=spec.dropout, enable_gqa=kv != h, scale=spec.scale)
     return out.transpose(1, 2).reshape(b * s, h * hd)
 
 

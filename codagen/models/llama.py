@@ -53,6 +53,7 @@ class BlockWeights:
     q_norm: torch.Tensor | None = None  # QK-norm weights [head_dim], pair order, as each head's rows of ``qkv``
     k_norm: torch.Tensor | None = None
     sliding_window: int | None = None  # key j is visible to query i iff i - window < j <= i
+    rope: bool = True  # False: a layer without RoPE (SmolLM3's NoPE layers) rotates its Q/K pairs by the angle 0
     # LoRA updates (codagen.ops.LowRank) in the fused layouts: b's rows ordered like the weight's rows
     qkv_low_rank: ops.LowRank | None = None
     o_low_rank: ops.LowRank | None = None
@@ -72,6 +73,7 @@ class AttentionSpec:
     head_dim: int
     dropout: float = 0.0
     mask: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    scale: float | None = None  # of q.k: None is SDPA's 1 / sqrt(head_dim) (Granite's attention_multiplier is not)
 
 
 def rotate_pairs(z: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
@@ -97,7 +99,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attention
         k, v = (t.repeat_interleave(h // kv, dim=1) for t in (k, v))
         gqa = False
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                         dropout_p=spec.dropout, enable_gqa=gqa)
+                                         dropout_p=spec.dropout, enable_gqa=gqa, scale=spec.scale)
     return out.transpose(1, 2).reshape(b * s, h * hd)
 
 
@@ -121,6 +123,8 @@ def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: to
     """
     q_cols, kv_cols = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     split_sizes = (q_cols, kv_cols, kv_cols)
+    if not blk.rope:  # cos 0 = 1 and sin 0 = 0: the epilogue's rotation is the identity
+        frequencies = torch.zeros_like(frequencies)
     if blk.q_norm is None and blk.k_norm is None:
         q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
                                       split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank)

@@ -37,10 +37,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from codagen import ops
 
+from . import families
+
 __all__ = ["unwrap_peft", "prepare_adapters", "qkv_low_rank", "gate_up_low_rank", "linear_low_rank", "Adapter"]
 
-#: the projections LoRA may adapt: (submodule of the decoder layer, projection names)
-PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 
 def _advice(patched: bool) -> str:
@@ -100,7 +100,7 @@ def prepare_adapters(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] 
     if not peft_modules:
         return False
     slots = {id(getattr(getattr(layer, parent), name)) for layer in model.model.layers
-             for parent, names in PROJECTIONS for name in names}
+             for parent, names in families.lora_slots(families.family_of(model)) for name in names}
     inside, lora_layers = (), False
     for path, module in peft_modules:
         if inside and path.startswith(inside):
@@ -111,7 +111,7 @@ def prepare_adapters(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] 
             if module.disable_adapters and module.merged:
                 module.unmerge()
             continue
-        where = "at one of q/k/v/o/gate/up/down_proj" if id(module) in slots else "outside q/k/v/o/gate/up/down_proj"
+        where = "at one of the projections" if id(module) in slots else "outside the projections"
         raise _refuse(f"the PEFT module {type(module).__name__} {where} ({path})", patched)
     return lora_layers
 
@@ -189,27 +189,35 @@ def _block_diagonal(adapters: list[Adapter | None], rows: list[int], dtype: torc
     return a.contiguous(), blocks
 
 
-def qkv_low_rank(attn: nn.Module, head_dim: int, dtype: torch.dtype) -> ops.LowRank | None:
-    """The LoRA updates of q/k/v_proj as one low-rank pair of the fused QKV GEMM (module docstring)."""
-    projections = ("q_proj", "k_proj", "v_proj")
-    adapters = _adapters(attn, projections)
+def qkv_low_rank(attn: nn.Module, family: families.Family, head_dim: int, q_rows: int, kv_rows: int,
+                 dtype: torch.dtype) -> ops.LowRank | None:
+    """The LoRA updates of q/k/v_proj (or of one fused ``qkv_proj``, whose ``B`` rows are ``[q; k; v]``) as one
+    low-rank pair of the fused QKV GEMM (module docstring)."""
+    adapters = _adapters(attn, family.qkv)
     if all(ad is None for ad in adapters):
         return None
-    rows = [getattr(attn, name).weight.shape[0] for name in projections]
-    a, (b_q, b_k, b_v) = _block_diagonal(adapters, rows, dtype)
+    if len(adapters) == 1:  # one adapter over [q; k; v]: its B's row blocks
+        (ad,) = adapters
+        a, (b_q, b_k, b_v) = ad.a.to(dtype), (ad.b * ad.scale).to(dtype).split((q_rows, kv_rows, kv_rows))
+    else:
+        a, (b_q, b_k, b_v) = _block_diagonal(adapters, [q_rows, kv_rows, kv_rows], dtype)
     b = torch.cat((ops.rope_pairs_from_half_split(b_q, head_dim), ops.rope_pairs_from_half_split(b_k, head_dim), b_v))
-    return ops.LowRank(a, b.contiguous(), 1.0)
+    return ops.LowRank(a.contiguous(), b.contiguous(), 1.0)
 
 
-def gate_up_low_rank(mlp: nn.Module, dtype: torch.dtype) -> ops.LowRank | None:
-    """The LoRA updates of gate/up_proj as one low-rank pair of the fused gate/up GEMM (rows interleaved)."""
-    projections = ("gate_proj", "up_proj")
-    adapters = _adapters(mlp, projections)
+def gate_up_low_rank(mlp: nn.Module, family: families.Family, dtype: torch.dtype) -> ops.LowRank | None:
+    """The LoRA updates of gate/up_proj (or of one fused ``gate_up_proj``, ``B`` rows ``[gate; up]``) as one
+    low-rank pair of the fused gate/up GEMM (rows interleaved)."""
+    adapters = _adapters(mlp, family.gate_up)
     if all(ad is None for ad in adapters):
         return None
-    rows = [getattr(mlp, name).weight.shape[0] for name in projections]
-    a, (b_gate, b_up) = _block_diagonal(adapters, rows, dtype)
-    return ops.LowRank(a, ops.interleave_gate_up(b_gate, b_up), 1.0)
+    if len(adapters) == 1:
+        (ad,) = adapters
+        a, (b_gate, b_up) = ad.a.to(dtype), (ad.b * ad.scale).to(dtype).chunk(2)
+    else:
+        rows = [getattr(mlp, name).weight.shape[0] for name in family.gate_up]
+        a, (b_gate, b_up) = _block_diagonal(adapters, rows, dtype)
+    return ops.LowRank(a.contiguous(), ops.interleave_gate_up(b_gate, b_up), 1.0)
 
 
 def linear_low_rank(module: nn.Module, dtype: torch.dtype) -> ops.LowRank | None:

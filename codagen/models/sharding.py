@@ -38,7 +38,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from . import fused_layers, hf, lora
+from . import families, fused_layers, hf, lora
 from .llama import Llama
 from .tensor_parallel import replicate_parameters, shard_block_weights
 
@@ -57,6 +57,12 @@ def fuse_parameters(model: nn.Module) -> nn.Module:
                                   "and the root (accelerate's FSDP2 placement: codagen.models.layer_units)")
     if fused_layers.is_fused(model):
         return model
+    family = families.family_of(model)
+    if not family.llama_layout:
+        raise NotImplementedError(f"codagen.models.sharding.fuse_parameters: the {family.name} family (its fused "
+                                  f"projections, multipliers or layers without RoPE) is not supported yet; patch it "
+                                  f"with codagen.patch and fully_shard its decoder layers and the root (accelerate's "
+                                  f"FSDP2 placement: codagen.models.layer_units)")
     hf.patch(model)
     if lora.prepare_adapters(model):
         raise NotImplementedError("codagen.models.sharding.fuse_parameters: the model holds LoRA layers")

@@ -43,14 +43,19 @@ COMMON = dict(vocab_size=67, hidden_size=32, intermediate_size=40, num_hidden_la
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="sdpa")
 
 
+#: the transformers class prefix of each family spec (codagen.models.families.FAMILIES)
+CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
+                "granite": "Granite", "smollm3": "SmolLM3"}
+
+
 def build(family: str, **overrides) -> torch.nn.Module:
     """A randomly initialized tiny ``<family>ForCausalLM`` in fp32, norm weights perturbed away from 1."""
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[family]
-    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "qwen3": transformers.Qwen3ForCausalLM, "mistral": transformers.MistralForCausalLM}[family]
+    prefix = CLASS_PREFIX[family]
+    config_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
     if family == "qwen3":  # Qwen3Config's head_dim defaults to 128; 16 keeps heads whole in the interpreter's tiles
         overrides = {"head_dim": 16, **overrides}
+    if family in ("phi3", "smollm3"):  # their configs' token ids default to 32000 and up, outside a tiny vocabulary
+        overrides = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides}
     model = model_cls(config_cls(**{**COMMON, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -122,11 +122,14 @@ def decoder_layer_units(layers: int, prefix: str = "") -> list[str]:
     return [f"{prefix}model.layers.{i}" for i in range(layers)]
 
 
-@pytest.mark.parametrize(("family", "overrides"), [("llama", {}), ("qwen3", {}),
-                                                   ("llama", dict(attention_bias=True, tie_word_embeddings=True))])
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("llama", {}), ("qwen3", {}), ("llama", dict(attention_bias=True, tie_word_embeddings=True)), ("phi3", {}),
+    ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                     logits_scaling=8.0))])
 def test_accelerate_placement_matches_one_unpatched_process(family, overrides):
     """A unit per decoder layer, the embeddings (untied), [final norm, LM head] and the root, as accelerate places
-    them, on a patched Llama, Qwen3 (QK-norm) and Llama with an O bias and tied embeddings."""
+    them, on a patched Llama, Qwen3 (QK-norm), Llama with an O bias and tied embeddings, Phi-3 (fused projections)
+    and Granite (multipliers: the logits' one in the final norm's unit)."""
     model, batch = build(family, **overrides), lm_batch()
     want = reference(model, batch)
     got = run_distributed(2, _per_layer_training, model, batch)

@@ -1,0 +1,169 @@
+"""Every family spec of :mod:`codagen.models.families`, at a tiny config with the published configs' structural flags:
+the patched model trains (loss, logits, every gradient), evaluates and generates as the unpatched one in fp32 on CPU,
+on the reference backend and the Triton interpreter, with LoRA, padding and checkpointing; its refusals name what
+they refuse; on the GPU the bf16 2x rule. A family added to ``FAMILIES`` without a config here fails
+``test_every_family_has_a_tiny_config``."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import codagen
+from codagen.models import families, patch, sharding
+
+from .conftest import (
+    BACKENDS,
+    assert_same_training,
+    build,
+    enable_checkpointing,
+    lm_inputs,
+    lora_config,
+    padded_inputs,
+    two_x_rule,
+)
+from .test_hf_generate import assert_same_generation, greedy, prompts
+from .test_lora import assert_matches, wrap
+
+transformers = pytest.importorskip("transformers")
+
+#: family -> the config fields that give it its published structure (the rest: tests/models/conftest.py's COMMON)
+TINY = {
+    "llama": dict(attention_bias=True, tie_word_embeddings=True),  # Llama-3.2: tied; Q/K/V/O biases optional
+    "mistral": dict(sliding_window=5),  # a window shorter than the text
+    "qwen2": {},  # Q/K/V biases (always)
+    "qwen3": {},  # QK-norm per head
+    "phi3": dict(sliding_window=6),  # fused qkv_proj / gate_up_proj; Phi-3-mini-4k has a 2047-token window
+    "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                    logits_scaling=8.0, tie_word_embeddings=True),  # Granite 3.x's four multipliers (2B values)
+    "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=2, tie_word_embeddings=True),  # NoPE layers 1, 3
+}
+#: the LoRA targets of every projection of a family (Phi-3's fused ones by their names)
+ALL_PROJECTIONS = {name: [n for _, names in families.lora_slots(families.FAMILIES[name]) for n in names]
+                   for name in families.FAMILIES}
+
+
+def tiny(family: str, **overrides) -> torch.nn.Module:
+    return build(family, **{**TINY[family], **overrides})
+
+
+def test_every_family_has_a_tiny_config():
+    assert set(TINY) == set(families.FAMILIES)
+    assert codagen.models.hf.SUPPORTED_MODELS == tuple(
+        name for family in families.FAMILIES.values() for name in family.model_classes)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_trains_as_unpatched(family, backend):
+    assert_same_training(tiny(family), lm_inputs(), backend=backend)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_the_declared_features_change_the_model(family):
+    """The multipliers and NoPE layers of the tiny configs are live: without them the model computes otherwise
+    (so the equality above tests them)."""
+    features = {"granite": dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=0.25,
+                                logits_scaling=1.0),
+                "smollm3": dict(no_rope_layer_interval=100)}
+    if family not in features:
+        pytest.skip("no multiplier or NoPE layer")
+    torch.manual_seed(0)
+    model = tiny(family)
+    torch.manual_seed(0)
+    plain = tiny(family, **features[family])
+    inputs = lm_inputs()
+    with torch.no_grad():
+        assert (model(**inputs).logits - plain(**inputs).logits).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding(family, side):
+    assert_same_training(tiny(family), padded_inputs(side))
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_checkpointing(family):
+    model = tiny(family)
+    reference = copy.deepcopy(model)
+    enable_checkpointing(model, {"use_reentrant": False})
+    inputs = lm_inputs()
+    want = reference(**inputs)
+    want.loss.backward()
+    patch(model)
+    got = model(**inputs)
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-4, atol=2e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-4, atol=2e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_lora_on_every_projection(family):
+    peft = pytest.importorskip("peft")  # noqa: F841
+    model = wrap(tiny(family), lora_config(ALL_PROJECTIONS[family]))
+    reference = copy.deepcopy(model)
+    patch(model)
+    assert_matches(model, reference, lm_inputs())
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_generate_matches_unpatched(family, cache):
+    model = tiny(family).eval()
+    ids, mask = prompts()
+    impl = None if cache == "dynamic" else "static"
+    want = greedy(model, ids, mask, cache_implementation=impl)
+    patch(model)
+    got = greedy(model, ids, mask, cache_implementation=impl)
+    assert_same_generation(got, want)
+
+
+def test_phi3_residual_dropout_is_refused_where_it_drops():
+    model = tiny("phi3", resid_pdrop=0.1)
+    with pytest.raises(NotImplementedError, match=r"dropout p=0.1 in training mode on the residual branch "
+                                                  r"\(resid_attn_dropout of layer 0\)"):
+        patch(model)
+    model.eval()  # dropout is the identity: runs
+    reference = copy.deepcopy(model)
+    patch(model)
+    inputs = lm_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).loss, reference(**inputs).loss, rtol=1e-4, atol=1e-6)
+    model.train()
+    with pytest.raises(NotImplementedError, match="resid_pdrop=0"):
+        model(**inputs)
+
+
+@pytest.mark.parametrize("field", ["residual_multiplier", "logits_scaling"])
+def test_granite_multipliers_must_be_finite_and_nonzero(field):
+    model = tiny("granite", **{field: 0.0})
+    with pytest.raises(ValueError, match=f"{field} must be a finite nonzero number, got 0.0"):
+        patch(model)
+
+
+def test_families_not_supported_yet_are_refused_naming_what_they_need():
+    config = transformers.Gemma2Config(vocab_size=67, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0)
+    with pytest.raises(TypeError, match=r"Gemma2ForCausalLM needs x \(1 \+ w\) RMSNorms, norms after attention"):
+        patch(transformers.Gemma2ForCausalLM(config))
+
+
+def test_fused_parameters_take_the_llama_layout_only():
+    with pytest.raises(NotImplementedError, match="the phi3 family"):
+        sharding.fuse_parameters(tiny("phi3"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_gpu_bf16_two_x_rule(family, monkeypatch):
+    """bf16 parameters on the GPU (Triton kernels): every gradient within twice transformers' bf16 error."""
+    monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
+    fields = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=1000, num_hidden_layers=4, **({"head_dim": 64} if family == "qwen3" else {}),
+                  **({"sliding_window": 48} if "sliding_window" in TINY[family] else {}))
+    model = tiny(family, **fields).cuda()
+    inputs = {k: v.cuda() for k, v in lm_inputs(batch=2, seq=128, vocab=1000).items()}
+    two_x_rule(model, inputs, lambda m, batch: m.bfloat16()(**batch).loss)
