@@ -50,7 +50,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import fused_layers, hf_cache, lora
+from . import families, fused_layers, hf_cache, lora
 
 __all__ = ["replay", "compiles_forward", "default_static_cache", "drop", "eagerly", "graphs_of", "weights_key",
            "on_stream", "cache_tensors", "capture", "given_cache", "static_full_attention"]
@@ -97,7 +97,8 @@ class _ModelGraphs:
             self.steps.clear()
             self.modules_key = key
             self.parameters = [p for m in model.modules() for p in m._parameters.values() if p is not None]
-            self.eligible = not any(lora._is_peft_module(m) for m in model.modules())
+            self.eligible = (not any(lora._is_peft_module(m) for m in model.modules())
+                             and not families.rope_from_positions(model))
         self.versions = tuple(p._version for p in self.parameters)
         self.verified = True
 

@@ -38,7 +38,8 @@ import math
 from torch import nn
 
 __all__ = ["Family", "FAMILIES", "NOT_SUPPORTED_YET", "family_of", "Scales", "scales", "qkv_projections",
-           "gate_up_projections", "lora_slots", "uses_rope", "residual_dropout"]
+           "gate_up_projections", "lora_slots", "uses_rope", "residual_dropout", "ROPE_FROM_POSITIONS",
+           "rope_from_positions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +158,16 @@ def gate_up_projections(family: Family, mlp: nn.Module) -> tuple:
 def lora_slots(family: Family) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """The projections a LoRA adapter may wrap: (submodule of the decoder layer, projection names)."""
     return (("self_attn", (*family.qkv, "o_proj")), ("mlp", (*family.gate_up, "down_proj")))
+
+
+#: RoPE types whose rotary module picks inv_freq per forward from the largest position (its own update, a host
+#: decision): their decode steps run eagerly, not from captured graphs
+ROPE_FROM_POSITIONS = ("dynamic", "longrope")
+
+
+def rope_from_positions(model: nn.Module) -> bool:
+    """Whether ``model``'s RoPE frequencies depend on the positions of the call (:data:`ROPE_FROM_POSITIONS`)."""
+    return getattr(model.model.rotary_emb, "rope_type", "default") in ROPE_FROM_POSITIONS
 
 
 def uses_rope(family: Family, layer: nn.Module) -> bool:

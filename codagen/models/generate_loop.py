@@ -49,7 +49,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from . import decode_graphs, hf_cache, lora
+from . import decode_graphs, families, hf_cache, lora
 
 __all__ = ["takes", "decode", "sample", "loops_of", "drop", "CHECK_EVERY", "SET_PROCESSORS"]
 
@@ -176,6 +176,8 @@ def _runs_here(model: nn.Module, input_ids: torch.Tensor, logits_processor, stop
         return None  # a cache holding a prefix: transformers' loop slices the inputs
     if any(lora._is_peft_module(m) for m in model.modules()):
         return None  # adapters switch without touching a parameter
+    if families.rope_from_positions(model):
+        return None  # the rotary module picks its frequencies per step, on the host
     return cache, max_length, eos
 
 

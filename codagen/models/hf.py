@@ -36,7 +36,9 @@ approximation):
   ``inputs_embeds``, padding in a 2-D ``attention_mask`` and packed sequences (``position_ids``
   restarting per document, no ``attention_mask``), by transformers' rules
   (:mod:`codagen.models.masks`), sliding-window attention, attention dropout, ``num_items_in_batch``,
-  ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``,
+  ``shift_labels``, ``logits_to_keep`` without labels, RoPE types ``default``, ``linear``, ``llama3``, ``yarn``,
+  ``longrope`` and ``dynamic`` (the rotary module's ``attention_scaling`` folded into the Q/K rows; the last two pick
+  their frequencies per forward by the rotary module's own update, and their decode steps run eagerly),
   ``model.gradient_checkpointing_enable()`` (each regrouped block checkpointed in its layer's place:
   :mod:`codagen.models.checkpoint`).
 - KV cache and ``generate()`` (``past_key_values`` / ``cache``, ``use_cache=True``; padding masks with
@@ -66,7 +68,7 @@ approximation):
   ``inputs_embeds`` whose width is not the hidden size.
 - Refused: MLP biases, activations other than SiLU (``hidden_act`` and each layer's ``act_fn``), partial
   rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter before the norm), QK-norm eps
-  unequal to the RMSNorm eps, other RoPE types (``dynamic``, ``yarn``, ...), 4-D ``attention_mask``,
+  unequal to the RMSNorm eps, other RoPE types, 4-D ``attention_mask``,
   flash-attention varlen kwargs (``cu_seq_lens_q``, ...), ``output_attentions`` / ``output_hidden_states``,
   extra attention kwargs. Run the model unpatched for those (``unpatch`` a patched model whose parameters
   are its own; at patch time, do not patch it).
@@ -75,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import weakref
 from collections.abc import Sequence
 
@@ -102,7 +105,10 @@ from .masks import additive, causal_mask, document_ids
 __all__ = ["patch", "unpatch", "is_patched", "refresh_weights", "SUPPORTED_MODELS"]
 
 SUPPORTED_MODELS = tuple(name for family in families.FAMILIES.values() for name in family.model_classes)
-_ROPE_TYPES = ("default", "linear", "llama3")  # static inv_freq and attention_scaling == 1
+#: RoPE types whose rotary module gives inv_freq and attention_scaling (cos and sin multiplied by it: folded into
+#: the Q and K rows, since rope(s z) = s rope(z)); "dynamic" and "longrope" choose inv_freq per forward from the
+#: largest position, by the rotary module's own update (families.ROPE_FROM_POSITIONS)
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 _FLASH_ATTENTION_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 # rotary module -> (what the frequencies were built from, the fused QKV's per-pair frequencies)
 _FREQUENCIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -144,8 +150,11 @@ def _check_model(model: nn.Module) -> None:
         raise _refuse(f"hidden_act={config.hidden_act!r} (only SiLU/SwiGLU)", model)
     rotary = model.model.rotary_emb
     rope_type = getattr(rotary, "rope_type", "default")
-    if rope_type not in _ROPE_TYPES or getattr(rotary, "attention_scaling", 1.0) != 1.0:
-        raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES} with attention_scaling 1)", model)
+    if rope_type not in _ROPE_TYPES:
+        raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES})", model)
+    scaling = getattr(rotary, "attention_scaling", 1.0)
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) or scaling <= 0:
+        raise _refuse(f"the rotary attention_scaling {scaling!r} (a positive number)", model)
     families.scales(family, model)  # ValueError naming a multiplier that is not a finite nonzero number
     scalings = {getattr(layer.self_attn, "scaling", None) for layer in model.model.layers}
     if len(scalings) > 1:
@@ -459,10 +468,13 @@ def _check_hooks(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | No
 
 
 def _block_weights(layer: nn.Module, family: families.Family, spec: AttentionSpec, sliding_window: int | None,
-                   residual_scale: float, dtype: torch.dtype) -> BlockWeights:
+                   residual_scale: float, qk_scale: float, dtype: torch.dtype) -> BlockWeights:
     """One HF decoder layer's parameters in the fused layout and ``dtype`` (differentiable gathers and
     casts, see the module docstring), with its PEFT LoRA updates (:mod:`codagen.models.lora`). ``residual_scale``
-    (Granite's residual multiplier) is folded into the O and down projections: ``x + m (a W^T) = x + a (m W)^T``."""
+    (Granite's residual multiplier) is folded into the O and down projections: ``x + m (a W^T) = x + a (m W)^T``.
+    ``qk_scale`` (the rotary module's ``attention_scaling``: YaRN, LongRoPE) multiplies the rotated Q and K, as
+    transformers' scaled cos and sin do; RoPE is linear, so it is folded into the Q/K rows (their biases and LoRA
+    updates), or with QK-norm into the norms' weights (the norm would undo a scale before it)."""
     attn, mlp = layer.self_attn, layer.mlp
     head_dim = spec.head_dim
     q_rows, kv_rows = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
@@ -472,12 +484,18 @@ def _block_weights(layer: nn.Module, family: families.Family, spec: AttentionSpe
 
     def scaled(t):
         return None if t is None else _scaled(t, residual_scale)
+    qk_norm = getattr(attn, "q_norm", None) is not None
+    row_scale = 1.0 if qk_norm else qk_scale
+
+    def q_k_scaled(tensors):  # (q, k, v): the rotated Q and K times row_scale
+        q, k, v = (cast(t) for t in tensors)
+        return _scaled(q, row_scale), _scaled(k, row_scale), v
     weights, biases = families.qkv_projections(family, attn, q_rows, kv_rows)
-    qkv = fuse_qkv(*(cast(w) for w in weights), head_dim)
-    qkv_bias = None if biases[0] is None else fuse_qkv(*(cast(b) for b in biases), head_dim)
+    qkv = fuse_qkv(*q_k_scaled(weights), head_dim)
+    qkv_bias = None if biases[0] is None else fuse_qkv(*q_k_scaled(biases), head_dim)
     # QK-norm (Qwen3): each head's channels permuted to pair order, like the Q/K rows of qkv
-    q_norm, k_norm = (None if getattr(attn, n, None) is None
-                      else ops.rope_pairs_from_half_split(cast(getattr(attn, n).weight), head_dim)
+    q_norm, k_norm = (None if not qk_norm
+                      else ops.rope_pairs_from_half_split(_scaled(cast(getattr(attn, n).weight), qk_scale), head_dim)
                       for n in ("q_norm", "k_norm"))
     (gate, up), _ = families.gate_up_projections(family, mlp)
     o_low_rank, down_low_rank = (lora.linear_low_rank(module, dtype) for module in (attn.o_proj, mlp.down_proj))
@@ -491,7 +509,8 @@ def _block_weights(layer: nn.Module, family: families.Family, spec: AttentionSpe
         mlp_norm=cast(layer.post_attention_layernorm.weight),
         gate_up=ops.interleave_gate_up(cast(gate), cast(up)), down=scaled(cast(mlp.down_proj.weight)),
         q_norm=q_norm, k_norm=k_norm, sliding_window=sliding_window, rope=families.uses_rope(family, layer),
-        qkv_low_rank=lora.qkv_low_rank(attn, family, head_dim, q_rows, kv_rows, dtype), o_low_rank=o_low_rank,
+        qkv_low_rank=lora.qkv_low_rank(attn, family, head_dim, q_rows, kv_rows, dtype, row_scale),
+        o_low_rank=o_low_rank,
         gate_up_low_rank=lora.gate_up_low_rank(mlp, family, dtype), down_low_rank=down_low_rank)
 
 
@@ -630,6 +649,10 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
                                                                 else torch.float32).contiguous()
 
     rotary = self.model.rotary_emb
+    if families.rope_from_positions(self) and not compile_ahead.tracing():  # as transformers' forward: the rotary
+        with torch.no_grad():  # module's update picks inv_freq from the largest position (a trace's are fake)
+            rotary(x[:1, :1], position_ids.reshape(-1).max().reshape(1, 1))
+    qk_scale = float(getattr(rotary, "attention_scaling", 1.0))  # YaRN's, LongRoPE's: cos and sin times it
     fused = fused_layers.is_fused(self)
     layer0 = self.model.layers[0] if len(self.model.layers) else None
     attn0 = None if layer0 is None else layer0.fused if fused else layer0.self_attn
@@ -652,7 +675,7 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
 
     def weights(layer):
         residual_scale = scales.residual[layer_index[id(layer)]]
-        return _block_weights(layer, family, spec, _sliding_window(self, layer), residual_scale, dtype)
+        return _block_weights(layer, family, spec, _sliding_window(self, layer), residual_scale, qk_scale, dtype)
 
     def fuse():
         return [weights(layer) for layer in layers]

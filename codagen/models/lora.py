@@ -190,9 +190,10 @@ def _block_diagonal(adapters: list[Adapter | None], rows: list[int], dtype: torc
 
 
 def qkv_low_rank(attn: nn.Module, family: families.Family, head_dim: int, q_rows: int, kv_rows: int,
-                 dtype: torch.dtype) -> ops.LowRank | None:
+                 dtype: torch.dtype, qk_scale: float = 1.0) -> ops.LowRank | None:
     """The LoRA updates of q/k/v_proj (or of one fused ``qkv_proj``, whose ``B`` rows are ``[q; k; v]``) as one
-    low-rank pair of the fused QKV GEMM (module docstring)."""
+    low-rank pair of the fused QKV GEMM (module docstring); ``qk_scale`` multiplies the Q and K rows (the fused
+    weight's are, for a RoPE ``attention_scaling``)."""
     adapters = _adapters(attn, family.qkv)
     if all(ad is None for ad in adapters):
         return None
@@ -201,6 +202,8 @@ def qkv_low_rank(attn: nn.Module, family: families.Family, head_dim: int, q_rows
         a, (b_q, b_k, b_v) = ad.a.to(dtype), (ad.b * ad.scale).to(dtype).split((q_rows, kv_rows, kv_rows))
     else:
         a, (b_q, b_k, b_v) = _block_diagonal(adapters, [q_rows, kv_rows, kv_rows], dtype)
+    if qk_scale != 1.0:
+        b_q, b_k = b_q * qk_scale, b_k * qk_scale
     b = torch.cat((ops.rope_pairs_from_half_split(b_q, head_dim), ops.rope_pairs_from_half_split(b_k, head_dim), b_v))
     return ops.LowRank(a.contiguous(), b.contiguous(), 1.0)
 

@@ -58,6 +58,12 @@ def fuse_parameters(model: nn.Module) -> nn.Module:
     if fused_layers.is_fused(model):
         return model
     family = families.family_of(model)
+    rotary = model.model.rotary_emb
+    if families.rope_from_positions(model) or getattr(rotary, "attention_scaling", 1.0) != 1.0:
+        raise NotImplementedError(f"codagen.models.sharding.fuse_parameters: rope_type "
+                                  f"{getattr(rotary, 'rope_type', 'default')!r} (frequencies chosen per forward, or "
+                                  f"an attention_scaling) is not supported yet with fused parameters; patch the model "
+                                  f"with codagen.patch and fully_shard its decoder layers and the root")
     if not family.llama_layout:
         raise NotImplementedError(f"codagen.models.sharding.fuse_parameters: the {family.name} family (its fused "
                                   f"projections, multipliers or layers without RoPE) is not supported yet; patch it "

@@ -106,9 +106,10 @@ def test_refused_at_patch():
         patch(build("llama", mlp_bias=True))
     with pytest.raises(NotImplementedError, match="hidden_act"):
         patch(build("llama", hidden_act="gelu"))
-    with pytest.raises(NotImplementedError, match="rope_type='yarn'"):
-        patch(build("llama", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                              "original_max_position_embeddings": 16}))
+    unknown_rope = build("llama")
+    unknown_rope.model.rotary_emb.rope_type = "proportional"  # a type whose frequencies codagen does not read
+    with pytest.raises(NotImplementedError, match="rope_type='proportional'"):
+        patch(unknown_rope)
     with pytest.raises(TypeError, match="model must be one of"):
         patch(torch.nn.Linear(2, 2))
     with pytest.raises(NotImplementedError, match="Q/K/V biases together with QK-norm"):

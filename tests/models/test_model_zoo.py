@@ -9,6 +9,8 @@ import dataclasses
 import pytest
 import torch
 
+from codagen.models import families
+
 from .conftest import assert_same_training, lm_inputs
 
 transformers = pytest.importorskip("transformers")
@@ -25,6 +27,9 @@ def tiny(config: models.ModelConfig) -> torch.nn.Module:
     hf_config = models.hf_config(small)
     if small.rope_scaling is not None:  # the llama3 rule's wavelength band, brought into the tiny model's positions
         hf_config.rope_parameters["original_max_position_embeddings"] = 16
+    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):  # published ids lie outside the tiny vocabulary
+        if isinstance(getattr(hf_config, field, None), int) and getattr(hf_config, field) >= VOCAB:
+            setattr(hf_config, field, None)
     model_class = getattr(transformers, models._CLASSES[small.family])
     torch.manual_seed(0)
     model = model_class(hf_config)
@@ -42,11 +47,12 @@ def test_published_structure_trains_as_unpatched(name):
     config = models.MODELS[name]
     model = tiny(config)
     attn = model.model.layers[0].self_attn
+    q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    (q, k, v), (q_bias, _, _) = families.qkv_projections(families.FAMILIES[config.family], attn, q_rows, kv_rows)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == config.tie_word_embeddings
-    assert (attn.q_proj.bias is not None) == config.attention_bias
+    assert (q_bias is not None) == config.attention_bias
     assert hasattr(attn, "q_norm") == (config.family == "qwen3")
-    assert attn.q_proj.weight.shape[0] == config.num_attention_heads * config.head_dim
-    assert attn.k_proj.weight.shape[0] == config.num_key_value_heads * config.head_dim
+    assert (q.shape[0], k.shape[0], v.shape[0]) == (q_rows, kv_rows, kv_rows)
     torch.manual_seed(1)
     assert_same_training(model, lm_inputs(batch=2, seq=12, vocab=VOCAB))
 
