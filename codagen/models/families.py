@@ -5,11 +5,16 @@ Every family :func:`codagen.patch` takes is a pre-norm decoder whose blocks the 
 
 - where the projections live: ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj``, or one fused
   ``qkv_proj`` (rows ``[q; k; v]``) and ``gate_up_proj`` (rows ``[gate; up]``), as Phi-3 stores them;
-- the MLP's activation attribute (``act_fn``, Phi-3's ``activation_fn``);
+- the norms: which modules normalize before attention and before the MLP, which (if any) normalize the attention's
+  and the MLP's outputs before their residual adds (Gemma's sandwich norms), and the norm's form, ``x (offset + w)``
+  (Gemma's offset is 1);
+- the MLP's activation attribute (``act_fn``, Phi-3's ``activation_fn``), SiLU or GELU-tanh by its module;
 - multipliers (Granite): the embeddings times ``model.model.<embedding_multiplier>``, both residual branches
   times ``layer.<residual_multiplier>``, the logits divided by ``config.<logits_divisor>``; the attention's own
   ``scaling`` is SDPA's scale in every family;
-- layers without RoPE (SmolLM3): ``self_attn.<rope_flag>`` false;
+- layers without RoPE (SmolLM3): ``self_attn.<rope_flag>`` false; RoPE frequencies per layer type (Gemma 3's local
+  and global bases): the rotary module's ``<layer_type>_inv_freq``;
+- config fields the fused decoder does not compute (Gemma's attention soft-cap), refused unless unset;
 - dropout on the residual branches (Phi-3): the layer's ``nn.Dropout`` modules, refused when they drop.
 
 Everything else is read from the module tree, the same way for every family: Q/K/V and O biases, QK-norm per head
@@ -23,7 +28,11 @@ How each declared feature runs (exact in real arithmetic; the tests hold them to
   when the fused weights are built (``x + m (a W^T) = x + a (m W)^T``); the logits divisor into the final norm's
   weight (``rstd (x (g / s)) W^T = logits / s``); the embedding multiplier is one elementwise product, as in
   ``transformers``; the attention scale is SDPA's ``scale``;
-- a layer without RoPE rotates its Q/K pairs by the angle 0 (``cos 0 = 1``, ``sin 0 = 0``: the identity).
+- a layer without RoPE rotates its Q/K pairs by the angle 0 (``cos 0 = 1``, ``sin 0 = 0``: the identity);
+- ``x (1 + w)`` norms: the weight ``1 + w`` enters where ``w`` does (a vector per norm);
+- a norm of a GEMM's output before its residual add: that GEMM, then one row kernel
+  (:func:`codagen.ops.linear_post_norm_residual_rms`), the norm needing the whole row;
+- GELU-tanh: the gate/up epilogue's GeGLU in place of SwiGLU.
 
 Adding a family whose features are among these is one :class:`Family` in :data:`FAMILIES` and one tiny config in
 the shared model tests (``tests/models/test_families.py``). :data:`NOT_SUPPORTED_YET` names the families asked for
@@ -35,11 +44,13 @@ import dataclasses
 import functools
 import math
 
+import torch
 from torch import nn
 
 __all__ = ["Family", "FAMILIES", "NOT_SUPPORTED_YET", "family_of", "Scales", "scales", "qkv_projections",
            "gate_up_projections", "lora_slots", "uses_rope", "residual_dropout", "ROPE_FROM_POSITIONS",
-           "rope_from_positions"]
+           "rope_from_positions", "norm_eps", "norm_weight", "norms", "activation_of", "inv_freq",
+           "attention_scaling", "rope_types"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +61,13 @@ class Family:
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # one name: HF's fused [q; k; v] projection
     gate_up: tuple[str, ...] = ("gate_proj", "up_proj")  # one name: HF's fused [gate; up] projection
     act_fn: str = "act_fn"  # the MLP's activation module
+    attn_norm: str = "input_layernorm"  # the norm before attention
+    mlp_norm: str = "post_attention_layernorm"  # the norm before the MLP
+    post_attn_norm: str | None = None  # a norm of the attention block's output before its residual add
+    post_mlp_norm: str | None = None  # a norm of the MLP's output before its residual add
+    norm_offset: float = 0.0  # the norms multiply by (norm_offset + weight)
+    rope_per_layer_type: bool = False  # the rotary module holds <layer_type>_inv_freq per self_attn.layer_type
+    unset_config: tuple[str, ...] = ()  # config fields the fused decoder does not compute: None or False only
     embedding_multiplier: str | None = None  # attribute of model.model multiplying the embeddings
     residual_multiplier: str | None = None  # attribute of each decoder layer multiplying both residual branches
     logits_divisor: str | None = None  # config field dividing the logits
@@ -59,9 +77,9 @@ class Family:
     @property
     def llama_layout(self) -> bool:
         """Llama's module tree and arithmetic (what the sharded paths, which read the modules directly, take)."""
-        return (self.qkv == Family.qkv and self.gate_up == Family.gate_up and self.act_fn == Family.act_fn
-                and self.embedding_multiplier is self.residual_multiplier is self.logits_divisor is None
-                and self.rope_flag is None and not self.residual_dropout)
+        plain = Family("llama", ())
+        return all(getattr(self, field.name) == getattr(plain, field.name) for field in dataclasses.fields(self)
+                   if field.name not in ("name", "model_classes"))
 
 
 FAMILIES = {family.name: family for family in (
@@ -74,13 +92,16 @@ FAMILIES = {family.name: family for family in (
     Family("granite", ("GraniteForCausalLM",), embedding_multiplier="embedding_multiplier",
            residual_multiplier="residual_multiplier", logits_divisor="logits_scaling"),
     Family("smollm3", ("SmolLM3ForCausalLM",), rope_flag="use_rope"),
+    Family("gemma3", ("Gemma3ForCausalLM",), mlp_norm="pre_feedforward_layernorm",
+           post_attn_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0,
+           rope_per_layer_type=True,
+           unset_config=("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention")),
 )}
 
 #: families asked for whose blocks need what the fused decoder does not compute yet (refused naming it)
 NOT_SUPPORTED_YET = {
     "Gemma2ForCausalLM": "x (1 + w) RMSNorms, norms after attention and the MLP (sandwich norms), GELU-tanh "
                          "GeGLU, attention and final logit soft-caps",
-    "Gemma3ForCausalLM": "x (1 + w) RMSNorms, sandwich norms, GELU-tanh GeGLU, local/global RoPE bases",
     "Olmo2ForCausalLM": "norms after attention and the MLP (post-norms), QK-norm over the whole projection",
     "Olmo3ForCausalLM": "post-norms, QK-norm over the whole projection",
     "Glm4ForCausalLM": "norms after attention and the MLP (sandwich norms), partial rotary embeddings",
@@ -167,7 +188,7 @@ ROPE_FROM_POSITIONS = ("dynamic", "longrope")
 
 def rope_from_positions(model: nn.Module) -> bool:
     """Whether ``model``'s RoPE frequencies depend on the positions of the call (:data:`ROPE_FROM_POSITIONS`)."""
-    return getattr(model.model.rotary_emb, "rope_type", "default") in ROPE_FROM_POSITIONS
+    return any(rope_type in ROPE_FROM_POSITIONS for rope_type in rope_types(model))
 
 
 def uses_rope(family: Family, layer: nn.Module) -> bool:
@@ -181,3 +202,62 @@ def residual_dropout(family: Family, layer: nn.Module) -> list[str]:
     return [name for name in family.residual_dropout
             if not isinstance(m := getattr(layer, name), nn.Dropout) or (m.p > 0 and m.training)]
 
+
+
+def norm_eps(norm: nn.Module) -> float | None:
+    """An RMSNorm module's eps (``variance_epsilon`` in most families, ``eps`` in Gemma's)."""
+    eps = norm.__dict__.get("variance_epsilon", norm.__dict__.get("eps"))
+    return None if eps is None else float(eps)
+
+
+def norm_weight(family: Family, norm: nn.Module) -> torch.Tensor:
+    """What the norm multiplies by: its weight, or ``norm_offset + weight`` (differentiable)."""
+    return norm.weight if family.norm_offset == 0.0 else norm.weight + family.norm_offset
+
+
+def norms(family: Family, layer: nn.Module) -> dict[str, nn.Module | None]:
+    """The decoder layer's norm modules by role: ``attn``, ``mlp`` (before each), ``post_attn``, ``post_mlp``."""
+    return {"attn": getattr(layer, family.attn_norm), "mlp": getattr(layer, family.mlp_norm),
+            "post_attn": None if family.post_attn_norm is None else getattr(layer, family.post_attn_norm),
+            "post_mlp": None if family.post_mlp_norm is None else getattr(layer, family.post_mlp_norm)}
+
+
+#: the MLP activation modules the gate/up epilogue computes, by class name (transformers.activations and torch.nn)
+_ACTIVATIONS = {("torch.nn.modules.activation", "SiLU"): "silu",
+                ("transformers.activations", "SiLUActivation"): "silu",
+                ("transformers.activations", "GELUTanh"): "gelu_tanh",
+                ("transformers.activations", "PytorchGELUTanh"): "gelu_tanh",
+                ("transformers.activations", "NewGELUActivation"): "gelu_tanh"}
+
+
+def activation_of(act_fn: nn.Module) -> str | None:
+    """``"silu"`` or ``"gelu_tanh"`` for the activation modules the gate/up epilogue computes, else None."""
+    kind = type(act_fn)
+    if kind is nn.GELU:
+        return "gelu_tanh" if act_fn.approximate == "tanh" else None
+    return _ACTIVATIONS.get((kind.__module__, kind.__name__))
+
+
+def inv_freq(family: Family, model: nn.Module, layer: nn.Module | None = None) -> torch.Tensor:
+    """The RoPE inverse frequencies ``layer`` rotates by (its layer type's, for Gemma 3); the first layer's when
+    ``layer`` is None."""
+    rotary = model.model.rotary_emb
+    if not family.rope_per_layer_type:
+        return rotary.inv_freq
+    layer = model.model.layers[0] if layer is None else layer
+    return getattr(rotary, f"{layer.self_attn.layer_type}_inv_freq")
+
+
+def attention_scaling(family: Family, model: nn.Module, layer: nn.Module | None = None) -> float:
+    """What the rotary module multiplies cos and sin by (YaRN's and LongRoPE's attention factor; 1 otherwise)."""
+    rotary = model.model.rotary_emb
+    if not family.rope_per_layer_type:
+        return getattr(rotary, "attention_scaling", 1.0)
+    layer = model.model.layers[0] if layer is None else layer
+    return getattr(rotary, f"{layer.self_attn.layer_type}_attention_scaling", 1.0)
+
+
+def rope_types(model: nn.Module) -> tuple[str, ...]:
+    """The rotary module's RoPE types (one per layer type for Gemma 3)."""
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    return tuple(sorted(set(rope_type.values()))) if isinstance(rope_type, dict) else (rope_type,)

@@ -109,8 +109,11 @@ SUPPORTED_MODELS = tuple(name for family in families.FAMILIES.values() for name 
 #: the Q and K rows, since rope(s z) = s rope(z)); "dynamic" and "longrope" choose inv_freq per forward from the
 #: largest position, by the rotary module's own update (families.ROPE_FROM_POSITIONS)
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+#: the MLP activations the gate/up epilogue computes (codagen.models.families.activation_of) and their config names
+GATE_UP_ACTIVATIONS = ("silu", "gelu_tanh")
+_HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new")
 _FLASH_ATTENTION_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
-# rotary module -> (what the frequencies were built from, the fused QKV's per-pair frequencies)
+# rotary module -> {what the frequencies were built from: the fused QKV's per-pair frequencies}
 _FREQUENCIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # model -> the _structure its patch-time checks last passed
 _CHECKED_STRUCTURE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -136,25 +139,27 @@ def _refuse(feature: str, model: nn.Module | None = None) -> NotImplementedError
     return NotImplementedError(f"codagen.patch: {feature} is not supported by the fused kernels; {_advice(model)}")
 
 
-def _is_silu(act_fn: nn.Module) -> bool:
-    """``act_fn`` computes SiLU: ``ACT2FN["silu"]`` (transformers' ``SiLUActivation``) or ``nn.SiLU``."""
-    kind = type(act_fn)
-    return kind is nn.SiLU or (kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations")
-
-
 def _check_model(model: nn.Module) -> None:
     """Refuse, at patch time, architectures the fused decoder would compute differently."""
     family = families.family_of(model)
     config = model.config
-    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-        raise _refuse(f"hidden_act={config.hidden_act!r} (only SiLU/SwiGLU)", model)
-    rotary = model.model.rotary_emb
-    rope_type = getattr(rotary, "rope_type", "default")
-    if rope_type not in _ROPE_TYPES:
-        raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES})", model)
-    scaling = getattr(rotary, "attention_scaling", 1.0)
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) or scaling <= 0:
-        raise _refuse(f"the rotary attention_scaling {scaling!r} (a positive number)", model)
+    if getattr(config, "hidden_act", "silu") not in _HIDDEN_ACTS:
+        raise _refuse(f"hidden_act={config.hidden_act!r} (supported: {_HIDDEN_ACTS})", model)
+    for field in family.unset_config:
+        if getattr(config, field, None) not in (None, False):
+            raise _refuse(f"config.{field}={getattr(config, field)!r} (the fused decoder computes it only unset)", model)
+    for rope_type in families.rope_types(model):
+        if rope_type not in _ROPE_TYPES:
+            raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES})", model)
+    for layer in model.model.layers:
+        scaling = families.attention_scaling(family, model, layer)
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) \
+                or scaling <= 0:
+            raise _refuse(f"the rotary attention_scaling {scaling!r} (a positive number)", model)
+    if family.rope_per_layer_type and (families.rope_from_positions(model) or any(
+            families.attention_scaling(family, model, layer) != 1.0 for layer in model.model.layers)):
+        raise _refuse(f"RoPE per layer type with the rope types {families.rope_types(model)} (supported: static "
+                      f"frequencies without an attention_scaling)", model)
     families.scales(family, model)  # ValueError naming a multiplier that is not a finite nonzero number
     scalings = {getattr(layer.self_attn, "scaling", None) for layer in model.model.layers}
     if len(scalings) > 1:
@@ -162,16 +167,19 @@ def _check_model(model: nn.Module) -> None:
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         act_fn = getattr(mlp, family.act_fn)
-        if not _is_silu(act_fn):
-            raise _refuse(f"{family.act_fn} {type(act_fn).__name__} (layer {i}; only SiLU)", model)
+        if families.activation_of(act_fn) not in GATE_UP_ACTIVATIONS:
+            raise _refuse(f"{family.act_fn} {type(act_fn).__name__} (layer {i}; the gate/up epilogue computes "
+                          f"{GATE_UP_ACTIVATIONS})", model)
         if any(getattr(mlp, n).bias is not None for n in (*family.gate_up, "down_proj")):
             raise _refuse(f"MLP biases (layer {i})", model)
         qkv_bias = [getattr(attn, n).bias is not None for n in family.qkv]  # one fused projection: all or none
         if any(qkv_bias) and not all(qkv_bias):
             raise _refuse(f"biases on only some of q/k/v_proj (layer {i})", model)
-        if not (layer.input_layernorm.variance_epsilon == layer.post_attention_layernorm.variance_epsilon
-                == model.model.norm.variance_epsilon):
+        layer_norms = [norm for norm in families.norms(family, layer).values() if norm is not None]
+        if len({families.norm_eps(norm) for norm in (*layer_norms, model.model.norm)}) != 1:
             raise _refuse(f"different eps among the RMSNorms (layer {i})", model)
+        if family.post_attn_norm is not None and attn.o_proj.bias is not None:
+            raise _refuse(f"an o_proj bias with a norm after attention (layer {i})", model)
         qk_norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
         if any(norm is not None for norm in qk_norms):
             if any(norm is None for norm in qk_norms):
@@ -180,7 +188,7 @@ def _check_model(model: nn.Module) -> None:
                 raise _refuse(f"Q/K/V biases together with QK-norm (layer {i})", model)
             if any(tuple(norm.weight.shape) != (attn.head_dim,) for norm in qk_norms):
                 raise _refuse(f"QK-norm weights of shape other than [head_dim] = ({attn.head_dim},) (layer {i})", model)
-            if any(norm.variance_epsilon != layer.input_layernorm.variance_epsilon for norm in qk_norms):
+            if any(families.norm_eps(norm) != families.norm_eps(layer_norms[0]) for norm in qk_norms):
                 raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})", model)
     _check_residual_dropout(model, family)
     lora.prepare_adapters(model, patched=is_patched(model))
@@ -235,7 +243,7 @@ def _check_shapes(model: nn.Module) -> None:
         if got != want:
             raise ValueError(f"codagen.patch: {', '.join(names)} weights of layer {i} are {got}; "
                              f"intermediate_size = {ffn} and hidden_size = {hidden} give {want}")
-        rotary_pairs = model.model.rotary_emb.inv_freq.shape[0]
+        rotary_pairs = families.inv_freq(family, model, layer).shape[0]
         if rotary_pairs != head_dim // 2:
             raise _refuse(f"partial rotary embeddings (partial_rotary_factor: {2 * rotary_pairs} of head_dim "
                           f"{head_dim} channels rotated)", model)
@@ -253,9 +261,10 @@ def _structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> tu
               *(getattr(layer, family.residual_multiplier, None) for layer in layers if family.residual_multiplier),
               *(getattr(layer.self_attn, "scaling", None) for layer in layers)]
     return (tuple((id(m), tuple(None if p is None else p.shape for p in m._parameters.values()),
-                   m.__dict__.get("variance_epsilon"), m.__dict__.get("head_dim")) for _, m in modules), tuple(fields),
-            config.hidden_act, config.num_attention_heads, config.num_key_value_heads,
-            getattr(rotary, "rope_type", "default"), getattr(rotary, "attention_scaling", 1.0), rotary.inv_freq.shape)
+                   families.norm_eps(m), m.__dict__.get("head_dim")) for _, m in modules), tuple(fields),
+            getattr(config, "hidden_act", None), config.num_attention_heads, config.num_key_value_heads,
+            families.rope_types(model), tuple((families.attention_scaling(family, model, layer),
+                                               families.inv_freq(family, model, layer).shape) for layer in layers))
 
 
 def _check_structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> None:
@@ -468,22 +477,21 @@ def _check_hooks(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | No
 
 
 def _block_weights(layer: nn.Module, family: families.Family, spec: AttentionSpec, sliding_window: int | None,
-                   residual_scale: float, qk_scale: float, dtype: torch.dtype) -> BlockWeights:
+                   residual_scale: float, qk_scale: float, frequencies: torch.Tensor | None,
+                   dtype: torch.dtype) -> BlockWeights:
     """One HF decoder layer's parameters in the fused layout and ``dtype`` (differentiable gathers and
     casts, see the module docstring), with its PEFT LoRA updates (:mod:`codagen.models.lora`). ``residual_scale``
     (Granite's residual multiplier) is folded into the O and down projections: ``x + m (a W^T) = x + a (m W)^T``.
     ``qk_scale`` (the rotary module's ``attention_scaling``: YaRN, LongRoPE) multiplies the rotated Q and K, as
     transformers' scaled cos and sin do; RoPE is linear, so it is folded into the Q/K rows (their biases and LoRA
-    updates), or with QK-norm into the norms' weights (the norm would undo a scale before it)."""
+    updates), or with QK-norm into the norms' weights (the norm would undo a scale before it). ``frequencies``: the
+    layer's own RoPE frequencies (None: the model's)."""
     attn, mlp = layer.self_attn, layer.mlp
     head_dim = spec.head_dim
     q_rows, kv_rows = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
 
     def cast(t):
         return None if t is None else t.to(dtype)
-
-    def scaled(t):
-        return None if t is None else _scaled(t, residual_scale)
     qk_norm = getattr(attn, "q_norm", None) is not None
     row_scale = 1.0 if qk_norm else qk_scale
 
@@ -494,21 +502,28 @@ def _block_weights(layer: nn.Module, family: families.Family, spec: AttentionSpe
     qkv = fuse_qkv(*q_k_scaled(weights), head_dim)
     qkv_bias = None if biases[0] is None else fuse_qkv(*q_k_scaled(biases), head_dim)
     # QK-norm (Qwen3): each head's channels permuted to pair order, like the Q/K rows of qkv
-    q_norm, k_norm = (None if not qk_norm
-                      else ops.rope_pairs_from_half_split(_scaled(cast(getattr(attn, n).weight), qk_scale), head_dim)
-                      for n in ("q_norm", "k_norm"))
+    q_norm, k_norm = (None if not qk_norm else ops.rope_pairs_from_half_split(
+        _scaled(cast(families.norm_weight(family, getattr(attn, n))), qk_scale), head_dim) for n in ("q_norm", "k_norm"))
+    norms = {role: None if norm is None else cast(families.norm_weight(family, norm))
+             for role, norm in families.norms(family, layer).items()}
     (gate, up), _ = families.gate_up_projections(family, mlp)
-    o_low_rank, down_low_rank = (lora.linear_low_rank(module, dtype) for module in (attn.o_proj, mlp.down_proj))
-    if residual_scale != 1.0:
-        o_low_rank, down_low_rank = (None if low_rank is None
-                                     else dataclasses.replace(low_rank, scale=low_rank.scale * residual_scale)
-                                     for low_rank in (o_low_rank, down_low_rank))
+
+    def branch(projection, post_norm):  # (weight, bias, LoRA update, post-norm weight), residual_scale in one
+        low_rank = lora.linear_low_rank(projection, dtype)
+        if post_norm is not None:  # the multiplier scales the norm's weight: the norm would undo it on the weight
+            return cast(projection.weight), cast(projection.bias), low_rank, _scaled(post_norm, residual_scale)
+        if low_rank is not None and residual_scale != 1.0:
+            low_rank = dataclasses.replace(low_rank, scale=low_rank.scale * residual_scale)
+        bias = None if projection.bias is None else _scaled(cast(projection.bias), residual_scale)
+        return _scaled(cast(projection.weight), residual_scale), bias, low_rank, None
+    o, o_bias, o_low_rank, post_attn = branch(attn.o_proj, norms["post_attn"])
+    down, _, down_low_rank, post_mlp = branch(mlp.down_proj, norms["post_mlp"])
     return BlockWeights(
-        attn_norm=cast(layer.input_layernorm.weight), qkv=qkv, qkv_bias=qkv_bias,
-        o=scaled(cast(attn.o_proj.weight)), o_bias=scaled(cast(attn.o_proj.bias)),
-        mlp_norm=cast(layer.post_attention_layernorm.weight),
-        gate_up=ops.interleave_gate_up(cast(gate), cast(up)), down=scaled(cast(mlp.down_proj.weight)),
-        q_norm=q_norm, k_norm=k_norm, sliding_window=sliding_window, rope=families.uses_rope(family, layer),
+        attn_norm=norms["attn"], qkv=qkv, qkv_bias=qkv_bias, o=o, o_bias=o_bias,
+        mlp_norm=norms["mlp"], gate_up=ops.interleave_gate_up(cast(gate), cast(up)), down=down,
+        q_norm=q_norm, k_norm=k_norm, sliding_window=sliding_window, frequencies=frequencies,
+        post_attn_norm=post_attn, post_mlp_norm=post_mlp,
+        activation=families.activation_of(getattr(mlp, family.act_fn)),
         qkv_low_rank=lora.qkv_low_rank(attn, family, head_dim, q_rows, kv_rows, dtype, row_scale),
         o_low_rank=o_low_rank,
         gate_up_low_rank=lora.gate_up_low_rank(mlp, family, dtype), down_low_rank=down_low_rank)
@@ -606,19 +621,19 @@ def _embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return embed_tokens(input_ids)
 
 
-def _rope_frequencies(rotary: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int,
+def _rope_frequencies(rotary: nn.Module, inv_freq: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                       device: torch.device) -> torch.Tensor:
-    """:func:`codagen.ops.rope_frequencies` of ``rotary.inv_freq`` on ``device``, kept while ``inv_freq`` keeps
-    its storage and version (outside ``torch.compile``): a decode step then builds none of it."""
-    inv_freq = rotary.inv_freq
+    """:func:`codagen.ops.rope_frequencies` of ``inv_freq`` (a buffer of ``rotary``) on ``device``, kept while
+    ``inv_freq`` keeps its storage and version (outside ``torch.compile``): a decode step then builds none of it."""
     if torch.compiler.is_compiling() or compile_ahead.tracing():  # nothing kept from a trace's fake tensors
         return ops.rope_frequencies(num_heads, num_kv_heads, head_dim, inv_freq=inv_freq.to(device))
     key = (inv_freq.data_ptr(), inv_freq._version, num_heads, num_kv_heads, head_dim, device)
-    kept = _FREQUENCIES.get(rotary)
-    if kept is None or kept[0] != key:
-        kept = _FREQUENCIES[rotary] = (key, ops.rope_frequencies(num_heads, num_kv_heads, head_dim,
-                                                                 inv_freq=inv_freq.to(device)))
-    return kept[1]
+    kept = _FREQUENCIES.setdefault(rotary, {})
+    if key not in kept:
+        if len(kept) >= 8:  # a buffer replaced, or updated in place (LongRoPE): the old entries go
+            kept.clear()
+        kept[key] = ops.rope_frequencies(num_heads, num_kv_heads, head_dim, inv_freq=inv_freq.to(device))
+    return kept[key]
 
 
 def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_ids, labels, shift_labels,
@@ -652,14 +667,21 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
     if families.rope_from_positions(self) and not compile_ahead.tracing():  # as transformers' forward: the rotary
         with torch.no_grad():  # module's update picks inv_freq from the largest position (a trace's are fake)
             rotary(x[:1, :1], position_ids.reshape(-1).max().reshape(1, 1))
-    qk_scale = float(getattr(rotary, "attention_scaling", 1.0))  # YaRN's, LongRoPE's: cos and sin times it
+    qk_scale = float(families.attention_scaling(family, self))  # YaRN's, LongRoPE's: cos and sin times it
     fused = fused_layers.is_fused(self)
     layer0 = self.model.layers[0] if len(self.model.layers) else None
     attn0 = None if layer0 is None else layer0.fused if fused else layer0.self_attn
     head_dim = (attn0.head_dim if attn0 is not None
                 else getattr(config, "head_dim", hidden // config.num_attention_heads))
-    frequencies = _rope_frequencies(rotary, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                                    x.device)
+    def frequencies_of(inv_freq):
+        return _rope_frequencies(rotary, inv_freq, config.num_attention_heads, config.num_key_value_heads, head_dim,
+                                 x.device)
+    frequencies = frequencies_of(families.inv_freq(family, self))
+
+    def layer_frequencies(layer):  # None: the model's; a NoPE layer rotates by 0, Gemma 3's by its layer type's
+        if not families.uses_rope(family, layer):
+            return torch.zeros_like(frequencies)
+        return frequencies_of(families.inv_freq(family, self, layer)) if family.rope_per_layer_type else None
     scaling = None if fused or attn0 is None else getattr(attn0, "scaling", None)  # SDPA's default: head_dim^-0.5
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype),
@@ -675,7 +697,8 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
 
     def weights(layer):
         residual_scale = scales.residual[layer_index[id(layer)]]
-        return _block_weights(layer, family, spec, _sliding_window(self, layer), residual_scale, qk_scale, dtype)
+        return _block_weights(layer, family, spec, _sliding_window(self, layer), residual_scale, qk_scale,
+                              layer_frequencies(layer), dtype)
 
     def fuse():
         return [weights(layer) for layer in layers]
@@ -702,12 +725,13 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
     # under tensor parallelism these are replicated DTensors (codagen.models.sharding.parallelize); layer-aligned,
     # the final norm's module call reads its weight. A logits multiplier (Granite's 1 / logits_scaling) is folded
     # into the final norm's weight, which only the head reads: rstd (x (g s)) W^T = s logits
-    eps = self.model.norm.variance_epsilon
-    norm_weight = None if layer_aligned else _scaled(tensor_parallel.local(self.model.norm.weight).to(dtype),
-                                                     scales.logits)
+    eps = families.norm_eps(self.model.norm)
+    norm_weight = None if layer_aligned else _scaled(
+        tensor_parallel.local(families.norm_weight(family, self.model.norm)).to(dtype), scales.logits)
     if layer_aligned or _has_hooks(self.lm_head):  # the head reads its weights inside the LM head's module call
         def head(h, normed, rstd, targets, reduction="mean"):
-            return layer_units.head(self.lm_head, self.model.norm, h, normed, rstd, targets, reduction, scales.logits)
+            return layer_units.head(self.lm_head, self.model.norm, h, normed, rstd, targets, reduction, scales.logits,
+                                    family.norm_offset)
     else:
         head_weight = tensor_parallel.local(self.lm_head.weight).to(dtype)
 
@@ -721,7 +745,8 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
         x = x.reshape(batch * seq, hidden).contiguous()
         if layer_aligned:
             h, normed, rstd = layer_units.decoder_stack(x, layers, self.model.norm, None if fused else weights, eps,
-                                                        spec, positions, frequencies, checkpoints, scales.logits)
+                                                        spec, positions, frequencies, checkpoints, scales.logits,
+                                                        family.norm_offset)
         elif fused:
             h, normed, rstd = fused_layers.decoder_stack(x, layers, norm_weight, eps, spec, positions, frequencies,
                                                          checkpoints)

@@ -128,12 +128,13 @@ def _fused_layer(eps: float, spec: AttentionSpec, positions: torch.Tensor, frequ
 def decoder_stack(x: torch.Tensor, layers: Sequence[nn.Module], final_norm: nn.Module,
                   weights: Callable[[nn.Module], BlockWeights] | None, eps: float, spec: AttentionSpec,
                   positions: torch.Tensor, frequencies: torch.Tensor,
-                  checkpoints: Sequence[CheckpointFn | None], norm_scale: float = 1.0):
+                  checkpoints: Sequence[CheckpointFn | None], norm_scale: float = 1.0, norm_offset: float = 0.0):
     """The decoder layers on the embeddings ``x`` [tokens, d], one module call each, then the final norm's
     statistics in ``final_norm``'s module call: ``(x, normed, rstd)`` for :func:`head`. ``weights(layer)`` gives a
     layer's tensors in the fused layout (``None``: the layers hold fused parameters, ``layer.fused``);
     ``checkpoints[i]`` checkpoints layer ``i`` inside its module call (hooks outside the checkpoint, as
-    ``transformers``' layers do); ``norm_scale`` multiplies the final norm's weight (a logits multiplier)."""
+    ``transformers``' layers do); the final norm multiplies by ``(norm_offset + weight) * norm_scale`` (Gemma's
+    ``1 + w``, a logits multiplier)."""
     for layer, checkpoint in zip(layers, checkpoints, strict=True):
         forward = (functools.partial(_fused_layer, eps, spec, positions, frequencies, checkpoint, layer)
                    if weights is None else
@@ -141,21 +142,23 @@ def decoder_stack(x: torch.Tensor, layers: Sequence[nn.Module], final_norm: nn.M
         x = call_as_module(layer, forward, x)
 
     def final_stats(x):
-        return (x, *ops.rms_norm_stats(x, _norm_weight(final_norm, x.dtype, norm_scale), eps))
+        return (x, *ops.rms_norm_stats(x, _norm_weight(final_norm, x.dtype, norm_scale, norm_offset), eps))
     return call_as_module(final_norm, final_stats, x)
 
 
-def _norm_weight(norm: nn.Module, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    weight = tensor_parallel.local(norm.weight).to(dtype)
+def _norm_weight(norm: nn.Module, dtype: torch.dtype, scale: float, offset: float) -> torch.Tensor:
+    weight = tensor_parallel.local(norm.weight)
+    weight = (weight if offset == 0.0 else weight + offset).to(dtype)
     return weight if scale == 1.0 else weight * scale
 
 
 def head(head_module: nn.Module, final_norm: nn.Module, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor,
-         targets: torch.Tensor | None, reduction: str = "mean", norm_scale: float = 1.0) -> torch.Tensor:
+         targets: torch.Tensor | None, reduction: str = "mean", norm_scale: float = 1.0,
+         norm_offset: float = 0.0) -> torch.Tensor:
     """:func:`codagen.models.llama.lm_head` in ``head_module``'s module call, reading the final norm's and the
-    head's weights inside it (``x``: its one argument, see the module docstring; ``norm_scale`` as in
-    :func:`decoder_stack`)."""
+    head's weights inside it (``x``: its one argument, see the module docstring; ``norm_scale``, ``norm_offset`` as
+    in :func:`decoder_stack`)."""
     def forward(x):
-        return lm_head(x, normed, rstd, _norm_weight(final_norm, x.dtype, norm_scale),
+        return lm_head(x, normed, rstd, _norm_weight(final_norm, x.dtype, norm_scale, norm_offset),
                        tensor_parallel.local(head_module.weight).to(x.dtype), targets, reduction)
     return call_as_module(head_module, forward, x)

@@ -53,7 +53,14 @@ class BlockWeights:
     q_norm: torch.Tensor | None = None  # QK-norm weights [head_dim], pair order, as each head's rows of ``qkv``
     k_norm: torch.Tensor | None = None
     sliding_window: int | None = None  # key j is visible to query i iff i - window < j <= i
-    rope: bool = True  # False: a layer without RoPE (SmolLM3's NoPE layers) rotates its Q/K pairs by the angle 0
+    # the block's own RoPE frequencies (None: the model's): zeros on a layer without RoPE (SmolLM3's NoPE layers:
+    # the angle 0 rotates nothing), its layer type's base (Gemma 3)
+    frequencies: torch.Tensor | None = None
+    # norms of the attention block's and the MLP's outputs before their residual adds (Gemma's sandwich norms):
+    # x = residual + RMSNorm(y) * weight, each by codagen.ops.linear_post_norm_residual_rms
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     # LoRA updates (codagen.ops.LowRank) in the fused layouts: b's rows ordered like the weight's rows
     qkv_low_rank: ops.LowRank | None = None
     o_low_rank: ops.LowRank | None = None
@@ -123,8 +130,8 @@ def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: to
     """
     q_cols, kv_cols = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     split_sizes = (q_cols, kv_cols, kv_cols)
-    if not blk.rope:  # cos 0 = 1 and sin 0 = 0: the epilogue's rotation is the identity
-        frequencies = torch.zeros_like(frequencies)
+    if blk.frequencies is not None:
+        frequencies = blk.frequencies
     if blk.q_norm is None and blk.k_norm is None:
         q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
                                       split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank)
@@ -143,12 +150,31 @@ def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: to
 
 
 def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_norm: torch.Tensor, eps: float):
-    """A block after attention: O-proj + residual, then the MLP + residual; ``(x, normed, rstd)`` of ``next_norm``."""
-    # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
-    residual = x if blk.o_bias is None else x + blk.o_bias
-    x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps, low_rank=blk.o_low_rank)
-    return ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down, next_norm, eps,
-                                       gate_up_low_rank=blk.gate_up_low_rank, down_low_rank=blk.down_low_rank)
+    """A block after attention: O-proj + residual, then the MLP + residual; ``(x, normed, rstd)`` of ``next_norm``.
+
+    With a norm after a projection (``post_attn_norm``, ``post_mlp_norm``) that projection is
+    :func:`codagen.ops.linear_post_norm_residual_rms`, and the MLP's gate/up GEMM the standalone
+    :func:`codagen.ops.rms_gate_up_swiglu`."""
+    if blk.post_attn_norm is None:
+        # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
+        residual = x if blk.o_bias is None else x + blk.o_bias
+        x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps, low_rank=blk.o_low_rank)
+    else:
+        x, normed, rstd = ops.linear_post_norm_residual_rms(attn, blk.o, x, blk.post_attn_norm, blk.mlp_norm, eps,
+                                                            low_rank=blk.o_low_rank)
+    if blk.post_mlp_norm is None:
+        return ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down, next_norm, eps,
+                                           gate_up_low_rank=blk.gate_up_low_rank, down_low_rank=blk.down_low_rank,
+                                           **_activation(blk))
+    act = ops.rms_gate_up_swiglu(x, normed, rstd, blk.mlp_norm, blk.gate_up, low_rank=blk.gate_up_low_rank,
+                                 **_activation(blk))
+    return ops.linear_post_norm_residual_rms(act, blk.down, x, blk.post_mlp_norm, next_norm, eps,
+                                             low_rank=blk.down_low_rank)
+
+
+def _activation(blk: BlockWeights) -> dict:
+    """The gated MLP ops' ``activation`` keyword: given only when it is not their default (SwiGLU)."""
+    return {} if blk.activation == "silu" else {"activation": blk.activation}
 
 
 def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: torch.Tensor, eps: float,

@@ -45,13 +45,16 @@ COMMON = dict(vocab_size=67, hidden_size=32, intermediate_size=40, num_hidden_la
 
 #: the transformers class prefix of each family spec (codagen.models.families.FAMILIES)
 CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-                "granite": "Granite", "smollm3": "SmolLM3"}
+                "granite": "Granite", "smollm3": "SmolLM3", "gemma3": "Gemma3"}
+#: config classes not named after the model class (``<prefix>Config``)
+CONFIG_CLASS = {"gemma3": "Gemma3TextConfig"}
 
 
 def build(family: str, **overrides) -> torch.nn.Module:
     """A randomly initialized tiny ``<family>ForCausalLM`` in fp32, norm weights perturbed away from 1."""
     prefix = CLASS_PREFIX[family]
-    config_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
+    config_cls = getattr(transformers, CONFIG_CLASS.get(family, prefix + "Config"))
+    model_cls = getattr(transformers, prefix + "ForCausalLM")
     if family == "qwen3":  # Qwen3Config's head_dim defaults to 128; 16 keeps heads whole in the interpreter's tiles
         overrides = {"head_dim": 16, **overrides}
     if family in ("phi3", "smollm3"):  # their configs' token ids default to 32000 and up, outside a tiny vocabulary

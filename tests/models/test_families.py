@@ -38,6 +38,10 @@ TINY = {
     "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
                     logits_scaling=8.0, tie_word_embeddings=True),  # Granite 3.x's four multipliers (2B values)
     "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=2, tie_word_embeddings=True),  # NoPE layers 1, 3
+    # x (1 + w) norms, sandwich norms, per-head QK-norm, GELU-tanh, local (sliding, base 1e4) and global (1e6)
+    # layers, query_pre_attn_scalar, the scaled embedding module
+    "gemma3": dict(head_dim=8, query_pre_attn_scalar=6, sliding_window=5,
+                   layer_types=["sliding_attention", "full_attention"]),
 }
 #: the LoRA targets of every projection of a family (Phi-3's fused ones by their names)
 ALL_PROJECTIONS = {name: [n for _, names in families.lora_slots(families.FAMILIES[name]) for n in names]

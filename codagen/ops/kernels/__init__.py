@@ -1,6 +1,8 @@
 """Small row-wise kernels the ops need outside any GEMM, one module each, each with a PyTorch ``*_ref`` twin.
 
 - :mod:`.rms_norm`: the first block's RMSNorm statistics (no producer GEMM precedes it);
+- :mod:`.post_norm`: a norm of a GEMM's output before its residual add (sandwich norms, post-norms), with the
+  next norm's statistics, and its backward;
 - :mod:`.rope` (B1): rotate the QKV gradient back and compute ``mean_z_dz`` for the RMSNorm backward;
 - :mod:`.rope_qk_norm` (B1 with QK-norm): the same, plus the per-head RMSNorm backward of the Q/K
   heads and the q_norm / k_norm weight gradients (per-row-block partials, summed after the launch);
@@ -51,6 +53,14 @@ from .finish import (
 )
 from .greedy import greedy_append, greedy_append_ref, greedy_append_triton
 from .kv_cache import half_split_heads, static_cache_write, static_cache_write_ref, static_cache_write_triton
+from .post_norm import (
+    post_norm_backward,
+    post_norm_backward_ref,
+    post_norm_backward_triton,
+    post_norm_residual,
+    post_norm_residual_ref,
+    post_norm_residual_triton,
+)
 from .rms_norm import rms_norm_stats, rms_norm_stats_ref, rms_norm_stats_triton
 from .rope import rope_backward, rope_backward_ref, rope_backward_triton
 from .rope_qk_norm import (
@@ -74,4 +84,5 @@ __all__ = ["rms_norm_stats", "rms_norm_stats_ref", "rms_norm_stats_triton", "rop
            "finish_cross_entropy", "finish_cross_entropy_ref", "finish_cross_entropy_triton", "CROSS_ENTROPY_LAUNCH",
            "CROSS_ENTROPY_GROUP", "QK_NORM_LAUNCH", "static_cache_write", "static_cache_write_ref",
            "static_cache_write_triton", "half_split_heads", "greedy_append", "greedy_append_ref",
-           "greedy_append_triton"]
+           "greedy_append_triton", "post_norm_residual", "post_norm_residual_ref", "post_norm_residual_triton",
+           "post_norm_backward", "post_norm_backward_ref", "post_norm_backward_triton"]
