@@ -13,7 +13,8 @@ Every family :func:`codagen.patch` takes is a pre-norm decoder whose blocks the 
   times ``layer.<residual_multiplier>``, the logits divided by ``config.<logits_divisor>``; the attention's own
   ``scaling`` is SDPA's scale in every family;
 - layers without RoPE (SmolLM3): ``self_attn.<rope_flag>`` false; RoPE frequencies per layer type (Gemma 3's local
-  and global bases): the rotary module's ``<layer_type>_inv_freq``;
+  and global bases): the rotary module's ``<layer_type>_inv_freq``; RoPE on interleaved pairs ``(2i, 2i + 1)``
+  (GLM) rather than half-split ones ``(i, i + d/2)``;
 - config fields the fused decoder does not compute (Gemma's attention soft-cap), refused unless unset;
 - dropout on the residual branches (Phi-3): the layer's ``nn.Dropout`` modules, refused when they drop.
 
@@ -28,7 +29,9 @@ How each declared feature runs (exact in real arithmetic; the tests hold them to
   when the fused weights are built (``x + m (a W^T) = x + a (m W)^T``); the logits divisor into the final norm's
   weight (``rstd (x (g / s)) W^T = logits / s``); the embedding multiplier is one elementwise product, as in
   ``transformers``; the attention scale is SDPA's ``scale``;
-- a layer without RoPE rotates its Q/K pairs by the angle 0 (``cos 0 = 1``, ``sin 0 = 0``: the identity);
+- a layer without RoPE rotates its Q/K pairs by the angle 0 (``cos 0 = 1``, ``sin 0 = 0``: the identity), and so
+  do the channels a partial rotary embedding leaves alone; the fused QKV weight's Q/K rows are permuted to adjacent
+  pairs over the rotated channels only (none for interleaved RoPE), and the KV cache gets HF's order back;
 - ``x (1 + w)`` norms: the weight ``1 + w`` enters where ``w`` does (a vector per norm);
 - a norm of a GEMM's output before its residual add: that GEMM, then one row kernel
   (:func:`codagen.ops.linear_post_norm_residual_rms`), the norm needing the whole row;
@@ -50,7 +53,7 @@ from torch import nn
 __all__ = ["Family", "FAMILIES", "NOT_SUPPORTED_YET", "family_of", "Scales", "scales", "qkv_projections",
            "gate_up_projections", "lora_slots", "uses_rope", "residual_dropout", "ROPE_FROM_POSITIONS",
            "rope_from_positions", "norm_eps", "norm_weight", "norms", "activation_of", "inv_freq",
-           "attention_scaling", "rope_types"]
+           "attention_scaling", "rope_types", "half_split_dim"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Family:
     post_mlp_norm: str | None = None  # a norm of the MLP's output before its residual add
     norm_offset: float = 0.0  # the norms multiply by (norm_offset + weight)
     rope_per_layer_type: bool = False  # the rotary module holds <layer_type>_inv_freq per self_attn.layer_type
+    rope_interleaved: bool = False  # RoPE rotates channel pairs (2i, 2i + 1) (GLM), not half-split (i, i + d/2)
     unset_config: tuple[str, ...] = ()  # config fields the fused decoder does not compute: None or False only
     embedding_multiplier: str | None = None  # attribute of model.model multiplying the embeddings
     residual_multiplier: str | None = None  # attribute of each decoder layer multiplying both residual branches
@@ -92,6 +96,9 @@ FAMILIES = {family.name: family for family in (
     Family("granite", ("GraniteForCausalLM",), embedding_multiplier="embedding_multiplier",
            residual_multiplier="residual_multiplier", logits_divisor="logits_scaling"),
     Family("smollm3", ("SmolLM3ForCausalLM",), rope_flag="use_rope"),
+    Family("glm", ("GlmForCausalLM",), gate_up=("gate_up_proj",), act_fn="activation_fn", rope_interleaved=True),
+    Family("glm4", ("Glm4ForCausalLM",), gate_up=("gate_up_proj",), act_fn="activation_fn", rope_interleaved=True,
+           post_attn_norm="post_self_attn_layernorm", post_mlp_norm="post_mlp_layernorm"),
     Family("gemma3", ("Gemma3ForCausalLM",), mlp_norm="pre_feedforward_layernorm",
            post_attn_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0,
            rope_per_layer_type=True,
@@ -104,8 +111,6 @@ NOT_SUPPORTED_YET = {
                          "GeGLU, attention and final logit soft-caps",
     "Olmo2ForCausalLM": "norms after attention and the MLP (post-norms), QK-norm over the whole projection",
     "Olmo3ForCausalLM": "post-norms, QK-norm over the whole projection",
-    "Glm4ForCausalLM": "norms after attention and the MLP (sandwich norms), partial rotary embeddings",
-    "GlmForCausalLM": "partial rotary embeddings",
 }
 
 
@@ -261,3 +266,12 @@ def rope_types(model: nn.Module) -> tuple[str, ...]:
     """The rotary module's RoPE types (one per layer type for Gemma 3)."""
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     return tuple(sorted(set(rope_type.values()))) if isinstance(rope_type, dict) else (rope_type,)
+
+
+def half_split_dim(family: Family, model: nn.Module, head_dim: int) -> int | None:
+    """The leading channels of each Q/K head in half-split RoPE order (:class:`codagen.models.llama.AttentionSpec`):
+    None for a full half-split rotary embedding, the rotated channels of a partial one, 0 for interleaved RoPE."""
+    if family.rope_interleaved:
+        return 0
+    rotary_dim = 2 * inv_freq(family, model).shape[0]
+    return None if rotary_dim == head_dim else rotary_dim

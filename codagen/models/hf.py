@@ -147,7 +147,8 @@ def _check_model(model: nn.Module) -> None:
         raise _refuse(f"hidden_act={config.hidden_act!r} (supported: {_HIDDEN_ACTS})", model)
     for field in family.unset_config:
         if getattr(config, field, None) not in (None, False):
-            raise _refuse(f"config.{field}={getattr(config, field)!r} (the fused decoder computes it only unset)", model)
+            raise _refuse(f"config.{field}={getattr(config, field)!r} (the fused decoder computes it only unset)",
+                          model)
     for rope_type in families.rope_types(model):
         if rope_type not in _ROPE_TYPES:
             raise _refuse(f"rope_type={rope_type!r} (supported: {_ROPE_TYPES})", model)
@@ -244,16 +245,18 @@ def _check_shapes(model: nn.Module) -> None:
             raise ValueError(f"codagen.patch: {', '.join(names)} weights of layer {i} are {got}; "
                              f"intermediate_size = {ffn} and hidden_size = {hidden} give {want}")
         rotary_pairs = families.inv_freq(family, model, layer).shape[0]
-        if rotary_pairs != head_dim // 2:
-            raise _refuse(f"partial rotary embeddings (partial_rotary_factor: {2 * rotary_pairs} of head_dim "
-                          f"{head_dim} channels rotated)", model)
+        if not 0 < rotary_pairs <= head_dim // 2:
+            raise ValueError(f"codagen.patch: the rotary embedding rotates {2 * rotary_pairs} channels; head_dim "
+                             f"{head_dim} (layer {i}) takes 2 to {head_dim}")
+        if family.rope_per_layer_type and rotary_pairs != families.inv_freq(family, model).shape[0]:
+            raise _refuse(f"rotary embeddings of different widths per layer type (layer {i})", model)
 
 
 def _structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> tuple:
     """What :func:`_check_model` and :func:`_check_shapes` read, in a form cheap to compare on every forward: each
     module's identity (a projection or ``act_fn`` swapped), its parameters' presence and shapes (a bias added), its
-    ``variance_epsilon`` and ``head_dim``, and the config and rotary fields."""
-    config, rotary = model.config, model.model.rotary_emb
+    eps and ``head_dim``, the family's multipliers and attention scalings, and the config and rotary fields."""
+    config = model.config
     family = families.family_of(model)
     layers = model.model.layers
     fields = [getattr(model.model, family.embedding_multiplier, None) if family.embedding_multiplier else None,
@@ -477,15 +480,15 @@ def _check_hooks(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | No
 
 
 def _block_weights(layer: nn.Module, family: families.Family, spec: AttentionSpec, sliding_window: int | None,
-                   residual_scale: float, qk_scale: float, frequencies: torch.Tensor | None,
+                   residual_scale: float, qk_scale: float, rotary_dim: int, frequencies: torch.Tensor | None,
                    dtype: torch.dtype) -> BlockWeights:
     """One HF decoder layer's parameters in the fused layout and ``dtype`` (differentiable gathers and
     casts, see the module docstring), with its PEFT LoRA updates (:mod:`codagen.models.lora`). ``residual_scale``
     (Granite's residual multiplier) is folded into the O and down projections: ``x + m (a W^T) = x + a (m W)^T``.
     ``qk_scale`` (the rotary module's ``attention_scaling``: YaRN, LongRoPE) multiplies the rotated Q and K, as
     transformers' scaled cos and sin do; RoPE is linear, so it is folded into the Q/K rows (their biases and LoRA
-    updates), or with QK-norm into the norms' weights (the norm would undo a scale before it). ``frequencies``: the
-    layer's own RoPE frequencies (None: the model's)."""
+    updates), or with QK-norm into the norms' weights (the norm would undo a scale before it), on the ``rotary_dim``
+    channels of each head that RoPE rotates. ``frequencies``: the layer's own RoPE frequencies (None: the model's)."""
     attn, mlp = layer.self_attn, layer.mlp
     head_dim = spec.head_dim
     q_rows, kv_rows = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
@@ -493,17 +496,20 @@ def _block_weights(layer: nn.Module, family: families.Family, spec: AttentionSpe
     def cast(t):
         return None if t is None else t.to(dtype)
     qk_norm = getattr(attn, "q_norm", None) is not None
-    row_scale = 1.0 if qk_norm else qk_scale
+    def rotated_scaled(t):  # Q or K rows (or a QK-norm weight), HF order: the rotated channels times qk_scale
+        return _rotated_scaled(t, qk_scale, head_dim, rotary_dim)
 
-    def q_k_scaled(tensors):  # (q, k, v): the rotated Q and K times row_scale
+    def q_k_scaled(tensors):  # (q, k, v): the rotated channels of Q and K times qk_scale (without QK-norm)
         q, k, v = (cast(t) for t in tensors)
-        return _scaled(q, row_scale), _scaled(k, row_scale), v
+        return (q, k, v) if qk_norm else (rotated_scaled(q), rotated_scaled(k), v)
     weights, biases = families.qkv_projections(family, attn, q_rows, kv_rows)
-    qkv = fuse_qkv(*q_k_scaled(weights), head_dim)
-    qkv_bias = None if biases[0] is None else fuse_qkv(*q_k_scaled(biases), head_dim)
+    split = spec.half_split_dim
+    qkv = fuse_qkv(*q_k_scaled(weights), head_dim, split)
+    qkv_bias = None if biases[0] is None else fuse_qkv(*q_k_scaled(biases), head_dim, split)
     # QK-norm (Qwen3): each head's channels permuted to pair order, like the Q/K rows of qkv
     q_norm, k_norm = (None if not qk_norm else ops.rope_pairs_from_half_split(
-        _scaled(cast(families.norm_weight(family, getattr(attn, n))), qk_scale), head_dim) for n in ("q_norm", "k_norm"))
+        rotated_scaled(cast(families.norm_weight(family, getattr(attn, n)))), head_dim, split)
+        for n in ("q_norm", "k_norm"))
     norms = {role: None if norm is None else cast(families.norm_weight(family, norm))
              for role, norm in families.norms(family, layer).items()}
     (gate, up), _ = families.gate_up_projections(family, mlp)
@@ -524,13 +530,27 @@ def _block_weights(layer: nn.Module, family: families.Family, spec: AttentionSpe
         q_norm=q_norm, k_norm=k_norm, sliding_window=sliding_window, frequencies=frequencies,
         post_attn_norm=post_attn, post_mlp_norm=post_mlp,
         activation=families.activation_of(getattr(mlp, family.act_fn)),
-        qkv_low_rank=lora.qkv_low_rank(attn, family, head_dim, q_rows, kv_rows, dtype, row_scale),
+        qkv_low_rank=lora.qkv_low_rank(attn, family, head_dim, q_rows, kv_rows, dtype,
+                                       None if qk_norm or qk_scale == 1.0 else rotated_scaled, split),
         o_low_rank=o_low_rank,
         gate_up_low_rank=lora.gate_up_low_rank(mlp, family, dtype), down_low_rank=down_low_rank)
 
 
 def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
     return t if scale == 1.0 else t * scale
+
+
+def _rotated_scaled(t: torch.Tensor, scale: float, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Rows ``[heads * head_dim, ...]`` (or one head's ``[head_dim]``) with each head's first ``rotary_dim`` rows
+    (the channels RoPE rotates, in HF's order) times ``scale``."""
+    if scale == 1.0 or rotary_dim == 0:
+        return t
+    if rotary_dim == head_dim:
+        return t * scale
+    per_channel = torch.ones(head_dim, dtype=t.dtype, device=t.device)
+    per_channel[:rotary_dim] = scale
+    heads = t.reshape(-1, head_dim, *t.shape[1:])
+    return (heads * per_channel.view(head_dim, *([1] * (t.dim() - 1)))).reshape(t.shape)
 
 
 def _sliding_window(model: nn.Module, layer: nn.Module) -> int | None:
@@ -625,14 +645,17 @@ def _rope_frequencies(rotary: nn.Module, inv_freq: torch.Tensor, num_heads: int,
                       device: torch.device) -> torch.Tensor:
     """:func:`codagen.ops.rope_frequencies` of ``inv_freq`` (a buffer of ``rotary``) on ``device``, kept while
     ``inv_freq`` keeps its storage and version (outside ``torch.compile``): a decode step then builds none of it."""
+    def build():  # a partial rotary embedding's other pairs rotate by frequency 0 (its inv_freq covers the rotated)
+        per_head = nn.functional.pad(inv_freq.to(device), (0, head_dim // 2 - inv_freq.shape[0]))
+        return ops.rope_frequencies(num_heads, num_kv_heads, head_dim, inv_freq=per_head)
     if torch.compiler.is_compiling() or compile_ahead.tracing():  # nothing kept from a trace's fake tensors
-        return ops.rope_frequencies(num_heads, num_kv_heads, head_dim, inv_freq=inv_freq.to(device))
+        return build()
     key = (inv_freq.data_ptr(), inv_freq._version, num_heads, num_kv_heads, head_dim, device)
     kept = _FREQUENCIES.setdefault(rotary, {})
     if key not in kept:
         if len(kept) >= 8:  # a buffer replaced, or updated in place (LongRoPE): the old entries go
             kept.clear()
-        kept[key] = ops.rope_frequencies(num_heads, num_kv_heads, head_dim, inv_freq=inv_freq.to(device))
+        kept[key] = build()
     return kept[key]
 
 
@@ -677,6 +700,7 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
         return _rope_frequencies(rotary, inv_freq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                                  x.device)
     frequencies = frequencies_of(families.inv_freq(family, self))
+    rotary_dim = 2 * families.inv_freq(family, self).shape[0]  # of each head's channels (HF order: the first ones)
 
     def layer_frequencies(layer):  # None: the model's; a NoPE layer rotates by 0, Gemma 3's by its layer type's
         if not families.uses_rope(family, layer):
@@ -685,7 +709,8 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
     scaling = None if fused or attn0 is None else getattr(attn0, "scaling", None)  # SDPA's default: head_dim^-0.5
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype),
-                         scale=None if scaling is None or scaling == head_dim ** -0.5 else float(scaling))
+                         scale=None if scaling is None or scaling == head_dim ** -0.5 else float(scaling),
+                         half_split_dim=None if fused else families.half_split_dim(family, self, head_dim))
     layers = self.model.layers[: config.num_hidden_layers]
     if compile_ahead.tracing():  # a layer of each structure launches every kernel the others of it would
         layers = compile_ahead.one_of_each(layers, lambda layer: _sliding_window(self, layer))
@@ -697,7 +722,7 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
 
     def weights(layer):
         residual_scale = scales.residual[layer_index[id(layer)]]
-        return _block_weights(layer, family, spec, _sliding_window(self, layer), residual_scale, qk_scale,
+        return _block_weights(layer, family, spec, _sliding_window(self, layer), residual_scale, qk_scale, rotary_dim,
                               layer_frequencies(layer), dtype)
 
     def fuse():

@@ -207,12 +207,14 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
     b, s, h, kv, hd = spec.batch, spec.seq, spec.num_heads, spec.num_kv_heads, spec.head_dim
     layer = _static_layer(cache, layer_idx)
     if layer is not None:  # one launch: K, V into their slots, Q permuted, the length advanced
-        q_heads = static_cache_write(q, k, v, layer.keys, layer.values, layer.cumulative_length, b, s, h, kv, hd)
+        q_heads = static_cache_write(q, k, v, layer.keys, layer.values, layer.cumulative_length, b, s, h, kv, hd,
+                                     spec.half_split_dim)
         keys, values = layer.keys, layer.values
     else:
-        keys, values = cache.update(half_split_heads(k, b, s, kv, hd), v.view(b, s, kv, hd).transpose(1, 2),
+        keys, values = cache.update(half_split_heads(k, b, s, kv, hd, spec.half_split_dim),
+                                    v.view(b, s, kv, hd).transpose(1, 2),
                                     layer_idx)
-        q_heads = half_split_heads(q, b, s, h, hd)
+        q_heads = half_split_heads(q, b, s, h, hd, spec.half_split_dim)
     if mask is not None:
         mask = mask[:, :, :, : keys.shape[-2]]
     out = F.scaled_dot_product_attention(q_heads, keys, values, attn_mask=mask, is_causal=mask is None and s > 1,

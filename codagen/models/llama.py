@@ -80,6 +80,9 @@ class AttentionSpec:
     head_dim: int
     dropout: float = 0.0
     mask: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    # the leading channels of each Q/K head in Hugging Face's half-split RoPE order (None: all; a partial rotary
+    # embedding's rotated ones; 0: interleaved RoPE, no permutation): the order the KV cache holds
+    half_split_dim: int | None = None
     scale: float | None = None  # of q.k: None is SDPA's 1 / sqrt(head_dim) (Granite's attention_multiplier is not)
 
 
@@ -248,13 +251,18 @@ def lm_head(x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, norm_weig
 
 
 # --- Hugging Face layout <-> fused layout --------------------------------------------------------------
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
+             half_split_dim: int | None = None) -> torch.Tensor:
     """``[W_q; W_k; W_v]`` with Q/K rows moved from HF's half-split RoPE order to adjacent pairs.
 
     Takes weights ``[rows, in]`` or biases ``[rows]``; differentiable (the model's own parameters can
     be fused on every forward). One concatenation of strided views (:func:`codagen.ops.rope_pairs_from_half_split`'s
-    per-head transpose for Q and K), so one copy forward and at most one per input backward.
+    per-head transpose for Q and K), so one copy forward and at most one per input backward. ``half_split_dim``:
+    as in :func:`codagen.ops.rope_pairs_from_half_split` (partial or interleaved rotary embeddings).
     """
+    if half_split_dim is not None and half_split_dim != head_dim:
+        return torch.cat((ops.rope_pairs_from_half_split(q, head_dim, half_split_dim),
+                          ops.rope_pairs_from_half_split(k, head_dim, half_split_dim), v), dim=0)
     half = head_dim // 2
 
     def heads(w, split):  # [heads, hd/2, 2, ...]: Q/K half-split rows transposed per head; V as it is

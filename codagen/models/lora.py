@@ -28,7 +28,7 @@ wrappers, and a PeftModel configured with ``bias != "none"`` or a non-LoRA ``pef
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -190,10 +190,12 @@ def _block_diagonal(adapters: list[Adapter | None], rows: list[int], dtype: torc
 
 
 def qkv_low_rank(attn: nn.Module, family: families.Family, head_dim: int, q_rows: int, kv_rows: int,
-                 dtype: torch.dtype, qk_scale: float = 1.0) -> ops.LowRank | None:
+                 dtype: torch.dtype, qk_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 half_split_dim: int | None = None) -> ops.LowRank | None:
     """The LoRA updates of q/k/v_proj (or of one fused ``qkv_proj``, whose ``B`` rows are ``[q; k; v]``) as one
-    low-rank pair of the fused QKV GEMM (module docstring); ``qk_scale`` multiplies the Q and K rows (the fused
-    weight's are, for a RoPE ``attention_scaling``)."""
+    low-rank pair of the fused QKV GEMM (module docstring); ``qk_rows`` maps the Q and K rows of ``B`` as the fused
+    weight's are (a RoPE ``attention_scaling`` on the rotated channels); ``half_split_dim``: the Q/K rows' RoPE
+    order, as the fused weight's (:func:`codagen.ops.rope_pairs_from_half_split`)."""
     adapters = _adapters(attn, family.qkv)
     if all(ad is None for ad in adapters):
         return None
@@ -202,9 +204,10 @@ def qkv_low_rank(attn: nn.Module, family: families.Family, head_dim: int, q_rows
         a, (b_q, b_k, b_v) = ad.a.to(dtype), (ad.b * ad.scale).to(dtype).split((q_rows, kv_rows, kv_rows))
     else:
         a, (b_q, b_k, b_v) = _block_diagonal(adapters, [q_rows, kv_rows, kv_rows], dtype)
-    if qk_scale != 1.0:
-        b_q, b_k = b_q * qk_scale, b_k * qk_scale
-    b = torch.cat((ops.rope_pairs_from_half_split(b_q, head_dim), ops.rope_pairs_from_half_split(b_k, head_dim), b_v))
+    if qk_rows is not None:
+        b_q, b_k = qk_rows(b_q), qk_rows(b_k)
+    b = torch.cat((ops.rope_pairs_from_half_split(b_q, head_dim, half_split_dim),
+                   ops.rope_pairs_from_half_split(b_k, head_dim, half_split_dim), b_v))
     return ops.LowRank(a.contiguous(), b.contiguous(), 1.0)
 
 

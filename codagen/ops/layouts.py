@@ -5,7 +5,10 @@
 - RoPE: the F4 epilogue rotates adjacent column pairs ``(2i, 2i+1)``. Hugging Face rotates ``(i, i + hd/2)``
   ("half split", ``rotate_half``); permuting the Q and K weight rows inside each head maps one onto the
   other. Attention is unchanged: ``q . k`` is invariant under a common permutation of head_dim channels,
-  and V (not permuted) carries the output.
+  and V (not permuted) carries the output. With partial rotary embeddings only the first ``rotary_dim``
+  channels of a head rotate, in half-split order over those channels (``half_split_dim = rotary_dim``); the rest
+  keep their order (and rotate by frequency 0). Interleaved RoPE (GLM) rotates ``(2i, 2i+1)`` already:
+  ``half_split_dim = 0``, no permutation.
 """
 from __future__ import annotations
 
@@ -53,20 +56,42 @@ def _heads(weight: torch.Tensor, head_dim: int, name: str = "weight") -> int:
     return weight.shape[0] // head_dim
 
 
-def rope_pairs_from_half_split(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+def _half_split_dim(head_dim: int, half_split_dim: int | None) -> int:
+    if half_split_dim is None:
+        return head_dim
+    if isinstance(half_split_dim, bool) or not isinstance(half_split_dim, int) or not 0 <= half_split_dim <= head_dim \
+            or half_split_dim % 2:
+        raise ValueError(f"half_split_dim: expected an even int in [0, head_dim = {head_dim}], got {half_split_dim!r}")
+    return half_split_dim
+
+
+def _permute_heads(weight: torch.Tensor, head_dim: int, half_split_dim: int | None, to_pairs: bool) -> torch.Tensor:
+    heads, split = _heads(weight, head_dim), _half_split_dim(head_dim, half_split_dim)
+    if split == 0:
+        return weight
+    order = (2, split // 2) if to_pairs else (split // 2, 2)
+    per_head = weight.reshape(heads, head_dim, *weight.shape[1:])
+    rotated = per_head[:, :split].reshape(heads, *order, *weight.shape[1:]).transpose(1, 2)
+    if split == head_dim:  # one strided copy
+        return rotated.reshape(weight.shape)
+    rotated = rotated.reshape(heads, split, *weight.shape[1:])
+    return torch.cat((rotated, per_head[:, split:]), dim=1).reshape(weight.shape)
+
+
+def rope_pairs_from_half_split(weight: torch.Tensor, head_dim: int, half_split_dim: int | None = None) -> torch.Tensor:
     """Permute Q or K projection rows (``[heads * head_dim, ...]``) from half-split RoPE to adjacent pairs.
 
     New row ``2i`` of a head is its old row ``i``, new row ``2i + 1`` its old row ``i + hd/2``: each head's rows,
     seen as ``[2, hd/2]``, transposed. One strided copy, whose backward is the transposed copy (no index
-    kernels), so fusing the weights on every forward (``codagen.patch``) costs one pass over them each way."""
-    heads = _heads(weight, head_dim)
-    return weight.reshape(heads, 2, head_dim // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    kernels), so fusing the weights on every forward (``codagen.patch``) costs one pass over them each way.
+    ``half_split_dim`` (default ``head_dim``): only each head's first ``half_split_dim`` rows are in half-split
+    order (partial rotary embeddings); the rest stay where they are (0: nothing moves)."""
+    return _permute_heads(weight, head_dim, half_split_dim, to_pairs=True)
 
 
-def rope_half_split_from_pairs(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+def rope_half_split_from_pairs(weight: torch.Tensor, head_dim: int, half_split_dim: int | None = None) -> torch.Tensor:
     """Inverse of :func:`rope_pairs_from_half_split`."""
-    heads = _heads(weight, head_dim)
-    return weight.reshape(heads, head_dim // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    return _permute_heads(weight, head_dim, half_split_dim, to_pairs=False)
 
 
 def kv_heads_of(qkv_features: int, head_dim: int, num_heads: int) -> int:

@@ -42,6 +42,9 @@ TINY = {
     # layers, query_pre_attn_scalar, the scaled embedding module
     "gemma3": dict(head_dim=8, query_pre_attn_scalar=6, sliding_window=5,
                    layer_types=["sliding_attention", "full_attention"]),
+    # fused gate_up_proj, Q/K/V biases, RoPE on interleaved pairs of half of each head's channels
+    "glm": dict(head_dim=8, attention_bias=True),
+    "glm4": dict(head_dim=8, attention_bias=True),  # and sandwich norms
 }
 #: the LoRA targets of every projection of a family (Phi-3's fused ones by their names)
 ALL_PROJECTIONS = {name: [n for _, names in families.lora_slots(families.FAMILIES[name]) for n in names]

@@ -126,10 +126,10 @@ def test_sizes_refused_at_patch_time():
     wrong_down.model.layers[0].mlp.down_proj = torch.nn.Linear(38, 32, bias=False)
     with pytest.raises(ValueError, match=r"gate_proj, up_proj, down_proj weights of layer 0"):
         patch(wrong_down)
-    partial = build("llama")
-    partial.model.rotary_emb.inv_freq = partial.model.rotary_emb.inv_freq[:2]
-    with pytest.raises(NotImplementedError, match="partial rotary embeddings"):
-        patch(partial)
+    too_wide = build("llama")  # head_dim 8: four pairs
+    too_wide.model.rotary_emb.inv_freq = too_wide.model.rotary_emb.inv_freq.repeat(2)
+    with pytest.raises(ValueError, match=r"rotates 16 channels; head_dim 8 \(layer 0\) takes 2 to 8"):
+        patch(too_wide)
 
 
 def test_even_sizes_that_look_unusual_still_run():

@@ -29,6 +29,10 @@ CASES = {  # name -> (family, config overrides)
     "phi3_longrope": ("phi3", dict(original_max_position_embeddings=8, rope_parameters={"rope_theta": 10000.0,
                                                                                       **LONGROPE})),
     "llama_dynamic": ("llama", dict(max_position_embeddings=8, rope_parameters={"rope_theta": 10000.0, **DYNAMIC})),
+    # Phi-4-mini's: LongRoPE over three quarters of each head (here half: 2 of 4 pairs)
+    "phi3_partial_longrope": ("phi3", dict(original_max_position_embeddings=8, rope_parameters={
+        "rope_theta": 10000.0, **LONGROPE, "short_factor": [1.0, 2.0], "long_factor": [4.0, 16.0],
+        "partial_rotary_factor": 0.5})),
 }
 
 
@@ -41,7 +45,7 @@ def model_of(case: str, **overrides):
 
 def test_the_cases_scale():
     """YaRN's and LongRoPE's attention factor is not 1 and the position-dependent types are recognised."""
-    for case in ("llama_yarn", "phi3_longrope"):
+    for case in ("llama_yarn", "phi3_longrope", "phi3_partial_longrope"):
         assert model_of(case).model.rotary_emb.attention_scaling > 1.01
     assert families.rope_from_positions(model_of("phi3_longrope"))
     assert families.rope_from_positions(model_of("llama_dynamic"))

@@ -32,7 +32,8 @@ _WRITE_MAX_BLOCK = 1024
 @triton.jit
 def _static_cache_write_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, q_out_ptr, length_ptr, arrivals_ptr,
                                q_row_stride, q_col_stride, k_row_stride, k_col_stride, v_row_stride, v_col_stride,
-                               seq, heads, kv_heads, max_cache_len, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                               seq, heads, kv_heads, max_cache_len, HEAD_DIM: tl.constexpr, HALF_SPLIT: tl.constexpr,
+                               BLOCK: tl.constexpr):
     """Program (r, c): token row ``r = b * seq + t``, BLOCK columns of the row's ``[q | k | v]`` heads from
     column ``c * BLOCK``. Each column is read once, in order, and stored to its head's slot: q to ``q_out``,
     k to ``keys`` and v to ``values`` at slot ``cumulative_length + t``. The last program to finish advances
@@ -43,8 +44,12 @@ def _static_cache_write_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, q_out_
     in_cache = (slot >= 0) & (slot < max_cache_len)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     head, channel = cols // HEAD_DIM, cols % HEAD_DIM
-    # pair-order channel 2i is HF channel i, 2i + 1 is HF channel i + HEAD_DIM / 2
-    hf_channel = channel // 2 + (channel % 2) * (HEAD_DIM // 2)
+    # pair-order channel 2i is HF channel i, 2i + 1 is HF channel i + HALF_SPLIT / 2, among the first HALF_SPLIT
+    # (the rotated ones of a partial rotary embedding; all of them by default); the others keep their place
+    if HALF_SPLIT == HEAD_DIM:
+        hf_channel = channel // 2 + (channel % 2) * (HEAD_DIM // 2)
+    else:
+        hf_channel = tl.where(channel < HALF_SPLIT, channel // 2 + (channel % 2) * (HALF_SPLIT // 2), channel)
 
     is_q = head < heads
     q = tl.load(q_ptr + row * q_row_stride + cols * q_col_stride, mask=is_q)
@@ -67,11 +72,20 @@ def _static_cache_write_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, q_out_
         tl.store(length_ptr, tl.load(length_ptr) + seq)
 
 
-def half_split_heads(t: torch.Tensor, batch: int, seq: int, heads: int, head_dim: int) -> torch.Tensor:
+def half_split_heads(t: torch.Tensor, batch: int, seq: int, heads: int, head_dim: int,
+                     half_split_dim: int | None = None) -> torch.Tensor:
     """Token-major ``[batch * seq, heads * head_dim]`` heads in adjacent-pair order -> ``[batch, heads, seq,
-    head_dim]`` in HF's half-split order (pair-order channel ``2i`` is HF channel ``i``, ``2i+1`` is ``i + hd/2``)."""
-    t = t.view(batch, seq, heads, head_dim // 2, 2).transpose(-1, -2)
-    return t.reshape(batch, seq, heads, head_dim).transpose(1, 2)
+    head_dim]`` in HF's half-split order (pair-order channel ``2i`` is HF channel ``i``, ``2i+1`` is ``i + hd/2``);
+    with ``half_split_dim`` (partial rotary embeddings: the rotated channels; 0 for interleaved RoPE) only each
+    head's first ``half_split_dim`` channels move, within themselves."""
+    split = head_dim if half_split_dim is None else half_split_dim
+    t = t.view(batch, seq, heads, head_dim)
+    if split == head_dim:
+        t = t.view(batch, seq, heads, head_dim // 2, 2).transpose(-1, -2).reshape(batch, seq, heads, head_dim)
+    elif split:
+        rotated = t[..., :split].unflatten(-1, (split // 2, 2)).transpose(-1, -2).flatten(-2)
+        t = torch.cat((rotated, t[..., split:]), dim=-1)
+    return t.transpose(1, 2)
 
 
 def _check_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -108,14 +122,14 @@ def _check_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.
 
 def static_cache_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                            values: torch.Tensor, cumulative_length: torch.Tensor, batch: int, seq: int, heads: int,
-                           kv_heads: int, head_dim: int) -> torch.Tensor:
+                           kv_heads: int, head_dim: int, half_split_dim: int | None = None) -> torch.Tensor:
     """The step's ``k``, ``v`` (token-major, pair order for ``k``) into ``keys``, ``values`` [batch, kv_heads,
     max_cache_len, head_dim] at slots ``cumulative_length + t`` and ``cumulative_length += seq``, as
     ``StaticLayer.update`` does; returns ``q`` as a contiguous ``[batch, heads, seq, head_dim]`` tensor in
-    half-split order."""
+    half-split order (``half_split_dim``: as in :func:`half_split_heads`)."""
     _check_write(q, k, v, keys, values, cumulative_length, batch, seq, heads, kv_heads, head_dim)
     slots = torch.arange(seq, device=keys.device) + cumulative_length
-    key_states = half_split_heads(k, batch, seq, kv_heads, head_dim)
+    key_states = half_split_heads(k, batch, seq, kv_heads, head_dim, half_split_dim)
     value_states = v.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
     try:
         keys.index_copy_(2, slots, key_states)
@@ -124,13 +138,13 @@ def static_cache_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
         keys[:, :, slots] = key_states
         values[:, :, slots] = value_states
     cumulative_length.add_(seq)
-    return half_split_heads(q, batch, seq, heads, head_dim).contiguous()
+    return half_split_heads(q, batch, seq, heads, head_dim, half_split_dim).contiguous()
 
 
 @launcher
 def static_cache_write_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                               values: torch.Tensor, cumulative_length: torch.Tensor, batch: int, seq: int, heads: int,
-                              kv_heads: int, head_dim: int) -> torch.Tensor:
+                              kv_heads: int, head_dim: int, half_split_dim: int | None = None) -> torch.Tensor:
     """:func:`static_cache_write_ref` as one kernel launch (fp16/bf16/fp32): ``q``, ``k``, ``v`` read in place
     (any strides: column views of the QKV GEMM's output), ``cumulative_length`` read on the device (no host
     sync: capturable in a CUDA graph) and advanced in the same launch; writes to slots past ``max_cache_len``
@@ -142,7 +156,8 @@ def static_cache_write_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block = min(next_power_of_2(width), _WRITE_MAX_BLOCK)
         launch_kernel(_static_cache_write_kernel, (rows, cdiv(width, block)),
             q, k, v, keys, values, q_out, cumulative_length, arrivals.counters(q.device, 1), *q.stride(), *k.stride(),
-            *v.stride(), seq, heads, kv_heads, keys.shape[2], HEAD_DIM=head_dim, BLOCK=block)
+            *v.stride(), seq, heads, kv_heads, keys.shape[2], HEAD_DIM=head_dim,
+            HALF_SPLIT=head_dim if half_split_dim is None else half_split_dim, BLOCK=block)
     else:  # nothing to write: the length still advances, as StaticLayer.update's
         cumulative_length.add_(seq)
     return q_out
