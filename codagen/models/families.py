@@ -15,7 +15,8 @@ Every family :func:`codagen.patch` takes is a pre-norm decoder whose blocks the 
 - layers without RoPE (SmolLM3): ``self_attn.<rope_flag>`` false; RoPE frequencies per layer type (Gemma 3's local
   and global bases): the rotary module's ``<layer_type>_inv_freq``; RoPE on interleaved pairs ``(2i, 2i + 1)``
   (GLM) rather than half-split ones ``(i, i + d/2)``;
-- config fields the fused decoder does not compute (Gemma's attention soft-cap), refused unless unset;
+- tanh soft-caps on the attention logits and the final logits (Gemma 2), by config field;
+- config fields the fused decoder does not compute, refused unless unset;
 - dropout on the residual branches (Phi-3): the layer's ``nn.Dropout`` modules, refused when they drop.
 
 Everything else is read from the module tree, the same way for every family: Q/K/V and O biases, QK-norm per head
@@ -35,7 +36,9 @@ How each declared feature runs (exact in real arithmetic; the tests hold them to
 - ``x (1 + w)`` norms: the weight ``1 + w`` enters where ``w`` does (a vector per norm);
 - a norm of a GEMM's output before its residual add: that GEMM, then one row kernel
   (:func:`codagen.ops.linear_post_norm_residual_rms`), the norm needing the whole row;
-- GELU-tanh: the gate/up epilogue's GeGLU in place of SwiGLU.
+- GELU-tanh: the gate/up epilogue's GeGLU in place of SwiGLU;
+- an attention soft-cap: attention as transformers' eager attention computes it (SDPA has no soft-cap); a final
+  logit soft-cap: in the LM head's cross-entropy epilogue.
 
 Adding a family whose features are among these is one :class:`Family` in :data:`FAMILIES` and one tiny config in
 the shared model tests (``tests/models/test_families.py``). :data:`NOT_SUPPORTED_YET` names the families asked for
@@ -53,7 +56,7 @@ from torch import nn
 __all__ = ["Family", "FAMILIES", "NOT_SUPPORTED_YET", "family_of", "Scales", "scales", "qkv_projections",
            "gate_up_projections", "lora_slots", "uses_rope", "residual_dropout", "ROPE_FROM_POSITIONS",
            "rope_from_positions", "norm_eps", "norm_weight", "norms", "activation_of", "inv_freq",
-           "attention_scaling", "rope_types", "half_split_dim"]
+           "attention_scaling", "rope_types", "half_split_dim", "softcap"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,8 @@ class Family:
     rope_per_layer_type: bool = False  # the rotary module holds <layer_type>_inv_freq per self_attn.layer_type
     rope_interleaved: bool = False  # RoPE rotates channel pairs (2i, 2i + 1) (GLM), not half-split (i, i + d/2)
     unset_config: tuple[str, ...] = ()  # config fields the fused decoder does not compute: None or False only
+    attention_softcap: str | None = None  # config field of a tanh soft-cap on the attention logits (Gemma 2)
+    logits_softcap: str | None = None  # config field of a tanh soft-cap on the final logits (Gemma 2)
     embedding_multiplier: str | None = None  # attribute of model.model multiplying the embeddings
     residual_multiplier: str | None = None  # attribute of each decoder layer multiplying both residual branches
     logits_divisor: str | None = None  # config field dividing the logits
@@ -99,6 +104,10 @@ FAMILIES = {family.name: family for family in (
     Family("glm", ("GlmForCausalLM",), gate_up=("gate_up_proj",), act_fn="activation_fn", rope_interleaved=True),
     Family("glm4", ("Glm4ForCausalLM",), gate_up=("gate_up_proj",), act_fn="activation_fn", rope_interleaved=True,
            post_attn_norm="post_self_attn_layernorm", post_mlp_norm="post_mlp_layernorm"),
+    Family("gemma2", ("Gemma2ForCausalLM",), mlp_norm="pre_feedforward_layernorm",
+           post_attn_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0,
+           attention_softcap="attn_logit_softcapping", logits_softcap="final_logit_softcapping",
+           unset_config=("use_bidirectional_attention",)),
     Family("gemma3", ("Gemma3ForCausalLM",), mlp_norm="pre_feedforward_layernorm",
            post_attn_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0,
            rope_per_layer_type=True,
@@ -107,10 +116,9 @@ FAMILIES = {family.name: family for family in (
 
 #: families asked for whose blocks need what the fused decoder does not compute yet (refused naming it)
 NOT_SUPPORTED_YET = {
-    "Gemma2ForCausalLM": "x (1 + w) RMSNorms, norms after attention and the MLP (sandwich norms), GELU-tanh "
-                         "GeGLU, attention and final logit soft-caps",
-    "Olmo2ForCausalLM": "norms after attention and the MLP (post-norms), QK-norm over the whole projection",
-    "Olmo3ForCausalLM": "post-norms, QK-norm over the whole projection",
+    "Olmo2ForCausalLM": "norms only after attention and the MLP (none before them), QK-norm over the whole "
+                        "projection",
+    "Olmo3ForCausalLM": "norms only after attention and the MLP, QK-norm over the whole projection",
 }
 
 
@@ -275,3 +283,13 @@ def half_split_dim(family: Family, model: nn.Module, head_dim: int) -> int | Non
         return 0
     rotary_dim = 2 * inv_freq(family, model).shape[0]
     return None if rotary_dim == head_dim else rotary_dim
+
+
+def softcap(config, field: str | None) -> float | None:
+    """A tanh soft-cap from ``config.<field>`` (None where the family has none or the config leaves it unset)."""
+    cap = None if field is None else getattr(config, field, None)
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"codagen.patch: config.{field} must be a positive number or None, got {cap!r}")
+    return float(cap)

@@ -162,6 +162,10 @@ def _check_model(model: nn.Module) -> None:
         raise _refuse(f"RoPE per layer type with the rope types {families.rope_types(model)} (supported: static "
                       f"frequencies without an attention_scaling)", model)
     families.scales(family, model)  # ValueError naming a multiplier that is not a finite nonzero number
+    for field in (family.attention_softcap, family.logits_softcap):
+        families.softcap(config, field)  # ValueError naming a soft-cap that is not a positive number
+    if families.softcap(config, family.attention_softcap) is not None and config.attention_dropout:
+        raise _refuse("attention dropout together with an attention soft-cap", model)
     scalings = {getattr(layer.self_attn, "scaling", None) for layer in model.model.layers}
     if len(scalings) > 1:
         raise _refuse(f"attention scalings that differ between layers ({sorted(scalings, key=str)})", model)
@@ -710,7 +714,8 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype),
                          scale=None if scaling is None or scaling == head_dim ** -0.5 else float(scaling),
-                         half_split_dim=None if fused else families.half_split_dim(family, self, head_dim))
+                         half_split_dim=None if fused else families.half_split_dim(family, self, head_dim),
+                         softcap=families.softcap(config, family.attention_softcap))
     layers = self.model.layers[: config.num_hidden_layers]
     if compile_ahead.tracing():  # a layer of each structure launches every kernel the others of it would
         layers = compile_ahead.one_of_each(layers, lambda layer: _sliding_window(self, layer))
@@ -751,17 +756,18 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
     # the final norm's module call reads its weight. A logits multiplier (Granite's 1 / logits_scaling) is folded
     # into the final norm's weight, which only the head reads: rstd (x (g s)) W^T = s logits
     eps = families.norm_eps(self.model.norm)
+    logits_softcap = families.softcap(config, family.logits_softcap)
     norm_weight = None if layer_aligned else _scaled(
         tensor_parallel.local(families.norm_weight(family, self.model.norm)).to(dtype), scales.logits)
     if layer_aligned or _has_hooks(self.lm_head):  # the head reads its weights inside the LM head's module call
         def head(h, normed, rstd, targets, reduction="mean"):
             return layer_units.head(self.lm_head, self.model.norm, h, normed, rstd, targets, reduction, scales.logits,
-                                    family.norm_offset)
+                                    family.norm_offset, logits_softcap)
     else:
         head_weight = tensor_parallel.local(self.lm_head.weight).to(dtype)
 
         def head(h, normed, rstd, targets, reduction="mean"):
-            return lm_head(h, normed, rstd, norm_weight, head_weight, targets, reduction)
+            return lm_head(h, normed, rstd, norm_weight, head_weight, targets, reduction, logits_softcap)
     if cache is None:
         # model.gradient_checkpointing_enable() gives each layer its checkpoint function (torch.utils.checkpoint
         # with the kwargs it was given); the patched model checkpoints the regrouped block in that layer's place.

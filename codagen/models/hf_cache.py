@@ -28,12 +28,11 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from codagen import ops
 from codagen.ops.kernels import half_split_heads, static_cache_write
 
-from .llama import AttentionSpec, BlockWeights, block_out_mlp, block_qkv
+from .llama import AttentionSpec, BlockWeights, block_out_mlp, block_qkv, heads_attention
 
 __all__ = ["inference_blocks", "inference_blocks_build", "new_dynamic_cache", "check_cache", "attention_masks",
            "decoder_stack_with_cache", "half_split_heads", "output"]
@@ -217,8 +216,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
         q_heads = half_split_heads(q, b, s, h, hd, spec.half_split_dim)
     if mask is not None:
         mask = mask[:, :, :, : keys.shape[-2]]
-    out = F.scaled_dot_product_attention(q_heads, keys, values, attn_mask=mask, is_causal=mask is None and s > 1,
-                                         dropout_p=spec.dropout, enable_gqa=kv != h, scale=spec.scale)
+    out = heads_attention(q_heads, keys, values, spec, mask, is_causal=mask is None and s > 1)
     return out.transpose(1, 2).reshape(b * s, h * hd)
 
 

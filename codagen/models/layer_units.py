@@ -154,11 +154,11 @@ def _norm_weight(norm: nn.Module, dtype: torch.dtype, scale: float, offset: floa
 
 def head(head_module: nn.Module, final_norm: nn.Module, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor,
          targets: torch.Tensor | None, reduction: str = "mean", norm_scale: float = 1.0,
-         norm_offset: float = 0.0) -> torch.Tensor:
+         norm_offset: float = 0.0, softcap: float | None = None) -> torch.Tensor:
     """:func:`codagen.models.llama.lm_head` in ``head_module``'s module call, reading the final norm's and the
     head's weights inside it (``x``: its one argument, see the module docstring; ``norm_scale``, ``norm_offset`` as
-    in :func:`decoder_stack`)."""
+    in :func:`decoder_stack`; ``softcap``: a tanh soft-cap on the logits)."""
     def forward(x):
         return lm_head(x, normed, rstd, _norm_weight(final_norm, x.dtype, norm_scale, norm_offset),
-                       tensor_parallel.local(head_module.weight).to(x.dtype), targets, reduction)
+                       tensor_parallel.local(head_module.weight).to(x.dtype), targets, reduction, softcap)
     return call_as_module(head_module, forward, x)

@@ -83,6 +83,9 @@ class AttentionSpec:
     # the leading channels of each Q/K head in Hugging Face's half-split RoPE order (None: all; a partial rotary
     # embedding's rotated ones; 0: interleaved RoPE, no permutation): the order the KV cache holds
     half_split_dim: int | None = None
+    # a tanh soft-cap on the attention logits, cap * tanh(q.k scale / cap) (Gemma 2's attn_logit_softcapping): SDPA
+    # has none, so attention runs as transformers' eager attention does (scores materialized)
+    softcap: float | None = None
     scale: float | None = None  # of q.k: None is SDPA's 1 / sqrt(head_dim) (Granite's attention_multiplier is not)
 
 
@@ -104,13 +107,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attention
     b, s, h, kv, hd = spec.batch, spec.seq, spec.num_heads, spec.num_kv_heads, spec.head_dim
     q, k, v = (t.view(b, s, heads, hd).transpose(1, 2) for t, heads in ((q, h), (k, kv), (v, kv)))
     mask = with_sliding_window(spec.mask, s, sliding_window, q.device)
-    gqa = kv != h
-    if gqa and mask is not None:  # SDPA's GQA kernels take no mask (CUDA would fall back to the math path)
+    if kv != h and mask is not None:  # SDPA's GQA kernels take no mask (CUDA would fall back to the math path)
         k, v = (t.repeat_interleave(h // kv, dim=1) for t in (k, v))
-        gqa = False
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                         dropout_p=spec.dropout, enable_gqa=gqa, scale=spec.scale)
+    out = heads_attention(q, k, v, spec, mask, is_causal=mask is None)
     return out.transpose(1, 2).reshape(b * s, h * hd)
+
+
+def heads_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, mask: torch.Tensor | None,
+                    is_causal: bool) -> torch.Tensor:
+    """``[batch, heads, seq, hd]`` attention of ``q`` over ``k``, ``v`` (``[batch, kv_heads | heads, keys, hd]``) under
+    ``mask`` (boolean or additive) or plain causality: SDPA, or with ``spec.softcap`` the soft-capped logits
+    ``cap * tanh(q k^T scale / cap)``, masked, through an fp32 softmax, as transformers' eager attention computes."""
+    gqa = k.shape[1] != q.shape[1]
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=spec.dropout,
+                                              enable_gqa=gqa, scale=spec.scale)
+    if gqa:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scale = q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / spec.softcap)) * spec.softcap
+    if mask is None and is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - q.shape[-2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return F.dropout(probs, spec.dropout, training=spec.dropout > 0) @ v
 
 
 #: whether the decoder layer is a ``torch.compiler.nested_compile_region``: torch 2.11's Dynamo fails on it
@@ -241,13 +262,16 @@ def decoder_layer(x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, blk
 
 
 def lm_head(x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, norm_weight: torch.Tensor,
-            weight: torch.Tensor, targets: torch.Tensor | None, reduction: str = "mean") -> torch.Tensor:
+            weight: torch.Tensor, targets: torch.Tensor | None, reduction: str = "mean",
+            softcap: float | None = None) -> torch.Tensor:
     """Logits ``RMSNorm(x) W^T`` [tokens, vocab] without ``targets``, else the fused cross-entropy
-    (``targets`` [tokens], -100 ignored; logits never stored)."""
+    (``targets`` [tokens], -100 ignored; logits never stored); ``softcap``: logits ``cap * tanh(logits / cap)``
+    (Gemma 2's final soft-cap), in the same epilogues."""
+    capped = {} if softcap is None else {"softcap": softcap}
     if targets is None:
-        return ops.rms_linear(x, normed, rstd, norm_weight, weight)
+        return ops.rms_linear(x, normed, rstd, norm_weight, weight, **capped)
     return ops.rms_lm_head_cross_entropy(x, normed, rstd, norm_weight, weight, targets, ignore_index=-100,
-                                         reduction=reduction)
+                                         reduction=reduction, **capped)
 
 
 # --- Hugging Face layout <-> fused layout --------------------------------------------------------------

@@ -45,7 +45,8 @@ COMMON = dict(vocab_size=67, hidden_size=32, intermediate_size=40, num_hidden_la
 
 #: the transformers class prefix of each family spec (codagen.models.families.FAMILIES)
 CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-                "granite": "Granite", "smollm3": "SmolLM3", "gemma3": "Gemma3", "glm": "Glm", "glm4": "Glm4"}
+                "granite": "Granite", "smollm3": "SmolLM3", "gemma2": "Gemma2", "gemma3": "Gemma3", "glm": "Glm",
+                "glm4": "Glm4"}
 #: config classes not named after the model class (``<prefix>Config``)
 CONFIG_CLASS = {"gemma3": "Gemma3TextConfig"}
 
@@ -57,6 +58,8 @@ def build(family: str, **overrides) -> torch.nn.Module:
     model_cls = getattr(transformers, prefix + "ForCausalLM")
     if family == "qwen3":  # Qwen3Config's head_dim defaults to 128; 16 keeps heads whole in the interpreter's tiles
         overrides = {"head_dim": 16, **overrides}
+    if family == "gemma2":  # transformers runs Gemma 2's soft-capped attention eagerly (SDPA has no soft-cap)
+        overrides = {"attn_implementation": "eager", **overrides}
     if family in ("phi3", "smollm3", "glm", "glm4"):  # their configs' token ids lie outside a tiny vocabulary
         overrides = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides}
     model = model_cls(config_cls(**{**COMMON, **overrides}))

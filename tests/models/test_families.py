@@ -152,10 +152,10 @@ def test_granite_multipliers_must_be_finite_and_nonzero(field):
 
 
 def test_families_not_supported_yet_are_refused_naming_what_they_need():
-    config = transformers.Gemma2Config(vocab_size=67, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0)
-    with pytest.raises(TypeError, match=r"Gemma2ForCausalLM needs x \(1 \+ w\) RMSNorms, norms after attention"):
-        patch(transformers.Gemma2ForCausalLM(config))
+    config = transformers.Olmo2Config(vocab_size=67, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    with pytest.raises(TypeError, match=r"Olmo2ForCausalLM needs norms only after attention and the MLP"):
+        patch(transformers.Olmo2ForCausalLM(config))
 
 
 def test_fused_parameters_take_the_llama_layout_only():
