@@ -53,10 +53,11 @@ STEPS = {"full": None,
 _LIGER = {"llama": "apply_liger_kernel_to_llama", "mistral": "apply_liger_kernel_to_mistral",
           "qwen2": "apply_liger_kernel_to_qwen2", "qwen3": "apply_liger_kernel_to_qwen3",
           "phi3": "apply_liger_kernel_to_phi3", "granite": "apply_liger_kernel_to_granite",
-          "smollm3": "apply_liger_kernel_to_smollm3"}
+          "smollm3": "apply_liger_kernel_to_smollm3", "gemma2": "apply_liger_kernel_to_gemma2",
+          "gemma3": "apply_liger_kernel_to_gemma3_text"}
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-            "smollm3": "SmolLM3ForCausalLM"}
+            "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 #: LoRA targets by the projections Phi-3 fuses (PEFT adapts the fused module: q/v -> all of qkv_proj)
 _FUSED_TARGETS = {"phi3": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
                            "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}}
@@ -114,6 +115,15 @@ MODELS = {
                                           ("attention_multiplier", 0.0078125), ("logits_scaling", 16.0))),
     "SmolLM3-3B": ModelConfig("smollm3", 2048, 11008, 16, 4, 128, 128256, True, 5000000.0, 1e-6, 36,
                               fields=(("no_rope_layer_interval", 4),)),
+    # every second layer local (sliding window 4096), soft-caps 50 (attention) and 30 (final logits)
+    "Gemma-2-2B": ModelConfig("gemma2", 2304, 9216, 8, 4, 256, 256000, True, 10000.0, 1e-6, 26,
+                              fields=(("sliding_window", 4096), ("query_pre_attn_scalar", 256),
+                                      ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
+                                      ("sliding_window_pattern", 2))),
+    # five local layers (window 512, RoPE base 10000) to one global (base 1e6)
+    "Gemma-3-1B": ModelConfig("gemma3", 1152, 6912, 4, 1, 256, 262144, True, 1000000.0, 1e-6, 26,
+                              fields=(("sliding_window", 512), ("query_pre_attn_scalar", 256),
+                                      ("sliding_window_pattern", 6), ("rope_local_base_freq", 10000.0))),
 }
 #: the CPU check of the harness: a tiny config with every structural feature of the matrix
 SMOKE_MODELS = {"smoke-qwen2": ModelConfig("qwen2", 64, 128, 4, 2, 16, 250, True, 1000000.0, 1e-6, 2,
@@ -131,12 +141,24 @@ def hf_config(model: ModelConfig, layers: int | None = None):
                   rms_norm_eps=model.rms_norm_eps, max_position_embeddings=32768, attn_implementation="sdpa")
     rope = dict(model.rope_scaling or {"rope_type": "default"}, rope_theta=model.rope_theta)
     config_class = getattr(transformers, _CLASSES[model.family].replace("ForCausalLM", "Config"))
+    if model.family == "gemma2":  # transformers runs its soft-capped attention eagerly (SDPA has no soft-cap)
+        kwargs["attn_implementation"] = "eager"
+    fields = dict(model.fields)
+    if "sliding_window_pattern" in fields:  # Gemma: the last layer of each pattern is global, the others local
+        pattern = fields.pop("sliding_window_pattern")
+        kwargs["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                 for i in range(kwargs["num_hidden_layers"])]
+    if "rope_local_base_freq" in fields:  # Gemma 3: RoPE per layer type
+        rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default",
+                                                              "rope_theta": fields.pop("rope_local_base_freq")}}
+    if model.family == "gemma3":
+        config_class = transformers.Gemma3TextConfig
     config = config_class(**kwargs, rope_parameters=rope)
     if model.family == "llama":
         config.attention_bias = model.attention_bias
     if model.family == "mistral":
         config.sliding_window = None  # Mistral-7B-v0.3's config.json; MistralConfig's default is 4096
-    for field, value in model.fields:
+    for field, value in fields.items():
         setattr(config, field, value)
     if model.family == "smollm3":  # its layers read no_rope_layers, which the config derives from the interval
         config.no_rope_layers = [int((i + 1) % config.no_rope_layer_interval != 0)

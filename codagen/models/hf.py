@@ -66,8 +66,11 @@ approximation):
   run: each layer is then computed on its own parameters in its own module call (:mod:`.layer_units`).
   Refused at the forward (``ValueError``): empty batches (transformers fails on them inside attention) and
   ``inputs_embeds`` whose width is not the hidden size.
-- Refused: MLP biases, activations other than SiLU (``hidden_act`` and each layer's ``act_fn``), partial
-  rotary embeddings, Q/K/V biases together with QK-norm (the bias would enter before the norm), QK-norm eps
+- The families (:mod:`.families`) differ by spec: where the projections live, the norms' placement and form,
+  the activation (SiLU or GELU-tanh), multipliers, soft-caps, RoPE per layer or per layer type, interleaved and
+  partial rotary embeddings.
+- Refused: MLP biases, activations other than SiLU and GELU-tanh (``hidden_act`` and each layer's ``act_fn``),
+  Q/K/V biases together with QK-norm (the bias would enter before the norm), QK-norm eps
   unequal to the RMSNorm eps, other RoPE types, 4-D ``attention_mask``,
   flash-attention varlen kwargs (``cu_seq_lens_q``, ...), ``output_attentions`` / ``output_hidden_states``,
   extra attention kwargs. Run the model unpatched for those (``unpatch`` a patched model whose parameters
