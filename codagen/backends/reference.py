@@ -13,12 +13,15 @@ import torch
 
 from codagen.epilogue.bind import BoundProgram, cdiv
 from codagen.epilogue.ir import ColPartial, Expr, Program, RowPartial, Store
+from codagen.epilogue.primitives.geglu import geglu_ref
+from codagen.epilogue.primitives.geglu_backward import geglu_backward_ref
 from codagen.epilogue.primitives.rope import rope_ref
 from codagen.epilogue.primitives.segment_sum import segment_sum_ref
 from codagen.epilogue.primitives.swiglu import swiglu_ref
 from codagen.epilogue.primitives.swiglu_backward import swiglu_backward_ref
 
-__all__ = ["ReferenceBackend", "evaluate_epilogue", "swiglu_ref", "swiglu_backward_ref", "rope_ref", "segment_sum_ref"]
+__all__ = ["ReferenceBackend", "evaluate_epilogue", "swiglu_ref", "swiglu_backward_ref", "geglu_ref",
+           "geglu_backward_ref", "rope_ref", "segment_sum_ref"]
 
 
 class _Values:

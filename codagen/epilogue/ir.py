@@ -7,8 +7,8 @@ hash by value, so a program can key a compile cache and be printed as math.
 Widths. Every tile-valued expression has a width relative to the GEMM's N: ``HALF`` (N/2 columns),
 ``FULL`` (N) or ``DOUBLE`` (2N). A tile of the accumulator with BN columns carries BN/2, BN or 2*BN
 columns of such a value, so every value of one tile covers the same output rows and the same
-column *pairs*. Adjacent-pair maps change width: SwiGLU takes pairs (2j, 2j+1) to one column
-(FULL -> HALF), its backward takes a pair plus one gradient column back to a pair (DOUBLE + FULL ->
+column *pairs*. Adjacent-pair maps change width: SwiGLU and GeGLU take pairs (2j, 2j+1) to one column
+(FULL -> HALF), their backwards take a pair plus one gradient column back to a pair (DOUBLE + FULL ->
 DOUBLE), RoPE rotates each pair in place (width kept).
 
 The primitives (each one module of :mod:`codagen.epilogue.primitives`, which holds everything about it;
@@ -21,7 +21,8 @@ tile loads            ``TileInput`` [M, N*w] (residual, saved pre-activation)
 elementwise maps      ``Unary`` (neg, exp, log, sigmoid, silu, square, rsqrt), ``Binary`` (add, sub, mul,
                       div, max, mask: a where b != 0, else 0), ``GeluTanh``, ``Constant``, ``OneHot``
                       (column == index[row])
-adjacent-pair maps    ``SwiGLU`` (2 -> 1), ``SwiGLUBackward`` (pair + grad -> pair), ``Rope`` (2 -> 2)
+adjacent-pair maps    ``SwiGLU``, ``GeGLU`` (2 -> 1), ``SwiGLUBackward``, ``GeGLUBackward`` (pair + grad ->
+                      pair), ``Rope`` (2 -> 2)
 segmented reductions  ``SegmentSum``: per row, the sum over each aligned group of ``size`` adjacent
                       columns, broadcast back onto the group (per-head statistics: QK-norm); a
                       group never straddles a tile, so backends need tile widths that are multiples

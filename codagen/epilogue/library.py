@@ -10,6 +10,8 @@ Forward:  F1/F3 :func:`residual_rms_stats`, F2 :func:`rms_gate_up_swiglu`, F4 :f
 Backward: B2/B6 :func:`rms_norm_backward`, B4 :func:`swiglu_backward`, LM head
           :func:`rms_lm_head_cross_entropy_backward`, B3/B5/B7/B9 :func:`weight_grad`, B8 :func:`input_grad`.
 (B1, RoPE backward, is elementwise and not a GEMM: see ``codagen.ops``.)
+F2 and B4 take the MLP's gated activation (``activation``, one of :data:`ACTIVATIONS`): ``"silu"`` (SwiGLU,
+LLaMA) or ``"gelu_tanh"`` (GeGLU with the tanh approximation of GELU, Gemma 2/3).
 
 Every function returns the same immutable :class:`Program` on each call.
 """
@@ -22,6 +24,8 @@ from .ir import (
     Binary,
     ColPartial,
     ColVector,
+    GeGLU,
+    GeGLUBackward,
     Gemm,
     OneHot,
     Program,
@@ -41,10 +45,27 @@ from .ir import (
 
 __all__ = ["linear", "input_grad", "weight_grad", "rms_linear", "residual_rms_stats", "rms_gate_up_swiglu",
            "rms_qkv_rope", "rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward",
-           "rms_norm_backward", "swiglu_backward", "PROGRAMS"]
+           "rms_norm_backward", "swiglu_backward", "ACTIVATIONS", "PROGRAMS"]
 
 acc = Accumulator()
 rstd = RowVector("rstd")
+
+#: the gated MLP activations: name -> (the pair map, its backward, the stem of the programs' names)
+_GATED = {"silu": (SwiGLU, SwiGLUBackward, "swiglu"), "gelu_tanh": (GeGLU, GeGLUBackward, "geglu")}
+#: the values of the ``activation`` option of :func:`rms_gate_up_swiglu` and :func:`swiglu_backward`
+ACTIVATIONS = tuple(_GATED)
+
+
+def _gated(activation: str):
+    """``(pair map, its backward, program stem)`` of ``activation``; a ``ValueError`` naming the values otherwise."""
+    if not isinstance(activation, str) or activation not in _GATED:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return _GATED[activation]
+
+
+def _doc(factory, activation: str) -> str:
+    """``factory``'s docstring, its first line (the generated kernels' header) naming the program's pair map."""
+    return factory.__doc__ if activation == "silu" else factory.__doc__.replace("SwiGLU", "GeGLU", 1)
 
 
 @functools.cache
@@ -92,20 +113,26 @@ def residual_rms_stats() -> Program:
 
 
 @functools.cache
-def rms_gate_up_swiglu(save_preact: bool = True) -> Program:
+def rms_gate_up_swiglu(save_preact: bool = True, activation: str = "silu") -> Program:
     """F2: rstd-scaled gate/up projection + SwiGLU, weight rows interleaved ``(g0, u0, g1, u1, ...)``.
 
     ``z = rstd[m] * (a @ b^T)``; outputs ``preact = z`` (saved for backward, [M, 2F]) and
-    ``out[m, j] = silu(z[m, 2j]) * z[m, 2j+1]`` ([M, F]).
-    ``save_preact=False`` (program ``rms_gate_up_swiglu_inference``): ``out`` alone, for a forward without
-    backward (prefill, decode), which then writes a third of the bytes.
+    ``out[m, j] = f(z[m, 2j]) * z[m, 2j+1]`` ([M, F]), with ``f = silu`` (SwiGLU, program
+    ``rms_gate_up_swiglu``) or, for ``activation="gelu_tanh"``, ``f(g) = 0.5 g (1 + tanh(sqrt(2/pi)
+    (g + 0.044715 g^3)))`` (GeGLU, program ``rms_gate_up_geglu``).
+    ``save_preact=False`` (programs ``rms_gate_up_swiglu_inference``, ``rms_gate_up_geglu_inference``): ``out``
+    alone, for a forward without backward (prefill, decode), which then writes a third of the bytes.
+    A GeGLU program takes its SwiGLU twin's tuned choices until it has its own (the same GEMM and tiles).
     """
+    pair_map, _, stem = _gated(activation)
+    doc = _doc(rms_gate_up_swiglu, activation)
     z = acc * rstd
-    act = Store("out", SwiGLU(z))
+    act = Store("out", pair_map(z))
     if not save_preact:
-        return Program("rms_gate_up_swiglu_inference", Gemm.linear(), (act,), doc=rms_gate_up_swiglu.__doc__,
-                       tuning_stand_in=rms_gate_up_swiglu())
-    return Program("rms_gate_up_swiglu", Gemm.linear(), (Store("preact", z), act), doc=rms_gate_up_swiglu.__doc__)
+        return Program(f"rms_gate_up_{stem}_inference", Gemm.linear(), (act,), doc=doc,
+                       tuning_stand_in=rms_gate_up_swiglu(activation=activation))
+    return Program(f"rms_gate_up_{stem}", Gemm.linear(), (Store("preact", z), act), doc=doc,
+                   tuning_stand_in=None if activation == "silu" else rms_gate_up_swiglu())
 
 
 @functools.cache
@@ -219,22 +246,31 @@ def rms_norm_backward(residual_grad: str = "add") -> Program:
 
 
 @functools.cache
-def swiglu_backward() -> Program:
+def swiglu_backward(activation: str = "silu") -> Program:
     """B4: ``dy = grad_out @ W_down`` with SwiGLU backward in its epilogue.
 
     a: grad_out [M, d], b: W_down [d, F]; ``dy`` is [M, F]; ``preact`` [M, 2F] holds interleaved
-    ``(g, u)`` saved by F2. With ``s = sigmoid(g)``: ``dg = dy * u * s * (1 + g (1 - s))``, ``du = dy * g * s``.
-    Outputs ``grad_preact`` = interleaved ``(dg, du)`` [M, 2F], ``act = silu(g) * u`` [M, F]
+    ``(g, u)`` saved by F2. SwiGLU (program ``swiglu_backward``), with ``s = sigmoid(g)``:
+    ``dg = dy * u * s * (1 + g (1 - s))``, ``du = dy * g * s``. GeGLU (``activation="gelu_tanh"``, program
+    ``geglu_backward``), with ``a = 2 sqrt(2/pi) (g + 0.044715 g^3)``, ``s = sigmoid(a)`` (``gelu_tanh(g) = g s``)
+    and ``a'(g) = 2 sqrt(2/pi) (1 + 3 * 0.044715 g^2)``: ``dg = dy * u * (s + g s (1 - s) a'(g))``, ``du = dy * g * s``.
+    Outputs ``grad_preact`` = interleaved ``(dg, du)`` [M, 2F], ``act = silu(g) * u`` or ``gelu_tanh(g) * u`` [M, F]
     (recomputed for ``grad_W_down = grad_out^T @ act``) and ``partial_z_dz[m, t]`` = sum over tile t
     of ``g dg + u du`` (the RMSNorm-backward statistic of the gate/up GEMM).
+    A GeGLU program takes its SwiGLU twin's tuned choices until it has its own (the same GEMM and tiles).
     """
+    pair_map, pair_map_backward, stem = _gated(activation)
     preact = TileInput("preact", Width.DOUBLE)
-    grad_preact = SwiGLUBackward(preact, acc)
-    return Program("swiglu_backward", Gemm.input_grad(), (
-        Store("grad_preact", grad_preact),
-        Store("act", SwiGLU(preact)),
-        RowPartial("partial_z_dz", preact * grad_preact),
-    ), doc=swiglu_backward.__doc__)
+    grad_preact = pair_map_backward(preact, acc)
+    stores = (Store("grad_preact", grad_preact), Store("act", pair_map(preact)))
+    partial_z_dz = RowPartial("partial_z_dz", preact * grad_preact)
+    doc = _doc(swiglu_backward, activation)
+    if activation == "silu":
+        return Program(f"{stem}_backward", Gemm.input_grad(), (*stores, partial_z_dz), doc=doc)
+    # GeGLU's epilogue reduces the row partial before the stores: in SwiGLU's order its untuned Ampere choice (the
+    # 128 x 128 tile in quarters) spills on sm_86 and sm_89 (24 bytes per thread: tests/backends/test_compile_matrix.py)
+    return Program(f"{stem}_backward", Gemm.input_grad(), (partial_z_dz, *stores), doc=doc,
+                   tuning_stand_in=swiglu_backward())
 
 
 #: name -> factory of every library program (defaults for the ones with options)

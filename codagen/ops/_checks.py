@@ -6,6 +6,8 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from codagen.epilogue.library import ACTIVATIONS
+
 from .low_rank import LowRank
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -153,6 +155,16 @@ def eps(value, name: str = "eps") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}: expected a positive float, got {value!r}")
     return float(value)
+
+
+def gated_activation(name: str, value) -> str:
+    """The MLP's gated activation by name: one of ``codagen.epilogue.library.ACTIVATIONS``."""
+    allowed = " or ".join(repr(a) for a in ACTIVATIONS)
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected {allowed}, got {value!r}")
+    if value not in ACTIVATIONS:
+        raise ValueError(f"{name}: expected {allowed}, got {value!r}")
+    return value
 
 
 def positive_int(name: str, value) -> int:

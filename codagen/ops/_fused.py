@@ -76,7 +76,7 @@ def low_rank_grad_operand(grad: Tensor, lora_b: Tensor | None, scale: float) -> 
 
 
 def lora_args(low_rank: LowRank | None) -> tuple[Tensor | None, Tensor | None, float]:
-    """``(lora_a, lora_b, lora_scale)``, the Functions' last three inputs."""
+    """``(lora_a, lora_b, lora_scale)``, the Functions' low-rank inputs."""
     return (None, None, 1.0) if low_rank is None else (low_rank.a, low_rank.b, float(low_rank.scale))
 
 

@@ -1,5 +1,10 @@
-"""The SwiGLU MLP: F2 standalone (RMSNorm-scaled gate/up projection + SwiGLU) and F2 + F3, the whole MLP
-with its residual and the next norm's statistics (+ B4, B5, B6, B7).
+"""The gated MLP: F2 standalone (RMSNorm-scaled gate/up projection + SwiGLU or GeGLU) and F2 + F3, the whole
+MLP with its residual and the next norm's statistics (+ B4, B5, B6, B7).
+
+``activation`` picks the gate's nonlinearity: ``"silu"`` (SwiGLU: LLaMA, Mistral, Qwen) or ``"gelu_tanh"``
+(GeGLU with the tanh approximation of GELU: Gemma 2 and 3). The custom ops take it as a string argument and
+run the matching library programs (``library.rms_gate_up_swiglu(activation=...)``,
+``library.swiglu_backward(activation)``) and row kernel (``kernels.swiglu_backward``).
 """
 from __future__ import annotations
 
@@ -44,29 +49,30 @@ def _fake_gate_up_backward(x, norm_weight, gate_up_weight, weight_grad, input_gr
 
 
 # ==================================================================================================
-# F2 standalone: RMSNorm-scaled gate/up projection + SwiGLU
+# F2 standalone: RMSNorm-scaled gate/up projection + SwiGLU or GeGLU
 # ==================================================================================================
 @custom_op("rms_gate_up_swiglu", fake=_fake_gate_up)
 def _rms_gate_up_swiglu_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None,
-                           lora_b: Tensor | None) -> tuple[Tensor, Tensor]:
-    out = run(library.rms_gate_up_swiglu(), normed, gate_up_weight, lora_u, lora_b, rstd=rstd)
+                           lora_b: Tensor | None, activation: str) -> tuple[Tensor, Tensor]:
+    out = run(library.rms_gate_up_swiglu(activation=activation), normed, gate_up_weight, lora_u, lora_b, rstd=rstd)
     return out["out"], out["preact"]
 
 
 @custom_op("rms_gate_up_swiglu_inference", fake=lambda normed, gate_up_weight, **_: _fake_gate_up(
     normed, gate_up_weight)[0])
 def _rms_gate_up_swiglu_inference_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None,
-                                     lora_b: Tensor | None) -> Tensor:
+                                     lora_b: Tensor | None, activation: str) -> Tensor:
     """F2 without ``preact``: the forward of a model that runs no backward (prefill, decode)."""
-    return run(library.rms_gate_up_swiglu(save_preact=False), normed, gate_up_weight, lora_u, lora_b, rstd=rstd)["out"]
+    program = library.rms_gate_up_swiglu(save_preact=False, activation=activation)
+    return run(program, normed, gate_up_weight, lora_u, lora_b, rstd=rstd)["out"]
 
 
 @custom_op("rms_gate_up_swiglu_backward", fake=_fake_gate_up_backward)
 def _rms_gate_up_swiglu_backward_op(grad_act: Tensor, preact: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
                                     gate_up_weight: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
-                                    lora_b: Tensor | None, lora_u: Tensor | None,
-                                    lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grad_preact, mean_z_dz = kernels.swiglu_backward(grad_act, preact, x.shape[1])
+                                    lora_b: Tensor | None, lora_u: Tensor | None, lora_scale: float,
+                                    activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grad_preact, mean_z_dz = kernels.swiglu_backward(grad_act, preact, x.shape[1], activation)
     return consumer_backward_outputs(x, consumer_rms_norm_backward(
         grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz, weight_grad=weight_grad, input_grad=input_grad,
         lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
@@ -74,11 +80,11 @@ def _rms_gate_up_swiglu_backward_op(grad_act: Tensor, preact: Tensor, x: Tensor,
 
 class _RmsGateUpSwiglu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale):
+    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale, activation):
         lora_u = low_rank_operand(normed, lora_a, lora_scale)
-        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b)
+        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b, activation)
         ctx.save_for_backward(preact, x, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_u)
-        ctx.lora_scale = lora_scale
+        ctx.lora_scale, ctx.activation = lora_scale, activation
         ctx.set_materialize_grads(False)
         return act
 
@@ -90,7 +96,8 @@ class _RmsGateUpSwiglu(torch.autograd.Function):
         preact, x, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_u = ctx.saved_tensors
         named, _ = consumer_gradients(needs, _rms_gate_up_swiglu_backward_op(
             grad_act.contiguous(), preact, x, rstd, norm_weight, gate_up_weight, needs["gate_up_weight"],
-            consumer_input_grad(needs), lora_a, lora_b, lora_u, ctx.lora_scale), "gate_up_weight", lora_a)
+            consumer_input_grad(needs), lora_a, lora_b, lora_u, ctx.lora_scale, ctx.activation), "gate_up_weight",
+            lora_a)
         return named
 
 
@@ -107,30 +114,33 @@ def _checked_gate_up_inputs(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
 
 
 def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, *,
-                       low_rank: LowRank | None = None) -> Tensor:
+                       low_rank: LowRank | None = None, activation: str = "silu") -> Tensor:
     """F2: ``act = swiglu(RMSNorm(x) @ gate_up_weight^T)``, rows of ``gate_up_weight`` interleaved ``g0, u0, ...``.
 
     One GEMM: ``z = rstd[m] * (normed @ W^T)``; stores ``preact = z`` [M, 2F] (saved) and
-    ``act[:, j] = silu(z[:, 2j]) * z[:, 2j+1]`` [M, F].
+    ``act[:, j] = f(z[:, 2j]) * z[:, 2j+1]`` [M, F], ``f = silu`` (SwiGLU) or, for ``activation="gelu_tanh"``,
+    ``f(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`` (GeGLU: Gemma's ``gelu_pytorch_tanh``).
 
-    Backward (standalone, so the SwiGLU backward has no GEMM to live in): one elementwise kernel for
+    Backward (standalone, so the activation's backward has no GEMM to live in): one elementwise kernel for
     ``(dg, du)`` and ``mean_z_dz = sum (g dg + u du) / d``, then the RMSNorm-backward GEMM and ``grad_W``.
-    Prefer :func:`swiglu_mlp_residual_rms`, which moves the SwiGLU backward into the down-projection's epilogue.
+    Prefer :func:`swiglu_mlp_residual_rms`, which moves that backward into the down-projection's epilogue.
     ``low_rank``: as in :func:`rms_qkv_rope` (``b``'s rows interleaved like ``gate_up_weight``'s).
     Saved: ``preact``, ``x``, ``rstd``; with autograd off (``torch.no_grad``) nothing, and ``preact`` is not stored.
     """
+    activation = check.gated_activation("activation", activation)
     x, normed, rstd, norm_weight, gate_up_weight = _checked_gate_up_inputs(x, normed, rstd, norm_weight,
                                                                            gate_up_weight)
     d, like = x.shape[1], check.Like("x", x)
     low_rank = check.low_rank("low_rank", low_rank, d, gate_up_weight.shape[0], like)
     if not torch.is_grad_enabled():
-        return _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight, *low_rank_pair(normed, low_rank))
+        return _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight, *low_rank_pair(normed, low_rank),
+                                                activation)
     return _RmsGateUpSwiglu.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight,
-                                  *lora_args(low_rank))
+                                  *lora_args(low_rank), activation)
 
 
 # ==================================================================================================
-# F2 + F3 (+ B4, B5, B6, B7): the whole SwiGLU MLP with its residual and the next norm's statistics
+# F2 + F3 (+ B4, B5, B6, B7): the whole gated MLP with its residual and the next norm's statistics
 # ==================================================================================================
 # Two autograd nodes, so that ``preact`` [M, 2F] -- the largest activation -- is released as soon as the
 # down-projection's backward has used it, before the gate/up backward allocates its outputs:
@@ -143,12 +153,12 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
     torch.empty_like(preact), stats_like(grad_x_out, grad_x_out.shape[0]), fake_grad(down_weight, weight_grad, preact),
     fake_grad(lora_a, True, preact), fake_grad(lora_b, True, preact)))
 def _swiglu_down_backward_op(grad_x_out: Tensor, preact: Tensor, down_weight: Tensor, weight_grad: bool,
-                             lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
-                             lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                             lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None, lora_scale: float,
+                             activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """B4 + B5: ``(grad_preact, mean_z_dz, grad_down_weight, grad_lora_a, grad_lora_b)`` (empty where not computed)."""
-    # B4: grad_act = grad_x_out @ W_down_eff with the SwiGLU backward in its epilogue (recomputes act for B5)
+    # B4: grad_act = grad_x_out @ W_down_eff with the activation's backward in its epilogue (recomputes act for B5)
     grad_b_u = low_rank_grad_operand(grad_x_out, lora_b, lora_scale)
-    b4 = run(library.swiglu_backward(), grad_x_out, down_weight, grad_b_u, lora_a, preact=preact)
+    b4 = run(library.swiglu_backward(activation), grad_x_out, down_weight, grad_b_u, lora_a, preact=preact)
     mean_z_dz = kernels.finish_row_mean(b4["partial_z_dz"], down_weight.shape[0])
     act = b4.pop("act")
     grad_down_weight = execute(library.weight_grad(), grad_x_out, act)["grad_weight"] if weight_grad else None  # B5
@@ -173,12 +183,12 @@ def _gate_up_rms_norm_backward_op(grad_preact: Tensor, grad_residual: Tensor, x:
 
 
 class _MlpGateUp(torch.autograd.Function):
-    """Node 1: F2. Its backward is B6 + B7; the SwiGLU backward ran in node 2's B4 epilogue."""
+    """Node 1: F2. Its backward is B6 + B7; the activation's backward ran in node 2's B4 epilogue."""
 
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale):
+    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale, activation):
         lora_u = low_rank_operand(normed, lora_a, lora_scale)
-        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b)
+        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b, activation)
         # out of place: torch 2.11's Dynamo hands the gradient of an output an in-place op made here to
         # backward as zeros (pytorch/pytorch#180642; docs/notes/compile.md)
         mean_z_dz_slot = x.new_zeros(x.shape[0], dtype=check.stats_dtype(x.dtype))
@@ -205,16 +215,16 @@ class _MlpGateUp(torch.autograd.Function):
 
 
 class _MlpDownResidualRms(torch.autograd.Function):
-    """Node 2: F3. Its backward is B4 (with the SwiGLU backward) + B5; it releases ``preact``."""
+    """Node 2: F3. Its backward is B4 (with the activation's backward) + B5; it releases ``preact``."""
 
     @staticmethod
     def forward(ctx, act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight, eps, lora_a, lora_b,
-                lora_scale):
+                lora_scale, activation):
         lora_u = low_rank_operand(act, lora_a, lora_scale)
         x_out, normed_next, rstd_next = out_proj_residual_rms_op(act, down_weight, residual, next_norm_weight, eps,
                                                                  lora_u, lora_b)
         ctx.save_for_backward(preact, down_weight, lora_a, lora_b, lora_u)
-        ctx.lora_scale = lora_scale
+        ctx.lora_scale, ctx.activation = lora_scale, activation
         ctx.mark_non_differentiable(normed_next, rstd_next)
         ctx.set_materialize_grads(False)
         return x_out, normed_next, rstd_next
@@ -228,7 +238,7 @@ class _MlpDownResidualRms(torch.autograd.Function):
         grad = grad_x_out.contiguous()
         weight_grad = needs["down_weight"]
         grad_preact, mean_z_dz, grad_down_weight, grad_lora_a, grad_lora_b = _swiglu_down_backward_op(
-            grad, preact, down_weight, weight_grad, lora_a, lora_b, lora_u, ctx.lora_scale)
+            grad, preact, down_weight, weight_grad, lora_a, lora_b, lora_u, ctx.lora_scale, ctx.activation)
         present = lora_a is not None
         return dict(preact=grad_preact, residual=grad, mean_z_dz_slot=mean_z_dz,
                     down_weight=grad_down_weight if weight_grad else None,
@@ -237,15 +247,18 @@ class _MlpDownResidualRms(torch.autograd.Function):
 
 def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor,
                             down_weight: Tensor, next_norm_weight: Tensor, eps: float, *,
-                            gate_up_low_rank: LowRank | None = None,
-                            down_low_rank: LowRank | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                            gate_up_low_rank: LowRank | None = None, down_low_rank: LowRank | None = None,
+                            activation: str = "silu") -> tuple[Tensor, Tensor, Tensor]:
     """F2 + F3: ``x_out = x + swiglu(RMSNorm(x) @ gate_up_weight^T) @ down_weight^T``, two GEMMs.
 
     Returns ``(x_out, normed_next = x_out * next_norm_weight, rstd_next)`` (the latter two
     non-differentiable, for the next norm's consumer). F2 stores ``preact`` [M, 2F] (saved) and ``act``
     [M, F] (freed after F3); F3 adds the residual and writes the next norm's statistics.
 
-    Backward, two autograd nodes: B4 ``grad_act = grad_x_out @ W_down`` with the SwiGLU backward in its
+    ``activation``: the gate's nonlinearity, ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU), as in
+    :func:`rms_gate_up_swiglu`.
+
+    Backward, two autograd nodes: B4 ``grad_act = grad_x_out @ W_down`` with the activation's backward in its
     epilogue (emits ``grad_preact``, recomputes ``act`` and the partials of ``mean_z_dz``); B5
     ``grad_W_down = grad_x_out^T @ act``; then, with ``preact`` already released, B6 the RMSNorm-backward
     GEMM ``grad_preact @ W_gate_up`` writing ``grad_x = grad_x_out + norm_grad`` in one store and B7
@@ -258,6 +271,7 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     With autograd off (``torch.no_grad``, inference) the two GEMMs run without autograd nodes, and F2 stores
     ``act`` alone (no ``preact``).
     """
+    activation = check.gated_activation("activation", activation)
     x, normed, rstd, norm_weight, gate_up_weight = _checked_gate_up_inputs(x, normed, rstd, norm_weight,
                                                                            gate_up_weight)
     d, like = x.shape[1], check.Like("x", x)
@@ -270,10 +284,11 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     gate_up_low_rank = check.low_rank("gate_up_low_rank", gate_up_low_rank, d, 2 * ffn, like)
     down_low_rank = check.low_rank("down_low_rank", down_low_rank, ffn, d, like)
     if not torch.is_grad_enabled():  # inference: the two GEMMs without preact, autograd nodes or gradient slot
-        act = _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight, *low_rank_pair(normed, gate_up_low_rank))
+        act = _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight, *low_rank_pair(normed, gate_up_low_rank),
+                                               activation)
         return out_proj_residual_rms_op(act, down_weight, x, next_norm_weight, check.eps(eps),
                                         *low_rank_pair(act, down_low_rank))
     act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed.detach(), rstd.detach(), norm_weight,
-                                                            gate_up_weight, *lora_args(gate_up_low_rank))
+                                                            gate_up_weight, *lora_args(gate_up_low_rank), activation)
     return _MlpDownResidualRms.apply(act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight.detach(),
-                                     check.eps(eps), *lora_args(down_low_rank))
+                                     check.eps(eps), *lora_args(down_low_rank), activation)

@@ -19,8 +19,10 @@ from codagen.backends.triton.cross_compile import compile_persistent, cubin_reso
 from codagen.backends.triton.targets import TARGETS  # noqa: E402
 from codagen.epilogue import library  # noqa: E402
 
-#: the library's programs and the QK-norm QKV program of a 128-wide head (Qwen3), by name
-MATRIX = {**library.PROGRAMS, "rms_qkv_rope(128, qk_norm)": lambda: library.rms_qkv_rope(128, 1e-6)}
+#: the library's programs, the QK-norm QKV program of a 128-wide head (Qwen3) and the GeGLU MLP's (Gemma), by name
+MATRIX = {**library.PROGRAMS, "rms_qkv_rope(128, qk_norm)": lambda: library.rms_qkv_rope(128, 1e-6),
+          "rms_gate_up_swiglu(gelu_tanh)": lambda: library.rms_gate_up_swiglu(activation="gelu_tanh"),
+          "swiglu_backward(gelu_tanh)": lambda: library.swiglu_backward("gelu_tanh")}
 PROGRAMS = sorted(MATRIX)
 
 

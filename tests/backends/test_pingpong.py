@@ -23,10 +23,13 @@ from codagen.epilogue.ir import ProgramError
 SPLIT4, SPLIT8 = PINGPONG
 H200_SMEM = 232448
 
-#: every program variant the schedule takes (the library's defaults and the other residual-gradient modes)
+#: every program variant the schedule takes (the library's defaults, the other residual-gradient modes and the
+#: GeGLU MLP's)
 PROGRAMS = {name: factory() for name, factory in library.PROGRAMS.items() if pingpong.supports(factory()) is None}
 PROGRAMS.update({"rms_norm_backward_accumulate": library.rms_norm_backward("accumulate"),
-                 "rms_norm_backward_none": library.rms_norm_backward("none")})
+                 "rms_norm_backward_none": library.rms_norm_backward("none"),
+                 "rms_gate_up_geglu": library.rms_gate_up_swiglu(activation="gelu_tanh"),
+                 "geglu_backward": library.swiglu_backward("gelu_tanh")})
 
 
 def _pool(program, **overrides):
@@ -45,7 +48,7 @@ def test_supported_programs():
     assert set(PROGRAMS) == {"linear", "input_grad", "rms_linear", "residual_rms_stats", "rms_gate_up_swiglu",
                              "rms_qkv_rope", "rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward",
                              "rms_norm_backward", "swiglu_backward", "rms_norm_backward_accumulate",
-                             "rms_norm_backward_none"}
+                             "rms_norm_backward_none", "rms_gate_up_geglu", "geglu_backward"}
     assert "A must be [M, K]" in pingpong.supports(library.weight_grad())
     assert "segment sums" in pingpong.supports(library.rms_qkv_rope(qk_norm_head_dim=64))
     with pytest.raises(ValueError, match="cannot take this program: A must be"):

@@ -9,6 +9,8 @@ from codagen.epilogue import (
     Accumulator,
     ColPartial,
     ColVector,
+    GeGLU,
+    GeGLUBackward,
     Gemm,
     OneHot,
     Program,
@@ -125,6 +127,36 @@ def test_swiglu_backward_matches_autograd():
     grad = a @ b.T
     (torch.nn.functional.silu(preact[:, 0::2]) * preact[:, 1::2]).backward(grad)
     out = run(Program("p", Gemm.linear(), (Store("d", SwiGLUBackward(TileInput("z", Width.DOUBLE), acc)),)), a, b,
+              z=preact.detach())["d"]
+    torch.testing.assert_close(out, preact.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_geglu_pairs_and_widths():
+    m, n = 7, 10
+    a, b = operands(m, n, 4)
+    z = a @ b.T
+    out = run(Program("p", Gemm.linear(), (Store("out", GeGLU(acc)),)), a, b)["out"]
+    assert out.shape == (m, n // 2)
+    for j in range(n // 2):
+        g, u = z[:, 2 * j], z[:, 2 * j + 1]
+        tanh_gelu = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+        torch.testing.assert_close(out[:, j], tanh_gelu * u)
+    # DOUBLE -> FULL: a saved [M, 2N] pre-activation
+    preact = torch.randn(m, 2 * n, dtype=F64)
+    act = run(Program("p", Gemm.linear(), (Store("act", GeGLU(TileInput("z", Width.DOUBLE)) * acc),)), a, b,
+              z=preact)["act"]
+    gelu = torch.nn.functional.gelu(preact[:, 0::2], approximate="tanh")
+    torch.testing.assert_close(act, gelu * preact[:, 1::2] * z)
+
+
+def test_geglu_backward_matches_autograd():
+    """Against autograd of torch's tanh GELU, on gates out to both tails (where the sigmoid saturates)."""
+    m, n = 5, 6
+    a, b = operands(m, n, 4)
+    preact = (4 * torch.randn(m, 2 * n, dtype=F64)).requires_grad_()
+    grad = a @ b.T
+    (torch.nn.functional.gelu(preact[:, 0::2], approximate="tanh") * preact[:, 1::2]).backward(grad)
+    out = run(Program("p", Gemm.linear(), (Store("d", GeGLUBackward(TileInput("z", Width.DOUBLE), acc)),)), a, b,
               z=preact.detach())["d"]
     torch.testing.assert_close(out, preact.grad, rtol=1e-12, atol=1e-12)
 

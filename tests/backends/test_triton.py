@@ -52,43 +52,47 @@ from codagen.epilogue.ir import (
 # Every library program, small and odd shapes, both mainloops (TMA descriptors when aligned)
 # --------------------------------------------------------------------------------------------------
 SHAPES = [(1, 70, 48), (7, 69, 45), (129, 66, 40), (40, 128, 64)]
+#: the library's programs (its options' defaults) and the GeGLU MLP's, by name
+PROGRAMS = {**library.PROGRAMS, "rms_gate_up_geglu": lambda: library.rms_gate_up_swiglu(activation="gelu_tanh"),
+            "geglu_backward": lambda: library.swiglu_backward("gelu_tanh")}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", sorted(library.PROGRAMS))
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_library_program(check, name, shape, dtype):
-    program = library.PROGRAMS[name]()
+    program = PROGRAMS[name]()
     m, n, k = shape
     if n % 2 and program.needs_even_n():
         n += 1
     check(program, m, n, k, dtype)
 
 
-@pytest.mark.parametrize("name", ["rms_gate_up_swiglu", "swiglu_backward", "rms_lm_head_cross_entropy_backward"])
+@pytest.mark.parametrize("name", ["rms_gate_up_swiglu", "swiglu_backward", "rms_lm_head_cross_entropy_backward",
+                                  "rms_gate_up_geglu", "geglu_backward"])
 def test_library_program_bf16_interpreter(check, name):
     """bf16 runs in the interpreter with the dot upcast to fp32 (its bf16 dot is wrong)."""
-    check(library.PROGRAMS[name](), 33, 66, 48, torch.bfloat16)
+    check(PROGRAMS[name](), 33, 66, 48, torch.bfloat16)
 
 
 @pytest.mark.parametrize("split,block_n", [(2, 64), (4, 64), (2, 32)])
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("name", ["swiglu_backward", "rms_lm_head_cross_entropy", "rms_norm_backward",
-                                  "rms_qkv_rope", "residual_rms_stats"])
+                                  "rms_qkv_rope", "residual_rms_stats", "geglu_backward"])
 def test_epilogue_split(check, name, split, block_n, tma):
     """The accumulator cut into 2 or 4 column slices (partials merged across slices), TMA or pointer epilogue."""
     cfg = KernelConfig(32, block_n, 32, 1, 4, epilogue_split=split, tma_epilogue=tma, group_m=2)
-    outs = check(library.PROGRAMS[name](), 45, 2 * block_n + 10, 48, torch.float16,
+    outs = check(PROGRAMS[name](), 45, 2 * block_n + 10, 48, torch.float16,
                  backend=TritonBackend(config=cfg, tma=tma))
-    program = library.PROGRAMS[name]()
+    program = PROGRAMS[name]()
     for o in program.outputs:
         if isinstance(o, RowPartial):
             assert outs[o.name].shape == (45, -(-(2 * block_n + 10) // block_n))
 
 
-SPLIT_K_PROGRAMS = {name: library.PROGRAMS[name] for name in (
+SPLIT_K_PROGRAMS = {name: PROGRAMS[name] for name in (
     "residual_rms_stats", "rms_qkv_rope", "rms_gate_up_swiglu", "rms_linear", "rms_lm_head_cross_entropy",
-    "weight_grad", "input_grad", "rms_norm_backward", "swiglu_backward")}
+    "weight_grad", "input_grad", "rms_norm_backward", "swiglu_backward", "geglu_backward")}
 SPLIT_K_PROGRAMS["weight_grad_accumulate"] = lambda: library.weight_grad(True, "float32")
 
 
@@ -171,6 +175,7 @@ def test_segment_sum(check):
 
 
 INFERENCE_PROGRAMS = {"rms_gate_up_swiglu_inference": lambda: library.rms_gate_up_swiglu(save_preact=False),
+                      "rms_gate_up_geglu_inference": lambda: library.rms_gate_up_swiglu(False, "gelu_tanh"),
                       "rms_qkv_rope_qk_norm_inference": lambda: library.rms_qkv_rope(16, 1e-6, save_preact=False)}
 
 
@@ -302,9 +307,9 @@ def test_deterministic(name):
         assert torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)), key
 
 
-@pytest.mark.parametrize("name", sorted(library.PROGRAMS))
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_source_is_printable_python(name):
-    program = library.PROGRAMS[name]()
+    program = PROGRAMS[name]()
     src = program_source(program)
     ast.parse(src)
     assert f"def {name}_kernel(" in src and "tl.dot(" in src and "@triton.jit" in src
@@ -402,9 +407,9 @@ def _is_hopper():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name", sorted(library.PROGRAMS))
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_gpu_program(check, name, dtype):
-    program = library.PROGRAMS[name]()
+    program = PROGRAMS[name]()
     check(program, 1000, 1536, 1024, dtype, device="cuda")       # M past a tile edge
     check(program, 515, 1000, 1000, dtype, device="cuda")        # N, K past tile edges
 
@@ -522,7 +527,7 @@ def test_reserved_names_cover_the_generated_kernels():
     from codagen.backends.triton import persistent, pingpong
     from codagen.backends.triton.names import RESERVED_NAMES, TEMPORARY
     fixed_helpers = {"tile_coords", "column_halves", "cast_for_store", "merge_logsumexp", "stamp"}  # own scopes
-    programs = [f() for f in library.PROGRAMS.values()] + [
+    programs = [f() for f in PROGRAMS.values()] + [
         library.rms_norm_backward("accumulate"), library.rms_norm_backward("none"),
         library.rms_qkv_rope(qk_norm_head_dim=64), library.weight_grad(True, "float32"),
         library.rms_gate_up_swiglu().with_low_rank(), library.weight_grad().with_low_rank()]

@@ -112,6 +112,37 @@ def test_tuning_relatives_stand_in_nearest_first():
     assert _tuning_relatives(bound_at(twin, 16384, 28672, 4096)) == []
 
 
+GEGLU_TWINS = {  # a GeGLU program -> its SwiGLU twin, and a shape whose bucket the shipped table holds for the twin
+    "rms_gate_up_geglu": (library.rms_gate_up_swiglu(activation="gelu_tanh"), library.rms_gate_up_swiglu(),
+                          (16384, 28672, 4096)),
+    "rms_gate_up_geglu_inference": (library.rms_gate_up_swiglu(False, "gelu_tanh"), library.rms_gate_up_swiglu(),
+                                    (16384, 28672, 4096)),
+    "geglu_backward": (library.swiglu_backward("gelu_tanh"), library.swiglu_backward(), (16384, 8192, 2048)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GEGLU_TWINS))
+def test_geglu_programs_take_their_swiglu_twins_tuning(name, monkeypatch, tmp_path):
+    """A GeGLU program (Gemma's MLP) has no tuned entries of its own: its candidates and heuristic are its SwiGLU
+    twin's (the same GEMM, tiles and stores), and at a bucket the shipped table holds for the twin it runs the
+    twin's tuned choice, found through ``tuning_stand_in`` (the inference program through its training twin)."""
+    from codagen.backends.triton.backend import _tuning_relatives
+    monkeypatch.setenv("CODAGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CODAGEN_TRITON_AUTOTUNE", raising=False)
+    geglu, swiglu, (m, n, k) = GEGLU_TWINS[name]
+    assert geglu.name == name and swiglu.name in [r.program.name for r in _tuning_relatives(bound_at(geglu, m, n, k))]
+    assert h200_pool(geglu) == h200_pool(swiglu)
+    for depth in (1024, 4096, 65536):
+        assert heuristic(geglu, h200_pool(geglu), depth) == heuristic(swiglu, h200_pool(swiglu), depth)
+    shipped = json.loads(TuningCache.SHIPPED.read_text())
+    assert key_at(swiglu, m, n, k) in shipped and not any(key.split("|")[2].startswith(f"{name}:") for key in shipped)
+    backend = _GpuShaped({})
+    cfg = choose(backend, geglu, m, n, k)
+    assert backend.timed == [] and list(backend.choices.values()) == ["tuned"]
+    assert cfg == KernelConfig.from_json(shipped[key_at(swiglu, m, n, k)]["config"])
+    assert choose(backend, swiglu, m, n, k) == cfg
+
+
 def test_an_entry_these_operands_cannot_run_gives_its_fastest_candidate(table):
     """A bucket's ping-pong choice, for operands the ping-pong kernel cannot take (no TMA epilogue):
     the entry's fastest timed candidate of the pool that can run."""

@@ -29,6 +29,7 @@ class Config:
     layers: int = 2
     eps: float = 1e-6
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE (weights in HF channel order)
+    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
 
     @property
     def tokens(self) -> int:
@@ -75,6 +76,10 @@ def make_inputs(cfg: Config, dtype=torch.float64, device="cpu"):
     return x, positions, target.to(device), probe
 
 
+#: the MLP gate's nonlinearity by the ops' ``activation`` name, as eager PyTorch computes it
+GATE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
 def rms_norm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
@@ -104,8 +109,8 @@ def inv_freq(cfg: Config, device="cpu"):
 
 
 def eager_model(params, x, positions, target, cfg: Config):
-    """The naive block stack: RMSNorm -> QKV -> RoPE -> SDPA -> out-proj -> residual -> RMSNorm -> SwiGLU
-    MLP -> residual; then final norm + LM head + cross-entropy. Returns (hidden, loss)."""
+    """The naive block stack: RMSNorm -> QKV -> RoPE -> SDPA -> out-proj -> residual -> RMSNorm -> gated MLP
+    (SwiGLU or GeGLU) -> residual; then final norm + LM head + cross-entropy. Returns (hidden, loss)."""
     b, s = cfg.batch, cfg.seq
     pos = positions[: s]
     freq = inv_freq(cfg, x.device).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
@@ -122,7 +127,7 @@ def eager_model(params, x, positions, target, cfg: Config):
         q, k = (t.transpose(1, 2).reshape(b * s, -1) for t in (q, k))
         x = x + attention(q, k, v, cfg) @ p["o"].t()
         h = rms_norm(x, p["mlp_norm"], cfg.eps)
-        x = x + (F.silu(h @ p["gate"].t()) * (h @ p["up"].t())) @ p["down"].t()
+        x = x + (GATE_ACTIVATIONS[cfg.activation](h @ p["gate"].t()) * (h @ p["up"].t())) @ p["down"].t()
     if target is None:  # the block stack alone
         return x, None
     logits = rms_norm(x, params["final_norm"], cfg.eps) @ params["lm_head"].t()
@@ -168,7 +173,8 @@ def fused_model(params, x, positions, target, cfg: Config, reduction="mean"):
         x, normed, rstd = ops.out_proj_residual_rms(attention(q, k, v, cfg), params[p + "o"], x,
                                                     params[p + "mlp_norm"], cfg.eps)
         x, normed, rstd = ops.swiglu_mlp_residual_rms(x, normed, rstd, params[p + "mlp_norm"], fused[p + "gate_up"],
-                                                      params[p + "down"], next_norm, cfg.eps)
+                                                      params[p + "down"], next_norm, cfg.eps,
+                                                      activation=cfg.activation)
     if target is None:  # the block stack alone
         return x, None
     loss = ops.rms_lm_head_cross_entropy(x, normed, rstd, params["final_norm"], params["lm_head"], target,

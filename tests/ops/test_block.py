@@ -47,6 +47,9 @@ CONFIGS = {
     "qk_norm_m1": Config(batch=1, seq=1, layers=1, qk_norm=True),
     "qk_norm_m129": Config(batch=1, seq=129, hidden=16, heads=2, kv_heads=1, head_dim=16, ffn=16, vocab=33, layers=1,
                            qk_norm=True),
+    "geglu": Config(activation="gelu_tanh"),  # Gemma's MLP
+    "geglu_m129": Config(batch=1, seq=129, hidden=16, heads=2, kv_heads=1, ffn=16, vocab=33, layers=1,
+                         activation="gelu_tanh"),
 }
 
 
@@ -70,7 +73,7 @@ def test_block_matches_eager_float64(name):
         assert_close(f"grad {key}", got_grads[key], want)
 
 
-@pytest.mark.parametrize("name", ["gqa", "qk_norm"])
+@pytest.mark.parametrize("name", ["gqa", "qk_norm", "geglu"])
 def test_block_with_fused_leaf_parameters(name):
     """A model that stores qkv and gate_up in the fused layouts gets the same gradients, mapped back."""
     cfg = CONFIGS[name]
@@ -139,9 +142,10 @@ def test_cross_entropy_chunk_rows_bounds_memory():
     assert chunk_rows(100, 10**9, 4, budget=1) == 1
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
-def test_bf16_block_two_x_rule_on_reference_backend(qk_norm):
+@pytest.mark.parametrize("qk_norm, activation", [(False, "silu"), (True, "silu"), (False, "gelu_tanh")],
+                         ids=["plain", "qk_norm", "geglu"])
+def test_bf16_block_two_x_rule_on_reference_backend(qk_norm, activation):
     """The ops' own dtype choices (what is rounded to bf16 where) keep the 2x rule; the GPU test
-    (test_ops_gpu.py) checks the same on the Triton kernels."""
+    (tests/ops/test_gpu.py) checks the same on the Triton kernels."""
     assert_two_x_rule(Config(batch=2, seq=24, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=300,
-                             qk_norm=qk_norm))
+                             qk_norm=qk_norm, activation=activation))

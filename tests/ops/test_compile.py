@@ -65,3 +65,29 @@ def test_compiled_embedding_fullgraph_matches_eager():
     want = torch.autograd.grad(step(weight), weight)[0]
     got = torch.autograd.grad(compiled(weight), weight)[0]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_geglu_mlp_ops_fullgraph_match_eager():
+    """The MLP ops with ``activation="gelu_tanh"`` (a string argument of their custom ops and autograd nodes)
+    compile without graph breaks: the standalone gate/up op and the fused MLP, forward and backward."""
+    m, d, ffn = 6, 16, 8
+    x = torch.randn(m, d, requires_grad=True)
+    norm_weight = (1 + 0.2 * torch.randn(d)).requires_grad_()
+    gate_up, down = torch.randn(2 * ffn, d, requires_grad=True), torch.randn(d, ffn, requires_grad=True)
+    probe_act, probe_out = torch.randn(m, ffn), torch.randn(m, d)
+    leaves = (x, norm_weight, gate_up, down)
+
+    def step(x, norm_weight, gate_up, down):
+        normed, rstd = ops.rms_norm_stats(x, norm_weight, 1e-6)
+        act = ops.rms_gate_up_swiglu(x, normed, rstd, norm_weight, gate_up, activation="gelu_tanh")
+        out, _, _ = ops.swiglu_mlp_residual_rms(x, normed, rstd, norm_weight, gate_up, down, norm_weight, 1e-6,
+                                                activation="gelu_tanh")
+        return (act * probe_act).sum() + (out * probe_out).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)  # raises on any graph break
+    with reference_tiles():
+        want = torch.autograd.grad(step(*leaves), leaves)
+        got = torch.autograd.grad(compiled(*leaves), leaves)
+    for name, g, w in zip(("x", "norm_weight", "gate_up_weight", "down_weight"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda msg: f"{name}: {msg}")

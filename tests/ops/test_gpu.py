@@ -6,6 +6,8 @@ The float32 reference and both bf16 runs start from the same bf16-rounded parame
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -18,8 +20,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CFG = Config(batch=2, seq=300, hidden=512, heads=8, kv_heads=2, head_dim=64, ffn=1376, vocab=5000, layers=2)
 
 
-def test_bf16_block_two_x_rule():
-    assert_two_x_rule(CFG, "cuda")
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"], ids=["swiglu", "geglu"])
+def test_bf16_block_two_x_rule(activation):
+    assert_two_x_rule(dataclasses.replace(CFG, activation=activation), "cuda")
 
 
 def _peak_bytes(model, params, x, positions, probe) -> int:

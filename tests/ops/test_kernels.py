@@ -47,9 +47,12 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 for a, b in zip(got, want):
                     torch.testing.assert_close(a, b, rtol=tol, atol=tol * 10)
             grad_act = torch.randn(m, n // 2).to(dtype)
-            got, want = k.swiglu_backward_triton(grad_act, x, 3), k.swiglu_backward_ref(grad_act, x, 3)
-            for a, b in zip(got, want):
-                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+            for activation in ("silu", "gelu_tanh"):
+                got = k.swiglu_backward_triton(grad_act, 3 * x, 3, activation)  # gates well into both tails
+                want = k.swiglu_backward_ref(grad_act, 3 * x, 3, activation)
+                for a, b in zip(got, want):
+                    scale = max(1.0, b.float().abs().max().item())
+                    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * scale, msg=activation)
             torch.testing.assert_close(k.mean_row_dot_triton(x, y, 9), k.mean_row_dot_ref(x, y, 9), rtol=tol, atol=tol)
             # cross-entropy over stored logits (in place): an ignored row, and a target past the vocabulary;
             # logits near -200 (exp(-lse) overflows fp32 past the row's end, where the last block is masked)
@@ -348,8 +351,9 @@ def test_finish_cross_entropy_refuses_partials_of_two_shapes():
         k.finish_cross_entropy_triton(torch.zeros(5, 3), torch.zeros(5, 4))
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
-def test_block_on_triton_backend_matches_reference(qk_norm):
+@pytest.mark.parametrize("qk_norm, activation", [(False, "silu"), (True, "silu"), (False, "gelu_tanh")],
+                         ids=["plain", "qk_norm", "geglu"])
+def test_block_on_triton_backend_matches_reference(qk_norm, activation):
     try:
         import codagen.backends.triton  # noqa: F401
     except Exception as error:  # the backend is built concurrently
@@ -358,7 +362,7 @@ def test_block_on_triton_backend_matches_reference(qk_norm):
 
     # QK-norm needs heads that fit the interpreter's 32-wide tiles whole: head_dim 16
     cfg = Config(batch=1, seq=7, hidden=16, heads=2, kv_heads=1, head_dim=16 if qk_norm else 8, ffn=16, vocab=24,
-                 layers=1, qk_norm=qk_norm)
+                 layers=1, qk_norm=qk_norm, activation=activation)
     params = make_params(cfg, dtype=torch.float32)
     x, positions, target, probe = make_inputs(cfg, dtype=torch.float32)
     with reference_tiles():
@@ -369,3 +373,63 @@ def test_block_on_triton_backend_matches_reference(qk_norm):
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
     for key in want[2]:
         torch.testing.assert_close(got[2][key], want[2][key], rtol=1e-4, atol=1e-4, msg=lambda m: f"{key}: {m}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The gated MLP ops, SwiGLU and GeGLU, on both backends: the numerics rule in fp16 (the interpreter's fp16 dot is
+# right, its bf16 one is not)
+# --------------------------------------------------------------------------------------------------
+MLP_TOKENS, MLP_D, MLP_FFN, MLP_EPS = 37, 48, 40, 1e-6  # 37 rows: a ragged last tile
+
+
+def _mlp_leaves(dtype):
+    """x, the two norm weights, gate_up (interleaved) and down, fresh and random, as leaves of ``dtype``."""
+    x = torch.randn(MLP_TOKENS, MLP_D)
+    gammas = [1 + 0.2 * torch.randn(MLP_D) for _ in range(2)]
+    gate_up = torch.randn(2 * MLP_FFN, MLP_D) / MLP_D ** 0.5
+    down = torch.randn(MLP_D, MLP_FFN) / MLP_FFN ** 0.5
+    return [t.to(dtype).requires_grad_() for t in (x, *gammas, gate_up, down)]
+
+
+def _mlp_run(op, activation, leaves, probe, fused: bool):
+    """The op's output and the gradients of ``sum(output * probe)`` for every leaf it reads, fused (codagen.ops on
+    the selected backend) or eager at the leaves' dtype."""
+    from codagen import ops
+
+    from .conftest import GATE_ACTIVATIONS, rms_norm
+    x, gamma, next_gamma, gate_up, down = leaves
+    if fused:
+        normed, rstd = ops.rms_norm_stats(x, gamma, MLP_EPS)
+        if op == "rms_gate_up_swiglu":
+            out = ops.rms_gate_up_swiglu(x, normed, rstd, gamma, gate_up, activation=activation)
+        else:
+            out = ops.swiglu_mlp_residual_rms(x, normed, rstd, gamma, gate_up, down, next_gamma, MLP_EPS,
+                                              activation=activation)[0]
+    else:
+        z = rms_norm(x, gamma, MLP_EPS) @ gate_up.t()
+        out = GATE_ACTIVATIONS[activation](z[:, 0::2]) * z[:, 1::2]
+        out = out if op == "rms_gate_up_swiglu" else x + out @ down.t()
+    read = [x, gamma, gate_up] + ([down] if op == "swiglu_mlp_residual_rms" else [])
+    return [out.detach(), *torch.autograd.grad((out * probe).sum(), read)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("op", ["rms_gate_up_swiglu", "swiglu_mlp_residual_rms"])
+def test_gated_mlp_ops_keep_the_numerics_rule_on_both_backends(op, activation, backend):
+    """Output and every gradient in fp16: max error against float32 math on the same fp16 values at most twice
+    that of eager PyTorch in fp16, + 1e-6 (the standalone op's backward: the row kernel's twin on CPU)."""
+    from codagen.backends import use_backend
+
+    leaves = _mlp_leaves(torch.float16)
+    as32 = [t.detach().float().requires_grad_() for t in leaves]
+    probe = torch.randn(MLP_TOKENS, MLP_FFN if op == "rms_gate_up_swiglu" else MLP_D)
+    want = _mlp_run(op, activation, as32, probe, fused=False)
+    eager = _mlp_run(op, activation, leaves, probe.half(), fused=False)
+    with reference_tiles(), use_backend(backend):
+        got = _mlp_run(op, activation, leaves, probe.half(), fused=True)
+    names = ["out", "grad x", "grad norm_weight", "grad gate_up_weight", "grad down_weight"]
+    for name, g, e, w in zip(names, got, eager, want):
+        assert g.dtype == torch.float16, name
+        error, bound = (g.float() - w).abs().max().item(), 2 * (e.float() - w).abs().max().item() + 1e-6
+        assert error <= bound, f"{op} ({activation}, {backend}) {name}: error {error:.3e} > {bound:.3e}"

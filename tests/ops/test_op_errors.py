@@ -168,6 +168,21 @@ def test_a_bad_low_rank_factor_is_named(op, arg, fan_in, fan_out, mutation, fiel
     assert compared <= set(inspect.signature(fn).parameters), raised.value
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no_grad"])
+@pytest.mark.parametrize("activation, error", [("gelu", ValueError), ("GELU_TANH", ValueError), ("swiglu", ValueError),
+                                               (None, TypeError), (1, TypeError)])
+@pytest.mark.parametrize("op", ["rms_gate_up_swiglu", "swiglu_mlp_residual_rms"])
+def test_a_bad_activation_is_named_with_the_allowed_values(op, activation, error, grad):
+    """``activation`` is checked before anything runs, in training and under ``no_grad`` alike."""
+    fn, make = OPS[op]
+    for valid in ("silu", "gelu_tanh"):
+        fn(**make(), activation=valid)
+    with torch.set_grad_enabled(grad), pytest.raises(error) as raised:
+        fn(**make(), activation=activation)
+    assert str(raised.value) == f"activation: expected 'silu' or 'gelu_tanh', got {activation!r}"
+    assert "activation" in inspect.signature(fn).parameters
+
+
 def test_out_proj_residual_rms_names_a_residual_of_another_dtype():
     args = OPS["out_proj_residual_rms"][1]()
     with pytest.raises(ValueError, match=r"^residual: expected dtype torch.float32 \(that of inp\), got torch.float16"):

@@ -43,7 +43,7 @@ def _leaf(*shape, scale=1.0):
 
 def _every_public_op():
     """One forward and backward through each public op (LoRA on the GEMM ops, so their optional
-    low-rank arguments are tensors)."""
+    low-rank arguments are tensors; the MLP ops with either activation, so their string argument takes both)."""
     x, gamma = _leaf(M, D), _leaf(D)
     lora = lambda n, k: LowRank(_leaf(2, k, scale=0.3), _leaf(n, 2, scale=0.3), 0.5)  # noqa: E731
     positions, freqs = torch.arange(M).double(), ops.rope_frequencies(HEADS, KV_HEADS, HD).double()
@@ -58,13 +58,14 @@ def _every_public_op():
     act = ops.rms_gate_up_swiglu(h, normed, rstd, gamma, _leaf(2 * FFN, D, scale=0.2))
     h, normed, rstd = ops.swiglu_mlp_residual_rms(h, normed, rstd, gamma, _leaf(2 * FFN, D, scale=0.2),
                                                   _leaf(D, FFN, scale=0.2), gamma, 1e-6,
-                                                  down_low_rank=lora(D, FFN))
+                                                  down_low_rank=lora(D, FFN), activation="gelu_tanh")
     head = _leaf(VOCAB, D, scale=0.2)
     logits = ops.rms_linear(h, normed, rstd, gamma, head)
     loss = ops.rms_lm_head_cross_entropy(h, normed, rstd, gamma, head, torch.randint(0, VOCAB, (M,)))
     with torch.no_grad():  # the forwards without the tensors backward would need
         eval_loss = ops.rms_lm_head_cross_entropy(h, normed, rstd, gamma, head, torch.randint(0, VOCAB, (M,)))
-        ops.rms_gate_up_swiglu(h, normed, rstd, gamma, _leaf(2 * FFN, D, scale=0.2), low_rank=lora(2 * FFN, D))
+        ops.rms_gate_up_swiglu(h, normed, rstd, gamma, _leaf(2 * FFN, D, scale=0.2), low_rank=lora(2 * FFN, D),
+                               activation="gelu_tanh")
         ops.rms_qkv_rope(x, normed, rstd, gamma, _leaf(QKV, D, scale=0.2), positions, freqs, _leaf(HD), _leaf(HD),
                          num_heads=HEADS)
     embedded = ops.embedding(torch.randint(0, VOCAB, (M,)), _leaf(VOCAB, D), padding_idx=0)

@@ -9,7 +9,7 @@ from torch.autograd import gradcheck
 from codagen import ops
 from codagen.ops import kernels
 
-from .conftest import reference_tiles, rms_norm, rope_half_split
+from .conftest import GATE_ACTIVATIONS, reference_tiles, rms_norm, rope_half_split
 
 EPS = 1e-5
 M, D, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 5, 6, 2, 1, 4, 4, 7
@@ -226,28 +226,35 @@ def test_rms_qkv_rope_matches_half_split_rope():
     torch.testing.assert_close(v, (h @ wv.t()).detach())
 
 
-def test_gradcheck_rms_gate_up_swiglu():
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gradcheck_rms_gate_up_swiglu(activation):
     x, gamma, weight = rand(M, D), norm_weight(), rand(2 * FFN, D)
 
     def f(x, gamma, weight):
-        return ops.rms_gate_up_swiglu(*stats(x, gamma), weight)
+        return ops.rms_gate_up_swiglu(*stats(x, gamma), weight, activation=activation)
 
     assert gradcheck(f, (x, gamma, weight))
     act = f(x, gamma, weight)
     h = rms_norm(x, gamma, EPS)
-    torch.testing.assert_close(act, F.silu(h @ weight[0::2].t()) * (h @ weight[1::2].t()))
+    torch.testing.assert_close(act, GATE_ACTIVATIONS[activation](h @ weight[0::2].t()) * (h @ weight[1::2].t()))
 
 
-def test_gradcheck_swiglu_mlp_residual_rms():
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gradcheck_swiglu_mlp_residual_rms(activation):
     x, gamma, gate_up, down, next_gamma, head = rand(M, D), norm_weight(), rand(2 * FFN, D), rand(D, FFN), \
         norm_weight(), rand(3, D)
 
     def f(x, gamma, gate_up, down, next_gamma, head):
-        x_out, normed, rstd = ops.swiglu_mlp_residual_rms(*stats(x, gamma), gate_up, down, next_gamma, EPS)
+        x_out, normed, rstd = ops.swiglu_mlp_residual_rms(*stats(x, gamma), gate_up, down, next_gamma, EPS,
+                                                          activation=activation)
         assert not normed.requires_grad and not rstd.requires_grad
         return x_out, ops.rms_linear(x_out, normed, rstd, next_gamma, head)
 
     assert gradcheck(f, (x, gamma, gate_up, down, next_gamma, head))
+    x_out, _ = f(x, gamma, gate_up, down, next_gamma, head)
+    h = rms_norm(x, gamma, EPS)
+    act = GATE_ACTIVATIONS[activation](h @ gate_up[0::2].t()) * (h @ gate_up[1::2].t())
+    torch.testing.assert_close(x_out, x + act @ down.t())
 
 
 def test_mlp_gate_up_node_refuses_a_backward_without_the_down_projection():
@@ -255,7 +262,8 @@ def test_mlp_gate_up_node_refuses_a_backward_without_the_down_projection():
     node; a gradient reaching it any other way gets a clear error, not a wrong norm gradient."""
     from codagen.ops.mlp import _MlpGateUp
     x, normed, rstd, gamma = stats(rand(M, D), norm_weight())
-    act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed, rstd, gamma, rand(2 * FFN, D), None, None, 1.0)
+    act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed, rstd, gamma, rand(2 * FFN, D), None, None, 1.0,
+                                                             "silu")
     with pytest.raises(RuntimeError, match="down-projection's backward"):
         preact.sum().backward()
 
@@ -356,6 +364,13 @@ def test_programs_per_op(monkeypatch):
     assert programs(ops.swiglu_mlp_residual_rms, *stats(x, gamma), rand(2 * FFN, D), rand(D, FFN), gamma, EPS) == (
         ["rms_gate_up_swiglu", "residual_rms_stats"],
         ["swiglu_backward", "weight_grad", "rms_norm_backward", "weight_grad"])
+    geglu_mlp = lambda *args: ops.swiglu_mlp_residual_rms(*args, activation="gelu_tanh")  # noqa: E731
+    assert programs(geglu_mlp, *stats(x, gamma), rand(2 * FFN, D), rand(D, FFN), gamma, EPS) == (
+        ["rms_gate_up_geglu", "residual_rms_stats"],
+        ["geglu_backward", "weight_grad", "rms_norm_backward", "weight_grad"])
+    geglu = lambda *args: ops.rms_gate_up_swiglu(*args, activation="gelu_tanh")  # noqa: E731
+    assert programs(geglu, *stats(x, gamma), rand(2 * FFN, D)) == (
+        ["rms_gate_up_geglu"], ["rms_norm_backward", "weight_grad"])  # + the GeGLU backward row kernel
     target = torch.randint(0, VOCAB, (M,))
     # training: the gradient is made in the forward pass (+ the cross-entropy row kernel); backward only scales
     assert programs(ops.rms_lm_head_cross_entropy, *stats(x, gamma), rand(VOCAB, D), target) == (
@@ -383,6 +398,13 @@ def test_inference_forward_stores_nothing_for_backward(monkeypatch):
         "swiglu_mlp_residual_rms": (
             lambda: ops.swiglu_mlp_residual_rms(*stats(x, gamma), rand(2 * FFN, D), rand(D, FFN), gamma, EPS),
             ["rms_gate_up_swiglu_inference", "residual_rms_stats"]),
+        "rms_gate_up_swiglu with GeGLU": (
+            lambda: ops.rms_gate_up_swiglu(*stats(x, gamma), rand(2 * FFN, D), activation="gelu_tanh"),
+            ["rms_gate_up_geglu_inference"]),
+        "swiglu_mlp_residual_rms with GeGLU": (
+            lambda: ops.swiglu_mlp_residual_rms(*stats(x, gamma), rand(2 * FFN, D), rand(D, FFN), gamma, EPS,
+                                                activation="gelu_tanh"),
+            ["rms_gate_up_geglu_inference", "residual_rms_stats"]),
         "rms_qkv_rope with QK-norm": (
             lambda: ops.rms_qkv_rope(*stats(x, gamma), rand(QKV, D), torch.arange(M), frequencies, rand(HEAD_DIM),
                                      rand(HEAD_DIM), HEADS, split_sizes=(HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,
@@ -441,11 +463,12 @@ def test_rope_qk_norm_backward_ref_matches_autograd(heads, kv_heads, head_dim):
     torch.testing.assert_close(got[3], want[2])
 
 
-def test_swiglu_backward_ref_matches_autograd():
-    preact, grad_act = rand(M, 2 * FFN), rand(M, FFN, requires_grad=False)
-    act = F.silu(preact[:, 0::2]) * preact[:, 1::2]
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_swiglu_backward_ref_matches_autograd(activation):
+    preact, grad_act = 3 * rand(M, 2 * FFN), rand(M, FFN, requires_grad=False)  # gates well into both tails
+    act = GATE_ACTIVATIONS[activation](preact[:, 0::2]) * preact[:, 1::2]
     (want,) = torch.autograd.grad(act, preact, grad_act)
-    grad_preact, mean_z_dz = kernels.swiglu_backward_ref(grad_act, preact.detach(), width=D)
+    grad_preact, mean_z_dz = kernels.swiglu_backward_ref(grad_act, preact.detach(), width=D, activation=activation)
     torch.testing.assert_close(grad_preact, want)
     torch.testing.assert_close(mean_z_dz, (preact * want).sum(-1).detach() / D)
 

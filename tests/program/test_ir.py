@@ -7,6 +7,8 @@ from codagen.epilogue import (
     ColPartial,
     ColVector,
     Constant,
+    GeGLU,
+    GeGLUBackward,
     Gemm,
     OneHot,
     Program,
@@ -49,6 +51,8 @@ def test_kinds_and_widths_broadcast():
     assert SwiGLU(acc).width == Width.HALF
     assert SwiGLU(TileInput("z", Width.DOUBLE)).width == Width.FULL
     assert SwiGLUBackward(TileInput("z", Width.DOUBLE), acc).width == Width.DOUBLE
+    assert GeGLU(acc).width == Width.HALF and GeGLU(TileInput("z", Width.DOUBLE)).width == Width.FULL
+    assert GeGLUBackward(TileInput("z", Width.DOUBLE), acc).width == Width.DOUBLE
     assert Rope(acc, RowVector("p"), ColVector("f", Width.HALF)).width == Width.FULL
     assert SegmentSum(acc, 16).width == Width.FULL and SegmentSum(SwiGLU(acc), 4).width == Width.HALF
     assert Unary("rsqrt", SegmentSum(acc, 16)).kind == "tile"
@@ -64,6 +68,10 @@ def test_kinds_and_widths_broadcast():
     (lambda: SwiGLU(TileInput("h", Width.HALF)), "FULL or DOUBLE"),
     (lambda: SwiGLU(RowVector("r")), "needs a tile value"),
     (lambda: SwiGLUBackward(acc, acc), "preact twice as wide as grad"),
+    (lambda: GeGLU(TileInput("h", Width.HALF)), "GeGLU input must be FULL or DOUBLE"),
+    (lambda: GeGLU(RowVector("r")), "GeGLU needs a tile value"),
+    (lambda: GeGLUBackward(acc, acc), "GeGLUBackward needs preact twice as wide as grad"),
+    (lambda: GeGLUBackward(TileInput("z", Width.DOUBLE), ColVector("c")), r"GeGLUBackward\(grad\) needs a tile"),
     (lambda: Rope(acc, RowVector("p"), ColVector("f")), "width N/2"),
     (lambda: Rope(acc, RowVector("p", index=True), ColVector("f", Width.HALF)), "float RowVector"),
     (lambda: SegmentSum(ColVector("c"), 16), "SegmentSum needs a tile value"),
@@ -108,6 +116,8 @@ def test_printout_reads_like_the_math():
     assert "normed[m, n] <- (t0 * norm_weight[n])  (input)" in text
     assert "partial_sumsq[m, tile_n] <- sum_n(square(t0))  (float32 partial)" in text
     assert "grad_preact[m, n:2N] <- t0" in str(library.swiglu_backward())
+    assert "t0 = geglu_backward(preact[m, n:2N], acc)" in str(library.swiglu_backward("gelu_tanh"))
+    assert "out[m, n:N/2] <- geglu(t0)" in str(library.rms_gate_up_swiglu(activation="gelu_tanh"))
     assert "a[K, M]^T @ b[K, N]" in str(library.weight_grad())
     assert repr(library.rms_qkv_rope()) == ("<Program rms_qkv_rope: 1 outputs, "
                                             "inputs ['rstd', 'positions', 'frequencies']>")

@@ -38,6 +38,8 @@ def pairs_from_half_split(weight, head_dim):
 
 
 SHAPES = [(1, 24), (7, 40), (129, 36)]   # (tokens M, hidden d); d is not a multiple of the 8-wide tile
+#: the gate's nonlinearity of each ``activation`` option: SwiGLU's and GeGLU's
+GATES = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 
 @pytest.mark.parametrize("m, d", SHAPES)
@@ -60,16 +62,42 @@ def test_rmsnorm_commutes_with_the_consumer_gemm(m, d):
     torch.testing.assert_close(out, rms_norm(x, gamma) @ w.T)
 
 
+@pytest.mark.parametrize("activation", list(GATES))
 @pytest.mark.parametrize("m, d", SHAPES)
-def test_gate_up_swiglu_with_interleaved_weights(m, d):
+def test_gate_up_swiglu_with_interleaved_weights(m, d, activation):
     ffn = 12
     x, gamma = torch.randn(m, d, dtype=F64), torch.randn(d, dtype=F64)
     w_gate, w_up = torch.randn(ffn, d, dtype=F64), torch.randn(ffn, d, dtype=F64)
     gate_up = torch.stack((w_gate, w_up), 1).reshape(2 * ffn, d)       # rows g0, u0, g1, u1, ...
-    out = run(library.rms_gate_up_swiglu(), x * gamma, gate_up, rstd=rstd_of(x))
+    out = run(library.rms_gate_up_swiglu(activation=activation), x * gamma, gate_up, rstd=rstd_of(x))
     h = rms_norm(x, gamma)
-    torch.testing.assert_close(out["out"], F.silu(h @ w_gate.T) * (h @ w_up.T))
+    torch.testing.assert_close(out["out"], GATES[activation](h @ w_gate.T) * (h @ w_up.T))
     torch.testing.assert_close(out["preact"][:, 0::2], h @ w_gate.T)
+    inference = run(library.rms_gate_up_swiglu(save_preact=False, activation=activation), x * gamma, gate_up,
+                    rstd=rstd_of(x))
+    assert list(inference) == ["out"]
+    torch.testing.assert_close(inference["out"], out["out"], rtol=0, atol=0)
+
+
+def test_gated_programs_by_activation():
+    """Each activation has its own programs (names key the tuning table); GeGLU's stand in on SwiGLU's tuning."""
+    names = {(activation, save_preact): library.rms_gate_up_swiglu(save_preact, activation).name
+             for activation in library.ACTIVATIONS for save_preact in (True, False)}
+    assert names == {("silu", True): "rms_gate_up_swiglu", ("silu", False): "rms_gate_up_swiglu_inference",
+                     ("gelu_tanh", True): "rms_gate_up_geglu", ("gelu_tanh", False): "rms_gate_up_geglu_inference"}
+    assert [library.swiglu_backward(a).name for a in library.ACTIVATIONS] == ["swiglu_backward", "geglu_backward"]
+    assert library.rms_gate_up_swiglu(activation="silu") == library.rms_gate_up_swiglu()
+    assert library.swiglu_backward("silu") == library.swiglu_backward()
+    assert library.rms_gate_up_swiglu().tuning_stand_in is None and library.swiglu_backward().tuning_stand_in is None
+    geglu = library.rms_gate_up_swiglu(activation="gelu_tanh")
+    assert geglu.tuning_stand_in == library.rms_gate_up_swiglu()
+    assert library.rms_gate_up_swiglu(False, "gelu_tanh").tuning_stand_in == geglu
+    assert library.swiglu_backward("gelu_tanh").tuning_stand_in == library.swiglu_backward()
+    for bad in ("gelu", "relu", None):
+        with pytest.raises(ValueError, match=r"activation must be one of \('silu', 'gelu_tanh'\)"):
+            library.rms_gate_up_swiglu(activation=bad)
+        with pytest.raises(ValueError, match="activation must be one of"):
+            library.swiglu_backward(bad)
 
 
 def rope_frequencies(heads, kv_heads, head_dim, base=10000.0):
@@ -186,19 +214,21 @@ def leaves(m, d):
     return x, gamma, torch.randn(m, d, dtype=F64)
 
 
+@pytest.mark.parametrize("activation", list(GATES))
 @pytest.mark.parametrize("m, d", SHAPES)
-def test_swiglu_backward_and_rmsnorm_backward_through_the_mlp(m, d):
+def test_swiglu_backward_and_rmsnorm_backward_through_the_mlp(m, d, activation):
     ffn = 12
     x, gamma, grad_residual = leaves(m, d)
     w_gu = torch.randn(2 * ffn, d, dtype=F64, requires_grad=True)
     w_down = torch.randn(d, ffn, dtype=F64, requires_grad=True)
     grad_out = torch.randn(m, d, dtype=F64)
     z = rms_norm(x, gamma) @ w_gu.T
-    y = (F.silu(z[:, 0::2]) * z[:, 1::2]) @ w_down.T
+    y = (GATES[activation](z[:, 0::2]) * z[:, 1::2]) @ w_down.T
     ((y * grad_out).sum() + (x * grad_residual).sum()).backward()
 
-    forward = run(library.rms_gate_up_swiglu(), (x * gamma).detach(), w_gu.detach(), rstd=rstd_of(x).detach())
-    back = run(library.swiglu_backward(), grad_out, w_down.detach(), preact=forward["preact"])
+    forward = run(library.rms_gate_up_swiglu(activation=activation), (x * gamma).detach(), w_gu.detach(),
+                  rstd=rstd_of(x).detach())
+    back = run(library.swiglu_backward(activation), grad_out, w_down.detach(), preact=forward["preact"])
     torch.testing.assert_close(back["act"], forward["out"])
     grad_w_down = run(library.weight_grad(), grad_out, back["act"])["grad_weight"]
     torch.testing.assert_close(grad_w_down, w_down.grad)

@@ -6,7 +6,7 @@
 - :mod:`.rope` (B1): rotate the QKV gradient back and compute ``mean_z_dz`` for the RMSNorm backward;
 - :mod:`.rope_qk_norm` (B1 with QK-norm): the same, plus the per-head RMSNorm backward of the Q/K
   heads and the q_norm / k_norm weight gradients (per-row-block partials, summed after the launch);
-- :mod:`.swiglu`: SwiGLU backward + ``mean_z_dz`` for the standalone gate/up op (the fused MLP op
+- :mod:`.swiglu`: SwiGLU (or GeGLU) backward + ``mean_z_dz`` for the standalone gate/up op (the fused MLP op
   does this in the down-projection's input-gradient epilogue instead);
 - :mod:`.row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is;
 - :mod:`.cross_entropy`: a chunk of logits -> each row's loss, its gradient (in place) and
