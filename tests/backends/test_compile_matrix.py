@@ -19,8 +19,13 @@ from codagen.backends.triton.cross_compile import compile_persistent, cubin_reso
 from codagen.backends.triton.targets import TARGETS  # noqa: E402
 from codagen.epilogue import library  # noqa: E402
 
-#: the library's programs and the QK-norm QKV program of a 128-wide head (Qwen3), by name
-MATRIX = {**library.PROGRAMS, "rms_qkv_rope(128, qk_norm)": lambda: library.rms_qkv_rope(128, 1e-6)}
+#: the library's programs, the QK-norm QKV program of a 128-wide head (Qwen3) and the LM-head programs with Gemma 2's
+#: final logit soft-cap, by name
+MATRIX = {**library.PROGRAMS, "rms_qkv_rope(128, qk_norm)": lambda: library.rms_qkv_rope(128, 1e-6),
+          "rms_linear(softcap)": lambda: library.rms_linear(30.0),
+          "rms_linear(softcap, inference)": lambda: library.rms_linear(30.0, save_preact=False),
+          "rms_lm_head_cross_entropy(softcap)": lambda: library.rms_lm_head_cross_entropy(30.0),
+          "rms_lm_head_cross_entropy_backward(softcap)": lambda: library.rms_lm_head_cross_entropy_backward(30.0)}
 PROGRAMS = sorted(MATRIX)
 
 
