@@ -1,6 +1,7 @@
 """Argument validation for the public ops: every error names the argument and what was expected."""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -152,6 +153,18 @@ def index_range(name: str, t: torch.Tensor, high: int, ignore_index: int | None 
 def eps(value, name: str = "eps") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}: expected a positive float, got {value!r}")
+    return float(value)
+
+
+def softcap(value, name: str = "softcap") -> float | None:
+    """A logit soft-cap ``cap`` (``cap * tanh(logits / cap)``, Gemma 2's ``final_logit_softcapping``) or None:
+    a positive finite float."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected None or a positive finite float, got {value!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name}: expected None or a positive finite float, got {value!r}")
     return float(value)
 
 
