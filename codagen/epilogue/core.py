@@ -392,8 +392,9 @@ class Program:
     gemm: Gemm
     outputs: tuple[Output, ...]
     doc: str = field(default="", compare=False)
-    #: a program whose tuned choices stand in for this one's until it has its own: the same GEMM with
-    #: more epilogue work (an inference program's training twin, which also stores what backward needs)
+    #: a program whose tuned choices stand in for this one's until it has its own: the same GEMM with a like
+    #: epilogue (an inference program's training twin, which also stores what backward needs; a soft-capped
+    #: LM-head program's uncapped twin)
     tuning_stand_in: Program | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
