@@ -392,9 +392,9 @@ class Program:
     gemm: Gemm
     outputs: tuple[Output, ...]
     doc: str = field(default="", compare=False)
-    #: a program whose tuned choices stand in for this one's until it has its own: the same GEMM with
-    #: more epilogue work (an inference program's training twin, which also stores what backward needs) or
-    #: with the same tiles and a similar one (a GeGLU program's SwiGLU twin, a few instructions less per element)
+    #: a program whose tuned choices stand in for this one's until it has its own: the same GEMM with a like
+    #: epilogue (an inference program's training twin, which also stores what backward needs; a GeGLU program's
+    #: SwiGLU twin or a soft-capped LM-head program's uncapped twin, a few instructions more per element)
     tuning_stand_in: Program | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):

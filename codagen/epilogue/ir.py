@@ -18,9 +18,9 @@ The primitives (each one module of :mod:`codagen.epilogue.primitives`, which hol
 vector loads          ``RowVector`` [M] (rstd, targets, positions), ``ColVector`` [N*w] (norm weight,
                       frequencies), ``ScalarInput`` (a device tensor with one element, no host sync)
 tile loads            ``TileInput`` [M, N*w] (residual, saved pre-activation)
-elementwise maps      ``Unary`` (neg, exp, log, sigmoid, silu, square, rsqrt), ``Binary`` (add, sub, mul,
-                      div, max, mask: a where b != 0, else 0), ``GeluTanh``, ``Constant``, ``OneHot``
-                      (column == index[row])
+elementwise maps      ``Unary`` (neg, exp, log, sigmoid, silu, tanh, square, rsqrt), ``Binary`` (add,
+                      sub, mul, div, max, mask: a where b != 0, else 0), ``GeluTanh``, ``Constant``,
+                      ``OneHot`` (column == index[row])
 adjacent-pair maps    ``SwiGLU``, ``GeGLU`` (2 -> 1), ``SwiGLUBackward``, ``GeGLUBackward`` (pair + grad ->
                       pair), ``Rope`` (2 -> 2)
 segmented reductions  ``SegmentSum``: per row, the sum over each aligned group of ``size`` adjacent

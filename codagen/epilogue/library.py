@@ -13,17 +13,22 @@ Backward: B2/B6 :func:`rms_norm_backward`, B4 :func:`swiglu_backward`, LM head
 F2 and B4 take the MLP's gated activation (``activation``, one of :data:`ACTIVATIONS`): ``"silu"`` (SwiGLU,
 LLaMA) or ``"gelu_tanh"`` (GeGLU with the tanh approximation of GELU, Gemma 2/3).
 
+The LM-head programs take Gemma 2's final logit soft-cap (``softcap``): the loss, or the logits, of
+``y = cap * tanh(z / cap)`` instead of ``z``.
+
 Every function returns the same immutable :class:`Program` on each call.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 from .ir import (
     Accumulator,
     Binary,
     ColPartial,
     ColVector,
+    Expr,
     GeGLU,
     GeGLUBackward,
     Gemm,
@@ -90,10 +95,40 @@ def weight_grad(accumulate: bool = False, dtype: str = "input") -> Program:
     return Program("weight_grad", Gemm.weight_grad(), (out,), doc=weight_grad.__doc__)
 
 
+def _softcap(program: str, softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
+        raise ProgramError(f"{program}: softcap must be a positive finite float, got {softcap!r}")
+    return float(softcap)
+
+
+def _soft_capped(z: Expr, softcap: float) -> tuple[Expr, Expr]:
+    """``(t, y) = (tanh(z / cap), cap * t)``: the soft-capped logits ``y`` of ``z`` and the ``t`` their
+    derivative ``dy/dz = 1 - t^2`` needs."""
+    t = Unary("tanh", z * (1.0 / softcap))
+    return t, softcap * t
+
+
 @functools.cache
-def rms_linear() -> Program:
-    """``out = rstd[m] * (a @ b^T) = RMSNorm(x) @ W^T`` when ``a = x * gamma``."""
-    return Program("rms_linear", Gemm.linear(), (Store("out", acc * rstd),), doc=rms_linear.__doc__)
+def rms_linear(softcap: float | None = None, save_preact: bool = True) -> Program:
+    """``out = rstd[m] * (a @ b^T) = RMSNorm(x) @ W^T`` when ``a = x * gamma``.
+
+    With ``softcap = cap`` (program ``rms_linear_softcap``; Gemma 2's final logit soft-cap): ``z = rstd[m] *
+    (a @ b^T)``, outputs ``out = cap * tanh(z / cap)`` and ``preact = z``, saved for backward (the derivative
+    ``1 - tanh(z / cap)^2`` and the RMSNorm-backward statistic ``sum z dz`` need z, which a rounded ``out`` near
+    ``+-cap`` does not determine). ``save_preact=False`` (program ``rms_linear_softcap_inference``): ``out``
+    alone, for a forward without backward. Without a cap ``out`` is ``z`` and ``save_preact`` changes nothing.
+    Both capped programs take ``rms_linear``'s tuned choices until they have their own (``tuning_stand_in``):
+    the same GEMM, whose epilogue adds a tanh per element (and a second store for ``preact``).
+    """
+    z = acc * rstd
+    if softcap is None:
+        return Program("rms_linear", Gemm.linear(), (Store("out", z),), doc=rms_linear.__doc__)
+    _, y = _soft_capped(z, _softcap("rms_linear", softcap))
+    if not save_preact:
+        return Program("rms_linear_softcap_inference", Gemm.linear(), (Store("out", y),), doc=rms_linear.__doc__,
+                       tuning_stand_in=rms_linear())
+    return Program("rms_linear_softcap", Gemm.linear(), (Store("out", y), Store("preact", z)),
+                   doc=rms_linear.__doc__, tuning_stand_in=rms_linear())
 
 
 @functools.cache
@@ -177,7 +212,7 @@ def rms_qkv_rope(qk_norm_head_dim: int | None = None, qk_norm_eps: float = 1e-6,
 
 
 @functools.cache
-def rms_lm_head_cross_entropy() -> Program:
+def rms_lm_head_cross_entropy(softcap: float | None = None) -> Program:
     """LM head + cross-entropy forward, logits never stored.
 
     ``z = rstd[m] * (a @ b^T)`` (the logits, N = vocab); outputs ``partial_lse[m, t]`` = logsumexp of
@@ -185,30 +220,54 @@ def rms_lm_head_cross_entropy() -> Program:
     else 0 (selected by the one-hot, not multiplied by it: a -inf logit elsewhere would make it nan).
     Finished: ``loss[m] = logsumexp_t(partial_lse) - sum_t(partial_target)`` for rows whose target is not
     ignore_index (-100 matches no column).
+
+    With ``softcap = cap`` (program ``rms_lm_head_cross_entropy_softcap``): the same of the capped logits
+    ``y = cap * tanh(z / cap)`` instead of z. It takes the uncapped program's tuned choices until it has its
+    own (``tuning_stand_in``): the same GEMM and outputs, a tanh more per element.
     """
     z = acc * rstd
-    return Program("rms_lm_head_cross_entropy", Gemm.linear(), (
-        RowPartial("partial_lse", z, "logsumexp"),
-        RowPartial("partial_target", Binary("mask", z, OneHot(RowVector("target", index=True)))),
-    ), doc=rms_lm_head_cross_entropy.__doc__)
+    name, logits, stand_in = "rms_lm_head_cross_entropy", z, None
+    if softcap is not None:
+        _, logits = _soft_capped(z, _softcap(name, softcap))
+        name, stand_in = f"{name}_softcap", rms_lm_head_cross_entropy()
+    return Program(name, Gemm.linear(), (
+        RowPartial("partial_lse", logits, "logsumexp"),
+        RowPartial("partial_target", Binary("mask", logits, OneHot(RowVector("target", index=True)))),
+    ), doc=rms_lm_head_cross_entropy.__doc__, tuning_stand_in=stand_in)
 
 
 @functools.cache
-def rms_lm_head_cross_entropy_backward() -> Program:
+def rms_lm_head_cross_entropy_backward(softcap: float | None = None) -> Program:
     """LM head + cross-entropy backward: recompute the logits, emit their gradient and sum(z * dz).
 
     ``z = rstd[m] * (a @ b^T)``; ``dz = (exp(z - lse[m]) - [n == target[m]]) * row_weight[m] * grad_scale``
     where ``row_weight`` is 0 on ignored rows (and 1/#valid for a mean) and ``grad_scale`` is the
     incoming loss gradient (a device scalar). Outputs ``grad_logits = dz`` and
     ``partial_z_dz[m, t] = sum over tile t of z * dz`` (the RMSNorm-backward statistic).
+
+    With ``softcap = cap`` (program ``rms_lm_head_cross_entropy_backward_softcap``): the loss is that of
+    ``y = cap * t``, ``t = tanh(z / cap)``, and ``lse[m]`` the logsumexp of y::
+
+        dy = (exp(y - lse[m]) - [n == target[m]]) * row_weight[m] * grad_scale
+        dz = dy * (1 - t^2)
+
+    with the same outputs: ``grad_logits = dz`` (the gradient of the GEMM's output z) and the partials of
+    ``z * dz`` (z, which the norm feeds, not y). It takes the uncapped program's tuned choices until it has
+    its own (``tuning_stand_in``).
     """
     z = acc * rstd
-    prob = Unary("exp", z - RowVector("lse"))
+    name, logits, stand_in = "rms_lm_head_cross_entropy_backward", z, None
+    if softcap is not None:
+        t, logits = _soft_capped(z, _softcap(name, softcap))
+        name, stand_in = f"{name}_softcap", rms_lm_head_cross_entropy_backward()
+    prob = Unary("exp", logits - RowVector("lse"))
     dz = (prob - OneHot(RowVector("target", index=True))) * RowVector("row_weight") * ScalarInput("grad_scale")
-    return Program("rms_lm_head_cross_entropy_backward", Gemm.linear(), (
+    if softcap is not None:
+        dz = dz * (1.0 - t * t)
+    return Program(name, Gemm.linear(), (
         Store("grad_logits", dz),
         RowPartial("partial_z_dz", z * dz),
-    ), doc=rms_lm_head_cross_entropy_backward.__doc__)
+    ), doc=rms_lm_head_cross_entropy_backward.__doc__, tuning_stand_in=stand_in)
 
 
 @functools.cache

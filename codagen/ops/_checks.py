@@ -1,6 +1,7 @@
 """Argument validation for the public ops: every error names the argument and what was expected."""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -165,6 +166,18 @@ def gated_activation(name: str, value) -> str:
     if value not in ACTIVATIONS:
         raise ValueError(f"{name}: expected {allowed}, got {value!r}")
     return value
+
+
+def softcap(value, name: str = "softcap") -> float | None:
+    """A logit soft-cap ``cap`` (``cap * tanh(logits / cap)``, Gemma 2's ``final_logit_softcapping``) or None:
+    a positive finite float."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected None or a positive finite float, got {value!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name}: expected None or a positive finite float, got {value!r}")
+    return float(value)
 
 
 def positive_int(name: str, value) -> int:

@@ -21,6 +21,11 @@ fp32 logits and picks the target logit (``rms_lm_head_cross_entropy``); finished
 No logits are stored.
 
 Chunking bounds the only vocabulary-sized buffer, one chunk of logits, to :data:`CHUNK_BYTES`.
+
+With a soft-cap (Gemma 2's ``final_logit_softcapping``) the loss is that of ``y = cap * tanh(z / cap)``. Training
+stores the uncapped ``z`` (step 1 unchanged) and the row kernel caps it as it reads it: its ``dz`` is the
+gradient of ``z`` (``dy * (1 - tanh(z / cap)^2)``) and its statistic ``sum z dz``, what step 3 needs.
+Evaluation runs ``rms_lm_head_cross_entropy_softcap``, whose epilogue caps the fp32 logits.
 """
 from __future__ import annotations
 
@@ -70,14 +75,14 @@ def _reduce(row_loss: Tensor, valid: Tensor, row_weight: Tensor, mean: bool) -> 
 
 @custom_op("rms_lm_head_cross_entropy", fake=lambda normed, **_: normed.new_empty((), dtype=stats_dtype(normed.dtype)))
 def _ce_op(normed: Tensor, rstd: Tensor, lm_head_weight: Tensor, target: Tensor, ignore_index: int, mean: bool,
-           rows_per_chunk: int) -> Tensor:
+           rows_per_chunk: int, softcap: float | None) -> Tensor:
     """The loss alone: fused epilogue partials, no logits stored."""
     m = normed.shape[0]
     cd = stats_dtype(normed.dtype)
     row_loss = normed.new_empty(m, dtype=cd)
     for start in range(0, m, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
-        out = execute(library.rms_lm_head_cross_entropy(), normed[rows], lm_head_weight, rstd=rstd[rows],
+        out = execute(library.rms_lm_head_cross_entropy(softcap), normed[rows], lm_head_weight, rstd=rstd[rows],
                       target=target[rows])
         row_loss[rows] = kernels.finish_cross_entropy(out["partial_lse"], out["partial_target"])
     valid, row_weight = _row_weight(target, ignore_index, mean, cd)
@@ -100,8 +105,8 @@ def _fake_ce_with_grad(x, norm_weight, lm_head_weight, rows_per_chunk, weight_gr
 
 @custom_op("rms_lm_head_cross_entropy_with_grad", fake=_fake_ce_with_grad)
 def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, lm_head_weight: Tensor,
-                     target: Tensor, ignore_index: int, mean: bool, rows_per_chunk: int,
-                     weight_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     target: Tensor, ignore_index: int, mean: bool, rows_per_chunk: int, weight_grad: bool,
+                     softcap: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, grad_x, grad_norm_weight, grad_weight)`` for a loss gradient of 1 (module docstring, steps 1-3).
 
     ``grad_norm_weight`` is fp32 (the stats dtype), ``grad_weight`` fp32 when chunks accumulate it: the
@@ -118,7 +123,8 @@ def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tenso
     for start in range(0, m, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
         grad_logits = execute(library.rms_linear(), normed[rows], lm_head_weight, rstd=rstd[rows])["out"]
-        row_loss[rows], mean_z_dz = kernels.cross_entropy_logits_grad(grad_logits, target[rows], row_weight[rows], d)
+        row_loss[rows], mean_z_dz = kernels.cross_entropy_logits_grad(grad_logits, target[rows], row_weight[rows], d,
+                                                                      softcap)
         norm = execute(library.rms_norm_backward("accumulate"), grad_logits, lm_head_weight, residual=x[rows],
                        rstd=rstd[rows], norm_weight=norm_weight, mean_z_dz=mean_z_dz, grad_residual=grad_x[rows])
         grad_norm_weight += kernels.finish_col_sum(norm["partial_grad_norm_weight"], cd)
@@ -144,12 +150,13 @@ def _scale_cast_op(src: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
 class _RmsLmHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk,
-                with_grad):
+                with_grad, softcap):
         if not with_grad:
-            return _ce_op(normed, rstd, lm_head_weight, target, ignore_index, mean, rows_per_chunk)
+            return _ce_op(normed, rstd, lm_head_weight, target, ignore_index, mean, rows_per_chunk, softcap)
         weight_grad = lm_head_weight.requires_grad
         loss, grad_x, grad_norm_weight, grad_weight = _ce_with_grad_op(
-            x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk, weight_grad)
+            x, normed, rstd, norm_weight, lm_head_weight, target, ignore_index, mean, rows_per_chunk, weight_grad,
+            softcap)
         ctx.save_for_backward(grad_x, grad_norm_weight, grad_weight if weight_grad else None)
         ctx.dtypes = (x.dtype, norm_weight.dtype, lm_head_weight.dtype)
         return loss
@@ -164,7 +171,8 @@ class _RmsLmHeadCrossEntropy(torch.autograd.Function):
 
 
 def rms_lm_head_cross_entropy(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, lm_head_weight: Tensor,
-                              target: Tensor, *, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+                              target: Tensor, *, ignore_index: int = -100, reduction: str = "mean",
+                              softcap: float | None = None) -> Tensor:
     """``cross_entropy(RMSNorm(x) @ lm_head_weight^T, target)`` without storing logits.
 
     ``loss = sum_m w[m] (lse[m] - z[m, target[m]])`` with ``w[m] = 0`` where ``target[m] == ignore_index``,
@@ -178,6 +186,10 @@ def rms_lm_head_cross_entropy(x: Tensor, normed: Tensor, rstd: Tensor, norm_weig
     With gradients (training) they are computed here, in the forward pass (module docstring), and saved
     (``grad_x`` [M, d], ``grad_norm_weight``, ``grad_W``); the backward scales them by the loss gradient.
     Without (``torch.no_grad()`` or nothing requiring grad), one fused GEMM per chunk and no logits.
+
+    ``softcap = cap`` (Gemma 2's ``final_logit_softcapping``): the loss of the capped logits ``y = cap *
+    tanh(z / cap)``, ``z = RMSNorm(x) @ lm_head_weight^T``, i.e. ``cross_entropy(cap * tanh(z / cap), target)``
+    (module docstring); ``lse`` and the target logit above are those of ``y``.
     """
     x = check.activation("x", x)
     like = check.Like("x", x)
@@ -192,7 +204,8 @@ def rms_lm_head_cross_entropy(x: Tensor, normed: Tensor, rstd: Tensor, norm_weig
     check.index_range("target", target, lm_head_weight.shape[0], ignore_index)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction: expected 'mean' or 'sum', got {reduction!r}")
+    softcap = check.softcap(softcap)
     rows = chunk_rows(m, lm_head_weight.shape[0], x.element_size())
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, lm_head_weight))
     return _RmsLmHeadCrossEntropy.apply(x, normed.detach(), rstd.detach(), norm_weight, lm_head_weight,
-                                        target.detach(), ignore_index, reduction == "mean", rows, with_grad)
+                                        target.detach(), ignore_index, reduction == "mean", rows, with_grad, softcap)

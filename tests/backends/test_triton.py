@@ -197,6 +197,27 @@ def test_gpu_inference_program(check, name):
     check(INFERENCE_PROGRAMS[name](), 1, 1536, 1024, torch.bfloat16, device="cuda")  # a decode row
 
 
+#: the LM-head programs with Gemma 2's final logit soft-cap, the cap of the logits' scale (acc ~ N(0, 1), rstd in
+#: [0.5, 1.5): the tanh saturated and not)
+SOFTCAP_PROGRAMS = {p.name: p for p in (library.rms_linear(1.5), library.rms_linear(1.5, save_preact=False),
+                                        library.rms_lm_head_cross_entropy(1.5),
+                                        library.rms_lm_head_cross_entropy_backward(1.5))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", sorted(SOFTCAP_PROGRAMS))
+def test_soft_capped_program(check, name, shape, dtype):
+    check(SOFTCAP_PROGRAMS[name], *shape, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(SOFTCAP_PROGRAMS))
+def test_gpu_soft_capped_program(check, name):
+    check(SOFTCAP_PROGRAMS[name], 1000, 1536, 1024, torch.bfloat16, device="cuda")
+    check(SOFTCAP_PROGRAMS[name], 515, 1000, 1000, torch.bfloat16, device="cuda")  # N, K past tile edges
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("head_dim, shape", [(16, (7, 96, 40)), (32, (129, 128, 48)), (16, (1, 64, 24))])
 def test_qk_norm_program(check, head_dim, shape, dtype):

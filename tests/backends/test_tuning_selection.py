@@ -143,6 +143,22 @@ def test_geglu_programs_take_their_swiglu_twins_tuning(name, monkeypatch, tmp_pa
     assert choose(backend, swiglu, m, n, k) == cfg
 
 
+def test_soft_capped_programs_take_their_uncapped_twins_shipped_choices():
+    """Gemma 2's soft-capped LM-head programs have no shipped entries of their own: at the shipped LM-head shapes
+    (bf16, the H200) their one relative is their uncapped twin, whose entry stands in."""
+    from codagen.backends.triton.backend import _tuning_relatives
+    shipped = json.loads(TuningCache.SHIPPED.read_text())
+    for capped, shape in ((library.rms_lm_head_cross_entropy(30.0), (16384, 32768, 4096)),
+                          (library.rms_lm_head_cross_entropy_backward(30.0), (16384, 32768, 4096)),
+                          (library.rms_linear(30.0), (8192, 32768, 2048)),
+                          (library.rms_linear(30.0, save_preact=False), (8192, 32768, 2048))):
+        bound = bound_at(capped, *shape)
+        assert tuning_key("NVIDIA H200", bound, True, True, VERSIONS) not in shipped, capped.name
+        (twin,) = _tuning_relatives(bound)
+        assert twin.program is capped.tuning_stand_in and "softcap" not in twin.program.name
+        assert tuning_key("NVIDIA H200", twin, True, True, VERSIONS) in shipped, capped.name
+
+
 def test_an_entry_these_operands_cannot_run_gives_its_fastest_candidate(table):
     """A bucket's ping-pong choice, for operands the ping-pong kernel cannot take (no TMA epilogue):
     the entry's fastest timed candidate of the pool that can run."""

@@ -54,16 +54,21 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                     scale = max(1.0, b.float().abs().max().item())
                     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * scale, msg=activation)
             torch.testing.assert_close(k.mean_row_dot_triton(x, y, 9), k.mean_row_dot_ref(x, y, 9), rtol=tol, atol=tol)
+            # the logit soft-cap's backward, logits of a few caps (the tanh saturated and not)
+            got, want = k.softcap_backward_triton(y, 3 * x, 2.0, 9), k.softcap_backward_ref(y, 3 * x, 2.0, 9)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
             # cross-entropy over stored logits (in place): an ignored row, and a target past the vocabulary;
-            # logits near -200 (exp(-lse) overflows fp32 past the row's end, where the last block is masked)
+            # logits near -200 (exp(-lse) overflows fp32 past the row's end, where the last block is masked);
+            # uncapped and soft-capped
             target = torch.randint(0, n, (m,))
             target[0] = -100
             target[-1] = n if m > 1 else target[-1]
-            for shift in (0.0, -200.0):
+            for shift, softcap in ((0.0, None), (-200.0, None), (0.0, 2.0), (-200.0, 2.0)):
                 logits, row_weight = (3 * x + shift).to(dtype), torch.rand(m)
                 got_logits, want_logits = logits.clone(), logits.clone()
-                got = k.cross_entropy_logits_grad_triton(got_logits, target, row_weight, 5)
-                want = k.cross_entropy_logits_grad_ref(want_logits, target, row_weight, 5)
+                got = k.cross_entropy_logits_grad_triton(got_logits, target, row_weight, 5, softcap)
+                want = k.cross_entropy_logits_grad_ref(want_logits, target, row_weight, 5, softcap)
                 # the loss (lse - z[target]) and sum z dz cancel terms as large as the logits: rounding errors
                 # of that size remain (in fp32 at logits near -200, tens of ulps of 200)
                 scale = max(1.0, logits.float().abs().max().item())

@@ -192,6 +192,26 @@ def test_out_proj_residual_rms_names_a_residual_of_another_dtype():
 
 
 # --------------------------------------------------------------------------------------------------
+# the LM head's softcap: None or a positive finite float (Gemma 2's final_logit_softcapping)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("softcap, error", [
+    (0.0, ValueError), (-30.0, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
+    ("30", TypeError), (True, TypeError), (torch.tensor(30.0), TypeError)], ids=repr)
+@pytest.mark.parametrize("op", ["rms_linear", "rms_lm_head_cross_entropy"])
+def test_a_bad_softcap_is_named(op, softcap, error):
+    """Refused before any GEMM runs, with or without gradients; a positive int or float is taken."""
+    fn, make = OPS[op]
+    for valid in (30.0, 30, None):
+        fn(**make(), softcap=valid)
+    message = rf"^softcap: expected None or a positive finite float, got {re.escape(repr(softcap))}$"
+    for grad in (False, True):
+        args = make()
+        args["x"].requires_grad_(grad)
+        with pytest.raises(error, match=message):
+            fn(**args, softcap=softcap)
+
+
+# --------------------------------------------------------------------------------------------------
 # embedding's padding_idx: None or an int in [-vocab, vocab), as F.embedding takes it
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("padding_idx", [None, 0, 3, VOCAB - 1, -1, -VOCAB])

@@ -61,6 +61,7 @@ def _every_public_op():
                                                   down_low_rank=lora(D, FFN), activation="gelu_tanh")
     head = _leaf(VOCAB, D, scale=0.2)
     logits = ops.rms_linear(h, normed, rstd, gamma, head)
+    capped = ops.rms_linear(h, normed, rstd, gamma, head, softcap=2.0)
     loss = ops.rms_lm_head_cross_entropy(h, normed, rstd, gamma, head, torch.randint(0, VOCAB, (M,)))
     with torch.no_grad():  # the forwards without the tensors backward would need
         eval_loss = ops.rms_lm_head_cross_entropy(h, normed, rstd, gamma, head, torch.randint(0, VOCAB, (M,)))
@@ -69,7 +70,8 @@ def _every_public_op():
         ops.rms_qkv_rope(x, normed, rstd, gamma, _leaf(QKV, D, scale=0.2), positions, freqs, _leaf(HD), _leaf(HD),
                          num_heads=HEADS)
     embedded = ops.embedding(torch.randint(0, VOCAB, (M,)), _leaf(VOCAB, D), padding_idx=0)
-    total = (loss + eval_loss + logits.sum() + act.sum() + qk.sum() + k.sum() + v.sum() + embedded.sum())
+    total = (loss + eval_loss + logits.sum() + capped.sum() + act.sum() + qk.sum() + k.sum() + v.sum()
+             + embedded.sum())
     total.backward()
 
 

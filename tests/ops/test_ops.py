@@ -268,23 +268,40 @@ def test_mlp_gate_up_node_refuses_a_backward_without_the_down_projection():
         preact.sum().backward()
 
 
-def test_gradcheck_rms_linear():
+def soft_capped(logits, softcap):
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+#: soft-caps of the tiny logits' scale (N(0, D) with D = 6): the tanh saturated and not
+SOFTCAPS = pytest.mark.parametrize("softcap", [None, 2.0], ids=["uncapped", "softcap"])
+
+
+@SOFTCAPS
+def test_gradcheck_rms_linear(softcap):
     x, gamma, weight = rand(M, D), norm_weight(), rand(VOCAB, D)
-    assert gradcheck(lambda x, gamma, weight: ops.rms_linear(*stats(x, gamma), weight), (x, gamma, weight))
+
+    def f(x, gamma, weight):
+        return ops.rms_linear(*stats(x, gamma), weight, softcap=softcap)
+
+    assert gradcheck(f, (x, gamma, weight))
+    torch.testing.assert_close(f(x, gamma, weight), soft_capped(rms_norm(x, gamma, EPS) @ weight.t(), softcap))
 
 
+@SOFTCAPS
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_gradcheck_rms_lm_head_cross_entropy(reduction):
+def test_gradcheck_rms_lm_head_cross_entropy(reduction, softcap):
     x, gamma, weight = rand(M, D), norm_weight(), rand(VOCAB, D)
     target = torch.randint(0, VOCAB, (M,))
     target[1] = -100
 
     def f(x, gamma, weight):
-        return ops.rms_lm_head_cross_entropy(*stats(x, gamma), weight, target, reduction=reduction)
+        return ops.rms_lm_head_cross_entropy(*stats(x, gamma), weight, target, reduction=reduction, softcap=softcap)
 
     assert gradcheck(f, (x, gamma, weight))
-    want = F.cross_entropy(rms_norm(x, gamma, EPS) @ weight.t(), target, reduction=reduction)
+    want = F.cross_entropy(soft_capped(rms_norm(x, gamma, EPS) @ weight.t(), softcap), target, reduction=reduction)
     torch.testing.assert_close(f(x, gamma, weight), want)
+    with torch.no_grad():  # evaluation: the fused cross-entropy GEMM
+        torch.testing.assert_close(f(x, gamma, weight), want)
 
 
 def test_cross_entropy_int32_targets_and_all_ignored():
@@ -375,11 +392,17 @@ def test_programs_per_op(monkeypatch):
     # training: the gradient is made in the forward pass (+ the cross-entropy row kernel); backward only scales
     assert programs(ops.rms_lm_head_cross_entropy, *stats(x, gamma), rand(VOCAB, D), target) == (
         ["rms_linear", "rms_norm_backward", "weight_grad"], [])
+    # with a soft-cap the same GEMMs: the row kernel caps the stored logits
+    assert programs(lambda *args: ops.rms_lm_head_cross_entropy(*args, softcap=2.0), *stats(x, gamma),
+                    rand(VOCAB, D), target) == (["rms_linear", "rms_norm_backward", "weight_grad"], [])
+    assert programs(lambda *args: ops.rms_linear(*args, softcap=2.0), *stats(x, gamma), rand(VOCAB, D)) == (
+        ["rms_linear_softcap"], ["rms_norm_backward", "weight_grad"])  # + the soft-cap backward row kernel
     # evaluation: one fused GEMM, no logits
-    ran.clear()
-    with torch.no_grad():
-        ops.rms_lm_head_cross_entropy(*stats(x, gamma), rand(VOCAB, D), target)
-    assert ran == ["rms_lm_head_cross_entropy"]
+    for softcap, program in ((None, "rms_lm_head_cross_entropy"), (2.0, "rms_lm_head_cross_entropy_softcap")):
+        ran.clear()
+        with torch.no_grad():
+            ops.rms_lm_head_cross_entropy(*stats(x, gamma), rand(VOCAB, D), target, softcap=softcap)
+        assert ran == [program]
 
 
 def test_inference_forward_stores_nothing_for_backward(monkeypatch):
@@ -405,6 +428,8 @@ def test_inference_forward_stores_nothing_for_backward(monkeypatch):
             lambda: ops.swiglu_mlp_residual_rms(*stats(x, gamma), rand(2 * FFN, D), rand(D, FFN), gamma, EPS,
                                                 activation="gelu_tanh"),
             ["rms_gate_up_geglu_inference", "residual_rms_stats"]),
+        "rms_linear with a soft-cap": (lambda: ops.rms_linear(*stats(x, gamma), rand(VOCAB, D), softcap=2.0),
+                                       ["rms_linear_softcap_inference"]),
         "rms_qkv_rope with QK-norm": (
             lambda: ops.rms_qkv_rope(*stats(x, gamma), rand(QKV, D), torch.arange(M), frequencies, rand(HEAD_DIM),
                                      rand(HEAD_DIM), HEADS, split_sizes=(HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,

@@ -61,7 +61,7 @@ def test_kinds_and_widths_broadcast():
 @pytest.mark.parametrize("build, match", [
     (lambda: acc + TileInput("h", Width.HALF), "different widths"),
     (lambda: acc * ColVector("g", Width.HALF), "different widths"),
-    (lambda: Unary("tanh", acc), "unknown unary op 'tanh'"),
+    (lambda: Unary("cosh", acc), "unknown unary op 'cosh'"),
     (lambda: Binary("pow", acc, acc), "unknown binary op 'pow'"),
     (lambda: acc * RowVector("target", index=True), "index RowVector can only feed OneHot"),
     (lambda: OneHot(RowVector("target")), r"OneHot needs a RowVector\(..., index=True\)"),

@@ -2,12 +2,15 @@
 
 Small tiles (16 x 8) so that every partial reduction spans several tiles, including a ragged last one.
 """
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from codagen.backends.reference import ReferenceBackend, rope_ref
 from codagen.epilogue import bind, finish, library
+from codagen.epilogue.ir import ProgramError
 
 F64 = torch.float64
 EPS = 1e-6
@@ -60,6 +63,26 @@ def test_rmsnorm_commutes_with_the_consumer_gemm(m, d):
     x, gamma, w = torch.randn(m, d, dtype=F64), torch.randn(d, dtype=F64), torch.randn(10, d, dtype=F64)
     out = run(library.rms_linear(), x * gamma, w, rstd=rstd_of(x))["out"]
     torch.testing.assert_close(out, rms_norm(x, gamma) @ w.T)
+
+
+def soft_capped(logits, softcap):
+    """Gemma 2's final logit soft-cap, as Hugging Face applies it."""
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+@pytest.mark.parametrize("m, d", SHAPES)
+def test_soft_capped_rms_linear(m, d):
+    """``out = cap * tanh(z / cap)`` and ``preact = z``; the inference program stores ``out`` alone. Logits of
+    a few caps: some saturated, some not."""
+    softcap = 4.0
+    x, gamma, w = torch.randn(m, d, dtype=F64), torch.randn(d, dtype=F64), torch.randn(10, d, dtype=F64)
+    logits = rms_norm(x, gamma) @ w.T
+    out = run(library.rms_linear(softcap), x * gamma, w, rstd=rstd_of(x))
+    torch.testing.assert_close(out["out"], soft_capped(logits, softcap))
+    torch.testing.assert_close(out["preact"], logits)
+    inferred = run(library.rms_linear(softcap, save_preact=False), x * gamma, w, rstd=rstd_of(x))
+    assert list(inferred) == ["out"]
+    torch.testing.assert_close(inferred["out"], out["out"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("activation", list(GATES))
@@ -183,16 +206,17 @@ def cross_entropy_targets(m, vocab):
     return target
 
 
+@pytest.mark.parametrize("softcap", [None, 8.0], ids=["uncapped", "softcap"])  # logits ~ N(0, 12^2)
 @pytest.mark.parametrize("m, vocab", [(1, 50), (7, 50), (129, 37)])
-def test_cross_entropy_forward_from_partial_logsumexp(m, vocab):
+def test_cross_entropy_forward_from_partial_logsumexp(m, vocab, softcap):
     d = 16
     x, gamma, w = torch.randn(m, d, dtype=F64), torch.randn(d, dtype=F64), 3 * torch.randn(vocab, d, dtype=F64)
     target = cross_entropy_targets(m, vocab)
-    out = run(library.rms_lm_head_cross_entropy(), x * gamma, w, rstd=rstd_of(x), target=target)
+    out = run(library.rms_lm_head_cross_entropy(softcap), x * gamma, w, rstd=rstd_of(x), target=target)
     assert out["partial_lse"].shape == (m, -(-vocab // 8))
     lse = finish.logsumexp_from_partials(out["partial_lse"])
     loss = torch.where(target != -100, lse - finish.sum_row_partials(out["partial_target"]), 0.0)
-    logits = rms_norm(x, gamma) @ w.T
+    logits = soft_capped(rms_norm(x, gamma) @ w.T, softcap)
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
     torch.testing.assert_close(loss, F.cross_entropy(logits, target, ignore_index=-100, reduction="none"))
 
@@ -266,22 +290,26 @@ def test_rope_backward_and_rmsnorm_backward_through_qkv(m, d):
     torch.testing.assert_close(grad_w, w_qkv.grad)
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["uncapped", "softcap"])  # logits ~ N(0, d) with d 24-40
 @pytest.mark.parametrize("m, d", SHAPES)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_cross_entropy_backward_and_rmsnorm_backward_through_the_lm_head(m, d, reduction):
+def test_cross_entropy_backward_and_rmsnorm_backward_through_the_lm_head(m, d, reduction, softcap):
+    """With a soft-cap the backward's ``grad_logits`` is the gradient of the GEMM's z (through the cap) and its
+    statistic ``sum z dz``: the RMSNorm backward then gives autograd's gradients of the capped loss."""
     vocab = 45
     x, gamma, grad_residual = leaves(m, d)
     w = torch.randn(vocab, d, dtype=F64, requires_grad=True)
     target = cross_entropy_targets(m, vocab)
     grad_loss = torch.rand((), dtype=F64) + 0.5
-    loss = F.cross_entropy(rms_norm(x, gamma) @ w.T, target, ignore_index=-100, reduction=reduction)
+    loss = F.cross_entropy(soft_capped(rms_norm(x, gamma) @ w.T, softcap), target, ignore_index=-100,
+                           reduction=reduction)
     (loss * grad_loss + (x * grad_residual).sum()).backward()
 
     normed, rstd = (x * gamma).detach(), rstd_of(x).detach()
-    fwd = run(library.rms_lm_head_cross_entropy(), normed, w.detach(), rstd=rstd, target=target)
+    fwd = run(library.rms_lm_head_cross_entropy(softcap), normed, w.detach(), rstd=rstd, target=target)
     valid = (target != -100).double()
     row_weight = valid / valid.sum().clamp(min=1) if reduction == "mean" else valid
-    back = run(library.rms_lm_head_cross_entropy_backward(), normed, w.detach(), rstd=rstd,
+    back = run(library.rms_lm_head_cross_entropy_backward(softcap), normed, w.detach(), rstd=rstd,
                lse=finish.logsumexp_from_partials(fwd["partial_lse"]), target=target, row_weight=row_weight,
                grad_scale=grad_loss.reshape(1))
     grad_x, grad_gamma, grad_w = norm_backward(back["grad_logits"], w.detach(), x.detach(), gamma.detach(),
@@ -289,6 +317,29 @@ def test_cross_entropy_backward_and_rmsnorm_backward_through_the_lm_head(m, d, r
     torch.testing.assert_close(grad_x, x.grad)
     torch.testing.assert_close(grad_gamma, gamma.grad)
     torch.testing.assert_close(grad_w, w.grad)
+
+
+def test_soft_capped_programs_are_named_apart_and_tuned_as_their_uncapped_twins():
+    """A cap gives each LM-head program a name of its own (``_softcap``) and its uncapped twin as the tuning
+    stand-in; without one the programs are those of no option at all."""
+    uncapped = {"rms_linear": library.rms_linear, "rms_lm_head_cross_entropy": library.rms_lm_head_cross_entropy,
+                "rms_lm_head_cross_entropy_backward": library.rms_lm_head_cross_entropy_backward}
+    for name, factory in uncapped.items():
+        assert factory(None) == factory() and factory().name == name and factory().tuning_stand_in is None
+        capped = factory(30.0)
+        assert capped.name == f"{name}_softcap" and capped.tuning_stand_in is factory()
+        assert factory(30) == capped and factory(15.0) != capped  # the cap is part of the program
+        assert set(capped.inputs) == set(factory().inputs)
+    inference = library.rms_linear(30.0, save_preact=False)
+    assert inference.name == "rms_linear_softcap_inference" and inference.tuning_stand_in is library.rms_linear()
+    assert library.rms_linear(None, save_preact=False) == library.rms_linear()
+
+
+@pytest.mark.parametrize("softcap", [0.0, -30.0, math.inf, math.nan, True, "30"])
+def test_a_bad_softcap_is_refused(softcap):
+    for factory in (library.rms_linear, library.rms_lm_head_cross_entropy, library.rms_lm_head_cross_entropy_backward):
+        with pytest.raises(ProgramError, match=f"{factory.__name__}: softcap must be a positive finite float"):
+            factory(softcap)
 
 
 def test_rms_norm_backward_accumulates_in_place():

@@ -481,8 +481,8 @@ def _epilogue_tensors(bound: BoundProgram, outs: dict) -> list:
 
 def _tuning_relatives(bound: BoundProgram) -> list[BoundProgram]:
     """The programs whose tuned choices stand in for ``bound``'s, nearest first: its ``tuning_stand_in`` chain
-    (the same GEMM with more epilogue stores, or another activation on the same tiles), each program followed
-    by itself without the low-rank pair (which adds a short R loop to the base program's mainloop)."""
+    (the same GEMM with more epilogue stores, or a like epilogue on the same tiles), each program followed by
+    itself without the low-rank pair (which adds a short R loop to the base program's mainloop)."""
     relatives, program = [], bound.program
     while program is not None:
         if program is not bound.program:

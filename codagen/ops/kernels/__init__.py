@@ -10,7 +10,8 @@
   does this in the down-projection's input-gradient epilogue instead);
 - :mod:`.row_dot`: ``mean_z_dz = sum_k z dz / width`` for ops whose output gradient arrives as is;
 - :mod:`.cross_entropy`: a chunk of logits -> each row's loss, its gradient (in place) and
-  ``mean_z_dz``;
+  ``mean_z_dz``, optionally of the soft-capped logits ``cap * tanh(z / cap)``;
+- :mod:`.softcap`: the backward of a logit soft-cap + ``mean_z_dz`` for ``rms_linear``'s capped logits;
 - :mod:`.scale`: ``(src * factor).to(dtype)`` with ``factor`` a device scalar, one rounding (the LM
   head's saved gradients times the loss gradient);
 - :mod:`.embedding`: the embedding table's gradient, each vocabulary row's tokens summed in
@@ -71,12 +72,14 @@ from .rope_qk_norm import (
 )
 from .row_dot import mean_row_dot, mean_row_dot_ref, mean_row_dot_triton
 from .scale import scale_cast, scale_cast_ref, scale_cast_triton
+from .softcap import softcap_backward, softcap_backward_ref, softcap_backward_triton
 from .swiglu import swiglu_backward, swiglu_backward_ref, swiglu_backward_triton
 
 __all__ = ["rms_norm_stats", "rms_norm_stats_ref", "rms_norm_stats_triton", "rope_backward", "rope_backward_ref",
            "rope_backward_triton", "rope_qk_norm_backward", "rope_qk_norm_backward_ref",
            "rope_qk_norm_backward_triton", "swiglu_backward", "swiglu_backward_ref", "swiglu_backward_triton",
-           "mean_row_dot", "mean_row_dot_ref", "mean_row_dot_triton", "cross_entropy_logits_grad",
+           "mean_row_dot", "mean_row_dot_ref", "mean_row_dot_triton", "softcap_backward", "softcap_backward_ref",
+           "softcap_backward_triton", "cross_entropy_logits_grad",
            "cross_entropy_logits_grad_ref", "cross_entropy_logits_grad_triton", "scale_cast", "scale_cast_ref",
            "scale_cast_triton", "embedding_backward", "embedding_backward_ref", "embedding_backward_triton",
            "finish_rstd", "finish_rstd_ref", "finish_rstd_triton", "finish_row_mean", "finish_row_mean_ref",
