@@ -172,7 +172,7 @@ def test_embedding_refuses_other_id_dtypes():
 
 
 # --------------------------------------------------------------------------------------------------
-# QK-norm: no tokens; head_dim 64 on the interpreter
+# QK-norm: no tokens (both paths); head_dim 64 on the interpreter
 # --------------------------------------------------------------------------------------------------
 def _qk_norm_inputs(m, head_dim, heads=2, kv_heads=1, d=32, dtype=torch.float64):
     x = torch.randn(m, d, dtype=dtype, requires_grad=True)
@@ -185,10 +185,11 @@ def _qk_norm_inputs(m, head_dim, heads=2, kv_heads=1, d=32, dtype=torch.float64)
     return (x, normed, rstd, norm_weight, qkv_weight, torch.arange(m), frequencies, q_norm, k_norm), heads
 
 
-def test_qk_norm_rms_qkv_rope_backward_with_no_tokens():
-    args, heads = _qk_norm_inputs(0, 8)
+@pytest.mark.parametrize("head_dim", [8, 96], ids=["one_gemm", "gemm_and_row_kernel"])
+def test_qk_norm_rms_qkv_rope_backward_with_no_tokens(head_dim):
+    args, heads = _qk_norm_inputs(0, head_dim)
     qkv = ops.rms_qkv_rope(*args, num_heads=heads)
-    assert qkv.shape == (0, 32)
+    assert qkv.shape == (0, 4 * head_dim)
     qkv.sum().backward()
     for t in (args[0], args[3], args[4], args[7], args[8]):
         assert t.grad is not None and not t.grad.any()

@@ -30,9 +30,11 @@ approximation):
 - On a GPU, an eager forward with autograd at a new shape first runs the step once on fake tensors, so that its
   kernels compile in parallel before the real step launches them (:mod:`.compile_ahead`).
 - Handled exactly: Q/K/V biases (Qwen2; RoPE is linear, so the rotated bias is added after the fused
-  kernel), QK-norm (Qwen3: per-head RMSNorm of Q and K before RoPE, in the QKV GEMM's epilogue; the
-  q_norm/k_norm weights are permuted to pair order like the Q/K rows), O-proj bias (folded into the
-  residual add), tied embeddings, ``position_ids``,
+  kernel), QK-norm (Qwen3, Gemma 3: per-head RMSNorm of Q and K before RoPE, for any even ``head_dim``: in the QKV
+  GEMM's epilogue where an epilogue sub-tile holds whole heads, ``head_dim`` dividing 128 in fp16/bf16 and 64 in
+  fp32; otherwise, as Gemma 3's 256, the GEMM stores its output and one row kernel normalizes and rotates it:
+  :func:`codagen.ops.qkv.qk_norm_in_epilogue`; the q_norm/k_norm weights are permuted to pair order like the Q/K
+  rows), O-proj bias (folded into the residual add), tied embeddings, ``position_ids``,
   ``inputs_embeds``, padding in a 2-D ``attention_mask`` and packed sequences (``position_ids``
   restarting per document, no ``attention_mask``), by transformers' rules
   (:mod:`codagen.models.masks`), sliding-window attention, attention dropout, ``num_items_in_batch``,
@@ -57,12 +59,11 @@ approximation):
   them in its graph (no graph break); a KV-cache forward reads the kept copy at one graph break.
 - Refused at patch time (``ValueError`` naming the config field): sizes the kernels cannot take (odd
   ``intermediate_size`` or ``head_dim``, heads not a multiple of KV heads, projection shapes that do not
-  match the config, a QK-norm ``head_dim`` that does not divide 128: :data:`QK_NORM_HEAD_DIMS`). These checks
-  and the architecture refusals below run again at the first forward after the structure they read changes
-  (a module swapped, a bias added, an eps changed; a comparison of module identities and parameter shapes
-  per forward, outside ``torch.compile``). Refused at patch time and at each forward: hooks on any
-  submodule but the input embedding (the fused decoder never calls their ``forward``); hooks on the model
-  itself run. FSDP2 units on the decoder layers, the final norm and the LM head (accelerate's placement)
+  match the config). These checks and the architecture refusals below run again at the first forward after
+  the structure they read changes (a module swapped, a bias added, an eps changed; a comparison of module
+  identities and parameter shapes per forward, outside ``torch.compile``). Refused at patch time and at each
+  forward: hooks on any submodule but the input embedding (the fused decoder never calls their ``forward``); hooks
+  on the model itself run. FSDP2 units on the decoder layers, the final norm and the LM head (accelerate's placement)
   run: each layer is then computed on its own parameters in its own module call (:mod:`.layer_units`).
   Refused at the forward (``ValueError``): empty batches (transformers fails on them inside attention) and
   ``inputs_embeds`` whose width is not the hidden size.
@@ -120,11 +121,6 @@ _FLASH_ATTENTION_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "ma
 _FREQUENCIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # model -> the _structure its patch-time checks last passed
 _CHECKED_STRUCTURE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-# The QK-norm epilogue normalizes each head inside one epilogue sub-tile of the Triton GEMM; the widest of its
-# fp16/bf16 configurations is 128 columns (codagen.backends.triton.configs), so head_dim must divide 128.
-QK_NORM_HEAD_DIMS = (2, 4, 8, 16, 32, 64, 128)
 
 
 def _advice(model: nn.Module | None) -> str:
@@ -216,7 +212,11 @@ def _check_residual_dropout(model: nn.Module, family: families.Family) -> None:
 
 
 def _check_shapes(model: nn.Module) -> None:
-    """Refuse, at patch time, sizes the fused kernels cannot take (``ValueError`` naming the config field)."""
+    """Refuse, at patch time, sizes the fused kernels cannot take (``ValueError`` naming the config field).
+
+    Any positive even ``head_dim`` is taken, with QK-norm too: one QKV GEMM normalizes the heads in its epilogue
+    where an epilogue sub-tile holds them whole (``head_dim`` dividing 128 in fp16/bf16, 64 in fp32), else the GEMM
+    and one row kernel do (:func:`codagen.ops.qkv.qk_norm_in_epilogue`, decided per call from the dtype)."""
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if kv_heads <= 0 or heads % kv_heads:
@@ -229,10 +229,6 @@ def _check_shapes(model: nn.Module) -> None:
         head_dim = attn.head_dim
         if head_dim <= 0 or head_dim % 2:  # RoPE and the fused layouts work on pairs of columns
             raise ValueError(f"codagen.patch: head_dim must be a positive even number, got {head_dim} (layer {i})")
-        if getattr(attn, "q_norm", None) is not None and head_dim not in QK_NORM_HEAD_DIMS:
-            raise ValueError(f"codagen.patch: head_dim = {head_dim} with QK-norm (layer {i}): the Triton QK-norm "
-                             f"epilogue normalizes whole heads inside one epilogue sub-tile of at most 128 columns; "
-                             f"head_dim must be one of {list(QK_NORM_HEAD_DIMS)}")
         expected = dict(zip(family.qkv, [((heads + 2 * kv_heads) * head_dim, hidden)] if len(family.qkv) == 1 else
                             [(heads * head_dim, hidden), (kv_heads * head_dim, hidden), (kv_heads * head_dim, hidden)]))
         expected["o_proj"] = (hidden, heads * head_dim)

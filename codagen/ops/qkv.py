@@ -1,6 +1,8 @@
 """F4 (+ B1, B2, B3): the RMSNorm-scaled QKV projection + RoPE, optionally with QK-norm, one GEMM.
 
-Backward: B1 a row kernel (:mod:`codagen.ops.kernels.rope`, with QK-norm
+With QK-norm of heads that no epilogue sub-tile holds whole (:func:`qk_norm_in_epilogue`; Gemma 3's head_dim
+256), F4 is two launches: the GEMM stores ``z`` and a row kernel (:mod:`codagen.ops.kernels.qk_norm_rope`)
+normalizes and rotates it. Backward: B1 a row kernel (:mod:`codagen.ops.kernels.rope`, with QK-norm
 :mod:`codagen.ops.kernels.rope_qk_norm`), then the norm consumer's backward B2 + B3
 (:func:`codagen.ops._fused.consumer_rms_norm_backward`).
 """
@@ -29,8 +31,11 @@ from ._fused import (
 from .layouts import kv_heads_of
 from .low_rank import LowRank
 
-__all__ = ["rms_qkv_rope"]
+__all__ = ["rms_qkv_rope", "qk_norm_in_epilogue", "QK_NORM_SUB_TILE_16BIT", "QK_NORM_SUB_TILE_32BIT"]
 
+#: the widest epilogue sub-tile (``BLOCK_N / EPILOGUE_SPLIT`` columns) that every Triton configuration pool offers
+#: outside decode (:mod:`codagen.backends.triton.configs`), for fp16/bf16 operands and for fp32 ones
+QK_NORM_SUB_TILE_16BIT, QK_NORM_SUB_TILE_32BIT = 128, 64
 
 
 # ==================================================================================================
@@ -120,6 +125,17 @@ def _qk_norm_columns(q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: in
 
 
 
+def qk_norm_in_epilogue(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether QK-norm of heads of ``head_dim`` columns runs in the QKV GEMM's epilogue for operands of ``dtype``
+    (program ``rms_qkv_rope_qk_norm``, one launch): where ``head_dim`` divides the widest epilogue sub-tile,
+    :data:`QK_NORM_SUB_TILE_16BIT` for fp16/bf16, :data:`QK_NORM_SUB_TILE_32BIT` for fp32 and fp64 (the sub-tile
+    widths are powers of two, so a head that divides no wider one fits none). Elsewhere the GEMM stores ``z``
+    (program ``rms_linear``) and :func:`codagen.ops.kernels.qk_norm_rope` normalizes and rotates it. The rule reads
+    only the shape and dtype, so every backend runs the same path for the same call."""
+    widest = QK_NORM_SUB_TILE_16BIT if dtype.itemsize == 2 else QK_NORM_SUB_TILE_32BIT
+    return widest % head_dim == 0
+
+
 def _fake_qk_norm_forward(normed, qkv_weight, **_):
     shape = (normed.shape[0], qkv_weight.shape[0])
     return normed.new_empty(shape), normed.new_empty(shape)
@@ -129,6 +145,10 @@ def _run_qk_norm(save_preact: bool, normed: Tensor, rstd: Tensor, qkv_weight: Te
                  frequencies: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int, eps: float,
                  lora_u: Tensor | None, lora_b: Tensor | None) -> dict[str, Tensor]:
     head_dim = q_norm_weight.shape[0]
+    if not qk_norm_in_epilogue(head_dim, normed.dtype):  # two launches: z from the GEMM, then the heads' row kernel
+        z = run(library.rms_linear(), normed, qkv_weight, lora_u, lora_b, rstd=rstd)["out"]
+        qkv = kernels.qk_norm_rope(z, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps)
+        return dict(qkv=qkv, preact=z)
     qk_norm_weight, qk_passthrough = _qk_norm_columns(
         q_norm_weight, k_norm_weight, num_heads, kv_heads_of(qkv_weight.shape[0], head_dim, num_heads))
     return run(library.rms_qkv_rope(head_dim, eps, save_preact), normed, qkv_weight, lora_u, lora_b, rstd=rstd,
@@ -225,8 +245,11 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     same pair order as the Q/K rows: ``rope_pairs_from_half_split(w, head_dim)`` converts Hugging Face's)
     and ``num_heads`` (Q heads; K and V have ``(N / head_dim - num_heads) / 2`` each), every Q and K
     head ``h`` is normalized before RoPE: ``y_h = z_h * rsqrt(mean(z_h^2) + qk_norm_eps) * gamma``
-    (``gamma`` = q_norm's or k_norm's weight); V is not. Still one GEMM: the per-head statistic is a
-    segmented sum in the epilogue (tiles hold whole heads).
+    (``gamma`` = q_norm's or k_norm's weight); V is not. Still one GEMM where an epilogue sub-tile holds whole
+    heads (:func:`qk_norm_in_epilogue`: ``head_dim`` divides 128 for fp16/bf16, 64 for fp32 and fp64): the
+    per-head statistic is a segmented sum in the epilogue. Any other even ``head_dim`` (Gemma 3's 256, or 96)
+    takes two launches: the GEMM stores ``z`` (the ``preact`` below) and one row kernel computes ``qkv`` from it
+    (:func:`codagen.ops.kernels.qk_norm_rope`), the same math; the backward is the same.
 
     Backward: B1 rotates ``grad_qkv`` back by ``-theta`` and computes ``mean_z_dz = sum qkv * grad_qkv / d``
     (rotations preserve dot products); with QK-norm B1 also applies each Q/K head's RMSNorm backward
@@ -253,7 +276,8 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     Saved: ``qkv`` (attention keeps it alive anyway), ``x``, ``rstd``; with QK-norm ``preact = z``
     [M, N] instead of ``qkv`` (one extra activation of qkv's size: the norm's backward needs the
     pre-norm heads; ``rho`` is recomputed from it). ``n = RMSNorm(x)`` is recomputed. With autograd off
-    (``torch.no_grad``) nothing is saved and ``preact`` is not stored.
+    (``torch.no_grad``) nothing is saved and ``preact`` is not stored (the two-launch path's ``z`` lives only
+    until the row kernel has read it).
     """
     x = check.activation("x", x)
     like = check.Like("x", x)

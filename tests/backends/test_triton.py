@@ -245,6 +245,29 @@ def test_segment_wider_than_the_tile_is_refused():
         TritonBackend(config=INTERPRETER_CONFIG).run(bind(library.rms_qkv_rope(64, 1e-6), a, b, tensors))  # 32 wide
 
 
+def test_qk_norm_in_epilogue_where_every_target_has_whole_head_candidates():
+    """``codagen.ops.qkv.qk_norm_in_epilogue``, the op's choice of the one-GEMM QK-norm program, holds exactly where
+    the Triton backend has candidates for that program on every target, with TMA-aligned operands or not; every
+    other even head_dim takes the GEMM and the row kernel. float64 (the reference backend's) follows float32."""
+    from codagen.ops.qkv import qk_norm_in_epilogue
+    for head_dim in range(2, 514, 2):
+        program = library.rms_qkv_rope(head_dim, 1e-6)
+        for dtype in (torch.bfloat16, torch.float32):
+            fits = []
+            for target in TARGETS.values():
+                for tma in (True, False):
+                    try:
+                        candidates(program, target=target.name, operand_bytes=dtype.itemsize,
+                                   smem_limit=target.shared_memory, tma=tma, tma_epilogue=tma)
+                    except ProgramError:
+                        fits.append(False)
+                    else:
+                        fits.append(True)
+            assert qk_norm_in_epilogue(head_dim, dtype) == all(fits), (head_dim, dtype, fits)
+        assert qk_norm_in_epilogue(head_dim, torch.float64) == qk_norm_in_epilogue(head_dim, torch.float32)
+    assert [hd for hd in range(2, 514, 2) if qk_norm_in_epilogue(hd, torch.float16)] == [2, 4, 8, 16, 32, 64, 128]
+
+
 def test_pointer_mainloop_forced(check):
     check(library.rms_norm_backward(), 20, 64, 64, torch.float16, backend=TritonBackend(autotune=False, tma=False))
 

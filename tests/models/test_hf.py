@@ -56,6 +56,17 @@ def test_qwen3_qk_norm(backend):
     assert_same_training(model, lm_inputs(), backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_qwen3_qk_norm_heads_no_epilogue_sub_tile_holds(backend, head_dim):
+    """QK-norm of heads that no epilogue sub-tile of the QKV GEMM holds whole (Gemma 3's head_dim 256; 96): the
+    GEMM stores the projection and the row kernel ``qk_norm_rope`` normalizes and rotates its heads; it trains as
+    transformers does."""
+    model = build("qwen3", head_dim=head_dim, num_key_value_heads=1)
+    assert model.model.layers[0].self_attn.q_norm.weight.shape == (head_dim,)
+    assert_same_training(model, lm_inputs(), backend=backend)
+
+
 def test_qwen3_sliding_window_and_gqa():
     model = build("qwen3", num_key_value_heads=1, use_sliding_window=True, sliding_window=5,
                   layer_types=["sliding_attention", "full_attention"])

@@ -69,16 +69,17 @@ def _qk_norm_config(head_dim: int) -> Config:
                   layers=2, qk_norm=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_bf16_qk_norm_block_two_x_rule(head_dim):
-    """Hidden state, loss and every gradient (x, norm weights, qkv, q_norm, k_norm, ...) under the 2x rule."""
+    """Hidden state, loss and every gradient (x, norm weights, qkv, q_norm, k_norm, ...) under the 2x rule; heads of
+    256 (Gemma 3's) take the GEMM and the ``qk_norm_rope`` row kernel."""
     assert_two_x_rule(_qk_norm_config(head_dim), "cuda")
 
 
 @sdpa_kernel(SDPBackend.MATH)  # flash attention's backward may accumulate with atomics; ours must not
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
-def test_bf16_block_bitwise_deterministic(qk_norm):
-    cfg = _qk_norm_config(128) if qk_norm else CFG
+@pytest.mark.parametrize("qk_norm_head_dim", [None, 128, 256], ids=["plain", "qk_norm", "qk_norm_256"])
+def test_bf16_block_bitwise_deterministic(qk_norm_head_dim):
+    cfg = CFG if qk_norm_head_dim is None else _qk_norm_config(qk_norm_head_dim)
     bf16, _ = bf16_problem(cfg, "cuda")
     first = forward_backward(fused_model, *bf16, cfg)
     second = forward_backward(fused_model, *bf16, cfg)

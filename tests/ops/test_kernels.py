@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -126,6 +127,22 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 for name, a, b in zip(("grad_z", "mean_z_dz", "grad_q_norm", "grad_k_norm"), got, want):
                     scale = max(1.0, b.float().abs().max().item())
                     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10 * scale, msg=name)
+        # QK-norm forward (heads no epilogue sub-tile holds): head_dim 256 (4 heads a step), 96 (48 pairs in a 64-wide
+        # block); narrower steps: one head a step (192), 2 heads (6 Q heads in 3 steps, 3 K heads in 2, the last
+        # ragged), V's columns in two steps (the last ragged); random frequencies on every pair, V's too; no rows
+        for heads, kv_heads, head_dim, step in ((2, 1, 256, 1024), (4, 2, 96, 1024), (2, 1, 192, 256), (6, 3, 6, 16),
+                                                (4, 2, 6, 8)):
+            m, n = 5, (heads + 2 * kv_heads) * head_dim
+            preact = (3 * torch.randn(m, n)).to(dtype)
+            positions, frequencies = torch.randint(0, 4096, (m,)).float(), torch.rand(n // 2)
+            q_norm, k_norm = (1 + 0.3 * torch.randn(head_dim)).to(dtype), (1 + 0.3 * torch.randn(head_dim)).to(dtype)
+            args = (positions, frequencies, q_norm, k_norm, heads, 1e-6)
+            with unittest.mock.patch.object(torch, "empty", poisoned_empty):
+                got = k.qk_norm_rope_triton(preact, *args, launch=(step, 4))
+                assert k.qk_norm_rope_triton(preact[:0], *args).shape == (0, n)
+            want = k.qk_norm_rope_ref(preact, *args)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     # StaticLayer write: q, k, v column views of one QKV row block (row stride wider than each), GQA, a cache
     # length L > 0; keys / values poisoned (NaN), so a slot written in error shows, and the new q too
     heads, kv_heads, max_len = 4, 2, 7
@@ -288,6 +305,34 @@ def test_greedy_append_compiles_for_sm90():
     ptx = compiled.asm["ptx"]
     assert ptx.count("atom.global.gpu.acq_rel.add") == 2
     assert ptx.count("ld.global.cg") == 2
+
+def test_qk_norm_rope_compiles_for_sm90():
+    """The QK-norm forward row kernel compiles for Hopper without a GPU (bf16, Gemma 3's head_dim 256: 4 heads of
+    128 pairs a step), specialized as a launch specializes it (pointers, the row width and head_dim multiples of
+    16): every store of qkv is 16 bytes wide, nothing spills (the cubin's stack), no atomics (deterministic), the
+    hardware cos/sin."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from codagen.backends.triton.cross_compile import cubin_resources
+    from codagen.ops.kernels._launch import triton
+    from codagen.ops.kernels.qk_norm_rope import _qk_norm_rope_kernel
+
+    pointers = {"preact_ptr": "*bf16", "positions_ptr": "*fp32", "frequencies_ptr": "*fp32",
+                "q_norm_weight_ptr": "*bf16", "k_norm_weight_ptr": "*bf16", "qkv_ptr": "*bf16"}
+    scalars = {**dict.fromkeys(("n_cols", "head_dim", "num_heads", "num_kv_heads"), "i32"), "eps": "fp32"}
+    constexprs = {"HEADS": 4, "HEAD_BLOCK": 128, "BLOCK": 1024, "PORTABLE": False}
+    signature = {**pointers, **scalars, **dict.fromkeys(constexprs, "constexpr")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + 2)}  # + n_cols, head_dim
+    compiled = triton.compile(ASTSource(fn=_qk_norm_rope_kernel, signature=signature, constexprs=constexprs,
+                                        attrs=aligned), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    stores = re.findall(r"st\.global\S*", ptx)
+    assert stores and all(store == "st.global.v4.b32" for store in stores), stores
+    assert cubin_resources(compiled.asm["cubin"])[1] == 0
+    assert not re.search(r"\b(atom|red)\.", ptx)
+    assert "cos.approx.f32" in ptx and "sin.approx.f32" in ptx
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 64])

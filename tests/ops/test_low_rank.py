@@ -72,22 +72,24 @@ def test_out_proj_residual_rms():
                 ("inp", "weight", "residual", "a", "b"))
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_rms_qkv_rope(qk_norm):
-    x, gamma, w = leaf(M, D), leaf(D), leaf(QKV, D, scale=0.2)
-    a, b, s = pair = lora_pair(QKV, D, scale=2.0)
+@pytest.mark.parametrize("qk_norm, hd", [(False, HD), (True, HD), (True, 96)], ids=["plain", "qk_norm", "qk_norm_96"])
+def test_rms_qkv_rope(qk_norm, hd):
+    """head_dim 96 with QK-norm: the GEMM with its low-rank pair stores z, a row kernel normalizes and rotates it."""
+    qkv_features = (HEADS + 2 * KV_HEADS) * hd
+    x, gamma, w = leaf(M, D), leaf(D), leaf(qkv_features, D, scale=0.2)
+    a, b, s = pair = lora_pair(qkv_features, D, scale=2.0)
     positions = torch.randint(0, 50, (M,)).double()
-    freqs = ops.rope_frequencies(HEADS, KV_HEADS, HD).double()
-    q_norm, k_norm = leaf(HD), leaf(HD)
+    freqs = ops.rope_frequencies(HEADS, KV_HEADS, hd).double()
+    q_norm, k_norm = leaf(hd), leaf(hd)
     normed, rstd = stats(x, gamma)
     norm_args = (q_norm, k_norm, HEADS) if qk_norm else ()
     qkv = ops.rms_qkv_rope(x, normed, rstd, gamma, w, positions, freqs.float(), *norm_args, qk_norm_eps=EPS,
                            low_rank=LowRank(a, b, s))
     z = rms(x, gamma) @ effective(w, pair).t()
     if qk_norm:
-        heads = z.unflatten(1, (-1, HD))
+        heads = z.unflatten(1, (-1, hd))
         qk = heads[:, : HEADS + KV_HEADS]
-        weight = torch.cat((q_norm.expand(HEADS, HD), k_norm.expand(KV_HEADS, HD)))
+        weight = torch.cat((q_norm.expand(HEADS, hd), k_norm.expand(KV_HEADS, hd)))
         qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + EPS) * weight
         z = torch.cat((qk, heads[:, HEADS + KV_HEADS:]), dim=1).flatten(1)
     want = rotate_pairs(z, positions[:, None] * freqs[None, :])
