@@ -47,7 +47,6 @@ whose blocks need a primitive the fused decoder lacks; ``patch`` refuses them na
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -124,11 +123,18 @@ NOT_SUPPORTED_YET = {
 
 def family_of(model: nn.Module) -> Family:
     """The :class:`Family` of a ``...ForCausalLM`` (or of a subclass); ``TypeError`` naming the supported ones."""
-    return _family_of_class(type(model))
+    model_class = type(model)
+    family = _FAMILY_OF_CLASS.get(model_class)
+    if family is None:
+        family = _FAMILY_OF_CLASS[model_class] = _find_family(model_class)
+    return family
 
 
-@functools.cache
-def _family_of_class(model_class: type) -> Family:
+#: the families found so far, by model class (a plain dict: torch.compile traces a lookup in it without a warning)
+_FAMILY_OF_CLASS: dict[type, Family] = {}
+
+
+def _find_family(model_class: type) -> Family:
     for cls in model_class.__mro__:
         for family in FAMILIES.values():
             if cls.__name__ in family.model_classes:

@@ -113,8 +113,7 @@ SUPPORTED_MODELS = tuple(name for family in families.FAMILIES.values() for name 
 #: the Q and K rows, since rope(s z) = s rope(z)); "dynamic" and "longrope" choose inv_freq per forward from the
 #: largest position, by the rotary module's own update (families.ROPE_FROM_POSITIONS)
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
-#: the MLP activations the gate/up epilogue computes (codagen.models.families.activation_of) and their config names
-GATE_UP_ACTIVATIONS = ("silu", "gelu_tanh")
+#: the config names of the MLP activations the gate/up epilogue computes (codagen.models.families.activation_of)
 _HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new")
 _FLASH_ATTENTION_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 # rotary module -> {what the frequencies were built from: the fused QKV's per-pair frequencies}
@@ -171,9 +170,8 @@ def _check_model(model: nn.Module) -> None:
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         act_fn = getattr(mlp, family.act_fn)
-        if families.activation_of(act_fn) not in GATE_UP_ACTIVATIONS:
-            raise _refuse(f"{family.act_fn} {type(act_fn).__name__} (layer {i}; the gate/up epilogue computes "
-                          f"{GATE_UP_ACTIVATIONS})", model)
+        if families.activation_of(act_fn) is None:
+            raise _refuse(f"{family.act_fn} {type(act_fn).__name__} (layer {i}; only SiLU and GELU-tanh)", model)
         if any(getattr(mlp, n).bias is not None for n in (*family.gate_up, "down_proj")):
             raise _refuse(f"MLP biases (layer {i})", model)
         qkv_bias = [getattr(attn, n).bias is not None for n in family.qkv]  # one fused projection: all or none

@@ -128,8 +128,9 @@ def heads_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
     scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / spec.softcap)) * spec.softcap
     if mask is None and is_causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - q.shape[-2])
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    if mask is not None:  # the dtype's lowest value, not -inf: a row with no visible key (left padding) stays finite
+        lowest = torch.finfo(scores.dtype).min
+        scores = scores.masked_fill(~mask, lowest) if mask.dtype == torch.bool else scores + mask.clamp(min=lowest)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return F.dropout(probs, spec.dropout, training=spec.dropout > 0) @ v
 

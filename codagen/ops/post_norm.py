@@ -91,7 +91,7 @@ def linear_post_norm_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor,
     residual = check.activation("residual", residual, rows=inp.shape[0], like=like, desc="[inp tokens, features]")
     d = residual.shape[1]
     if d > kernels.post_norm.MAX_COLUMNS:
-        raise ValueError(f"linear_post_norm_residual_rms: residual has {d} features; the post-norm kernel takes at "
+        raise ValueError(f"residual: {d} features; the post-norm kernel takes at "
                          f"most {kernels.post_norm.MAX_COLUMNS}")
     weight = check.weight("weight", weight, (d, inp.shape[1]), "[residual features, inp features]", like)
     post_norm_weight = check.vector("post_norm_weight", post_norm_weight, d, "[residual features]", like)

@@ -42,6 +42,11 @@ TINY = {
     # layers, query_pre_attn_scalar, the scaled embedding module
     "gemma3": dict(head_dim=8, query_pre_attn_scalar=6, sliding_window=5,
                    layer_types=["sliding_attention", "full_attention"]),
+    # Gemma 2: x (1 + w) and sandwich norms, GELU-tanh, local and global layers, the attention and final logit
+    # soft-caps (caps small enough that the tiny model's scores and logits reach them)
+    "gemma2": dict(head_dim=8, query_pre_attn_scalar=6, sliding_window=5,
+                   layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0),
     # fused gate_up_proj, Q/K/V biases, RoPE on interleaved pairs of half of each head's channels
     "glm": dict(head_dim=8, attention_bias=True),
     "glm4": dict(head_dim=8, attention_bias=True),  # and sandwich norms

@@ -16,7 +16,7 @@ def _down_proj_bias(model):
     model.model.layers[1].mlp.down_proj.bias = torch.nn.Parameter(torch.randn(32))
 
 
-def _gelu(model):
+def _gelu(model):  # exact (erf) GELU: the epilogue computes SiLU and GELU-tanh only
     model.model.layers[0].mlp.act_fn = torch.nn.GELU()
 
 
@@ -30,7 +30,7 @@ def _wider_q_proj(model):
 
 @pytest.mark.parametrize("change, error, match", [
     (_down_proj_bias, NotImplementedError, r"MLP biases \(layer 1\)"),
-    (_gelu, NotImplementedError, r"act_fn GELU \(layer 0; only SiLU\)"),
+    (_gelu, NotImplementedError, r"act_fn GELU \(layer 0; only SiLU and GELU-tanh\)"),
     (_norm_eps, NotImplementedError, r"different eps among the RMSNorms \(layer 0\)"),
     (_wider_q_proj, ValueError, r"self_attn.q_proj.weight of layer 0 is \(48, 32\)"),
 ])
@@ -48,7 +48,8 @@ def test_changes_after_patch_are_checked_at_the_next_forward(change, error, matc
 def test_act_fn_is_checked_at_patch():
     model = build("llama")
     _gelu(model)
-    with pytest.raises(NotImplementedError, match=r"act_fn GELU \(layer 0; only SiLU\).*without codagen.patch"):
+    with pytest.raises(NotImplementedError,
+                       match=r"act_fn GELU \(layer 0; only SiLU and GELU-tanh\).*without codagen.patch"):
         patch(model)
 
 

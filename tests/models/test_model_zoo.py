@@ -51,7 +51,7 @@ def test_published_structure_trains_as_unpatched(name):
     (q, k, v), (q_bias, _, _) = families.qkv_projections(families.FAMILIES[config.family], attn, q_rows, kv_rows)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == config.tie_word_embeddings
     assert (q_bias is not None) == config.attention_bias
-    assert hasattr(attn, "q_norm") == (config.family == "qwen3")
+    assert hasattr(attn, "q_norm") == (config.family in ("qwen3", "gemma3"))  # per-head QK-norm
     assert (q.shape[0], k.shape[0], v.shape[0]) == (q_rows, kv_rows, kv_rows)
     torch.manual_seed(1)
     assert_same_training(model, lm_inputs(batch=2, seq=12, vocab=VOCAB))

@@ -1,6 +1,7 @@
 """codagen.ops on Triton: the row kernels and a fused block, on CPU through the Triton interpreter."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -75,6 +76,23 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 scale = max(1.0, logits.float().abs().max().item())
                 for a, b, atol in zip(got + (got_logits,), want + (want_logits,), (tol * scale, tol * scale, tol)):
                     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=atol)
+            # the sandwich norm after a GEMM: forward (x, normed, rstd, rstd_y) and backward (grad_y and the
+            # post-norm weight's gradient) with one backward program per row, or 16 rows each (the last ragged)
+            residual, grad_x = torch.randn(m, n).to(dtype), torch.randn(m, n).to(dtype)
+            post_weight = torch.rand(n) + 0.5
+            with unittest.mock.patch.object(torch, "empty", poisoned_empty):
+                got = k.post_norm_residual_triton(x, residual, post_weight, gamma, 1e-5)
+            want = k.post_norm_residual_ref(x, residual, post_weight, gamma, 1e-5)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10)
+            rstd_y = want[3]
+            for rows in (1, 16):
+                with unittest.mock.patch.object(torch, "empty", poisoned_empty):
+                    got = k.post_norm_backward_triton(x, rstd_y, post_weight, grad_x, rows)
+                want = k.post_norm_backward_ref(x, rstd_y, post_weight, grad_x)
+                for a, b in zip(got, want):
+                    scale = max(1.0, b.float().abs().max().item())
+                    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * scale, msg=rows)
             factor = torch.tensor(0.37)
             for out_dtype in (dtype, torch.float32):  # exact in fp32; the interpreter rounds to bf16 by truncation
                 exact = out_dtype == torch.float32
@@ -187,18 +205,61 @@ _POISONED_EMPTY = textwrap.dedent("""
 """)
 
 
-def run_under_interpreter(script: str, seed: int, done: str) -> None:
+# what a script run with ``launches`` records: each distinct launch of a row kernel (codagen.backends.triton.ahead's
+# launch_kernel, through which every row kernel launches), its tensors as dtype and address modulo 16
+_RECORD_LAUNCHES = textwrap.dedent("""
+    import atexit, json, os
+    import torch
+    from codagen.backends.triton import ahead
+
+    recorded, real_launch = {}, ahead.launch_kernel
+
+    def described(value):
+        if isinstance(value, torch.Tensor):
+            return {"tensor": str(value.dtype).removeprefix("torch."), "offset": value.data_ptr() % 16}
+        assert isinstance(value, (bool, int, float, str)) or value is None, type(value)
+        return value
+
+    def recording_launch(kernel, grid, *args, **meta):
+        launch = {"kernel": f"{kernel.fn.__module__}:{kernel.fn.__name__}", "args": [described(a) for a in args],
+                  "meta": {name: described(value) for name, value in meta.items()}}
+        recorded[json.dumps(launch, sort_keys=True)] = launch
+        return real_launch(kernel, grid, *args, **meta)
+
+    ahead.launch_kernel = recording_launch
+    atexit.register(lambda: json.dump(list(recorded.values()), open(os.environ["RECORDED_LAUNCHES"], "w")))
+""")
+
+
+def run_under_interpreter(script: str, seed: int, done: str, launches: Path | None = None) -> None:
     """``script`` (its ``SEED`` replaced by ``seed``, after ``poisoned_empty``'s definition) in a fresh interpreter
     with ``TRITON_INTERPRET=1`` (set before Triton is imported), from the repository root; it must exit 0 and print
-    ``done``."""
+    ``done``. With ``launches``, its row-kernel launches are written there (JSON)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", _POISONED_EMPTY + script.replace("SEED", str(seed))], env=env,
+    prelude = _POISONED_EMPTY
+    if launches is not None:
+        env["RECORDED_LAUNCHES"], prelude = str(launches), _RECORD_LAUNCHES + prelude
+    result = subprocess.run([sys.executable, "-c", prelude + script.replace("SEED", str(seed))], env=env,
                             capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
-    assert result.returncode == 0 and done in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and done in result.stdout, f"seed {seed}: " + result.stdout + result.stderr
 
 
-def test_row_kernels_under_interpreter(fresh_seed):
-    run_under_interpreter(_KERNEL_SCRIPT, fresh_seed, "kernels ok")
+@pytest.fixture(scope="module")
+def interpreter_launches(tmp_path_factory) -> dict[str, list[dict]]:
+    """The row-kernel scripts, each run once under the interpreter with a fresh seed (shown on failure): their
+    launches, by script."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    launches = {}
+    for name, (script, done) in {"kernels": (_KERNEL_SCRIPT, "kernels ok"),
+                                 "greedy": (_GREEDY_SCRIPT, "greedy ok")}.items():
+        path = tmp_path_factory.mktemp("launches") / f"{name}.json"
+        run_under_interpreter(script, seed, done, launches=path)
+        launches[name] = json.loads(path.read_text())
+    return launches
+
+
+def test_row_kernels_under_interpreter(interpreter_launches):
+    assert interpreter_launches["kernels"]
 
 
 # Greedy append: logits a column of a [batch, 2, vocab] tensor (row stride 2 * vocab), vocab not a multiple of the
@@ -252,8 +313,119 @@ _GREEDY_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_greedy_append_under_interpreter(fresh_seed):
-    run_under_interpreter(_GREEDY_SCRIPT, fresh_seed, "greedy ok")
+def test_greedy_append_under_interpreter(interpreter_launches):
+    assert interpreter_launches["greedy"]
+
+
+def _row_kernels() -> set[str]:
+    """Every row kernel of codagen.ops.kernels: its module-level ``@triton.jit`` functions named ``_*_kernel`` (the
+    others are device functions they call)."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import codagen.ops.kernels as package
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        names |= {f"{module.__name__}:{name}" for name, value in vars(module).items()
+                  if isinstance(value, triton.runtime.JITFunction) and name.endswith("_kernel")
+                  and value.fn.__module__ == module.__name__}
+    return names
+
+
+def _specialized_alike(launch: dict) -> str:
+    """What Triton specializes a launch on: the kernel, its constexprs, each tensor's dtype and 16-byte alignment,
+    each integer's class (1, a multiple of 16, other)."""
+    def kind(value):
+        if isinstance(value, dict):
+            return value["tensor"], value["offset"] == 0
+        if isinstance(value, bool) or not isinstance(value, int):
+            return value if not isinstance(value, float) else "float"
+        return 1 if value == 1 else 16 if value % 16 == 0 else "int"
+    return json.dumps([launch["kernel"], [kind(a) for a in launch["args"]], sorted(launch["meta"].items())])
+
+
+def _compile_cases(interpreter_launches) -> list[tuple[str, dict]]:
+    """(target, launch): on sm_90, the measured target, every distinct launch; elsewhere each kernel's widest (the
+    largest constexprs, the most 16-bit tensors), to keep CI's time."""
+    from codagen.backends.triton.targets import TARGETS
+    distinct = {}
+    for launch in (launch for launches in interpreter_launches.values() for launch in launches):
+        distinct.setdefault(_specialized_alike(launch), launch)
+    widest = {}
+    for launch in distinct.values():
+        size = (sum(v for v in launch["meta"].values() if isinstance(v, int) and not isinstance(v, bool)),
+                sum(isinstance(a, dict) and a["tensor"] in ("bfloat16", "float16") for a in launch["args"]))
+        if launch["kernel"] not in widest or size > widest[launch["kernel"]][0]:
+            widest[launch["kernel"]] = (size, launch)
+    return [(name, launch) for name in TARGETS
+            for launch in (distinct.values() if name == "sm_90" else [w for _, w in widest.values()])]
+
+
+def compile_report(target_name: str, launch: dict) -> dict:
+    """One recorded launch compiled for a target: its shared memory and (NVIDIA) spilled bytes per thread, or its
+    error (run in a worker process)."""
+    import importlib
+
+    from codagen.backends.triton.cross_compile import Pointer, compile_row_kernel, cubin_resources
+    from codagen.backends.triton.targets import TARGETS
+    module, name = launch["kernel"].split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    args = [Pointer(getattr(torch, a["tensor"]), a["offset"]) if isinstance(a, dict) else a for a in launch["args"]]
+    target = TARGETS[target_name]
+    try:
+        compiled = compile_row_kernel(kernel, args, launch["meta"], target)
+    except Exception as error:  # noqa: BLE001 - reported by the test of its target
+        return {"error": f"{type(error).__name__}: {str(error)[-1500:]}"}
+    stack = cubin_resources(compiled.asm["cubin"])[1] if target.backend == "cuda" else 0
+    return {"shared": compiled.metadata.shared, "stack": stack}
+
+
+def test_every_row_kernel_is_launched_by_an_interpreter_script(interpreter_launches):
+    launched = {launch["kernel"] for launches in interpreter_launches.values() for launch in launches}
+    assert launched == _row_kernels()
+
+
+@pytest.fixture(scope="module")
+def compile_reports(interpreter_launches) -> dict[str, list[tuple[dict, dict]]]:
+    """Every compile case, compiled once in worker processes: ``{target: [(launch, report)]}``."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    cases = _compile_cases(interpreter_launches)
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1,
+                             mp_context=multiprocessing.get_context("spawn")) as workers:
+        reports = list(workers.map(compile_report, *zip(*cases)))
+    by_target = {}
+    for (target, launch), facts in zip(cases, reports):
+        by_target.setdefault(target, []).append((launch, facts))
+    return by_target
+
+
+def _target_names() -> list[str]:
+    if not triton_available():
+        return []
+    from codagen.backends.triton.targets import TARGETS
+    return list(TARGETS)
+
+
+#: spilled bytes per thread a row kernel may have on NVIDIA: the widest launches hold their whole row in registers
+#: (the post-norm backward's 16384 columns: 48 bytes with 16 warps), a few registers spill
+ROW_KERNEL_STACK_BYTES = 64
+
+
+@pytest.mark.parametrize("target_name", _target_names())
+def test_row_kernel_launches_compile_for_every_target(target_name, compile_reports):
+    """The interpreter scripts' launches compile for ``target_name`` as its launches would (PORTABLE and PDL as the
+    target takes them), within its shared memory, spilling at most a few registers on NVIDIA."""
+    from codagen.backends.triton.targets import TARGETS
+    target = TARGETS[target_name]
+    for launch, facts in compile_reports[target_name]:
+        what = f"{target_name} {launch['kernel']} {launch['meta']}"
+        assert "error" not in facts, f"{what}: {facts.get('error')}"
+        assert facts["shared"] <= target.shared_memory, f"{what}: {facts['shared']} bytes of shared memory"
+        assert facts["stack"] <= ROW_KERNEL_STACK_BYTES, f"{what}: {facts['stack']} stack bytes per thread"
 
 
 def test_greedy_append_refuses_what_it_cannot_take():

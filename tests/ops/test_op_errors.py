@@ -45,6 +45,9 @@ OPS = {
     "out_proj_residual_rms": (ops.out_proj_residual_rms, lambda: dict(
         inp=torch.randn(M, FFN), weight=torch.randn(D, FFN), residual=torch.randn(M, D),
         norm_weight=torch.rand(D) + 0.5, eps=1e-6)),
+    "linear_post_norm_residual_rms": (ops.linear_post_norm_residual_rms, lambda: dict(
+        inp=torch.randn(M, FFN), weight=torch.randn(D, FFN), residual=torch.randn(M, D),
+        post_norm_weight=torch.rand(D) + 0.5, norm_weight=torch.rand(D) + 0.5, eps=1e-6)),
     "rms_qkv_rope": (ops.rms_qkv_rope, lambda: _qkv_inputs(False)),
     "rms_qkv_rope_qk_norm": (ops.rms_qkv_rope, lambda: _qkv_inputs(True)),
     "rms_gate_up_swiglu": (ops.rms_gate_up_swiglu, lambda: dict(_normed_inputs(),
@@ -92,8 +95,8 @@ MUTATIONS = {
 #: (op, argument, mutation) the op accepts: a result, not an error
 VALID = {
     # vectors need not share the activations' float dtype; an op that copies or permutes takes any dtype
-    *((op, arg, "float16") for op in OPS for arg in ("norm_weight", "next_norm_weight", "q_norm_weight",
-                                                      "k_norm_weight", "inv_freq")),
+    *((op, arg, "float16") for op in OPS for arg in ("norm_weight", "next_norm_weight", "post_norm_weight",
+                                                      "q_norm_weight", "k_norm_weight", "inv_freq")),
     *(("split_gate_up", "gate_up_weight", m) for m in ("dtype", "float16", "extra_column", "extra_dim", "device")),
     *((op, "weight", m) for op in ("rope_pairs_from_half_split", "rope_half_split_from_pairs")
       for m in ("dtype", "float16", "extra_column", "extra_dim", "device")),
@@ -147,7 +150,8 @@ def test_a_bad_tensor_argument_is_named(op, arg, mutation):
 
 
 #: (op, its low-rank argument, the update's in and out features)
-LOW_RANK = [("out_proj_residual_rms", "low_rank", FFN, D), ("rms_qkv_rope", "low_rank", D, QKV),
+LOW_RANK = [("out_proj_residual_rms", "low_rank", FFN, D), ("linear_post_norm_residual_rms", "low_rank", FFN, D),
+            ("rms_qkv_rope", "low_rank", D, QKV),
             ("rms_gate_up_swiglu", "low_rank", D, 2 * FFN), ("swiglu_mlp_residual_rms", "gate_up_low_rank", D, 2 * FFN),
             ("swiglu_mlp_residual_rms", "down_low_rank", FFN, D)]
 

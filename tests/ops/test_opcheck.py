@@ -55,6 +55,8 @@ def _every_public_op():
                           num_heads=HEADS)
     h, normed, rstd = ops.out_proj_residual_rms(q.contiguous(), _leaf(D, HEADS * HD, scale=0.2), residual, gamma, 1e-6,
                                                 low_rank=lora(D, HEADS * HD))
+    post_normed, *_ = ops.linear_post_norm_residual_rms(q.contiguous(), _leaf(D, HEADS * HD, scale=0.2), residual,
+                                                        _leaf(D), gamma, 1e-6, low_rank=lora(D, HEADS * HD))
     act = ops.rms_gate_up_swiglu(h, normed, rstd, gamma, _leaf(2 * FFN, D, scale=0.2))
     h, normed, rstd = ops.swiglu_mlp_residual_rms(h, normed, rstd, gamma, _leaf(2 * FFN, D, scale=0.2),
                                                   _leaf(D, FFN, scale=0.2), gamma, 1e-6,
@@ -71,7 +73,7 @@ def _every_public_op():
                          num_heads=HEADS)
     embedded = ops.embedding(torch.randint(0, VOCAB, (M,)), _leaf(VOCAB, D), padding_idx=0)
     total = (loss + eval_loss + logits.sum() + capped.sum() + act.sum() + qk.sum() + k.sum() + v.sum()
-             + embedded.sum())
+             + embedded.sum() + post_normed.sum())
     total.backward()
 
 

@@ -1,9 +1,16 @@
-"""Compile a program's persistent kernel for a target without its GPU (``triton.compile`` with a ``GPUTarget``).
+"""Compile a program's persistent kernel, or a row kernel's launch, for a target without its GPU (``triton.compile``
+with a ``GPUTarget``).
 
-What the compile matrix (``tests/backends/test_compile_matrix.py``) and ``bench/triton_resources.py`` run: the
-generated ``tl`` kernel of one configuration, its pointer arguments 16-byte aligned and M, N, K multiples of 16 (what
-the backend's launches specialize on for aligned tensors), TMA where the target has it, the device math portable
-where the target has no inline PTX (:mod:`.targets`).
+What the compile matrices (``tests/backends/test_compile_matrix.py``, ``test_row_kernel_matrix.py``) and
+``bench/triton_resources.py`` run:
+
+- :func:`compile_persistent`: the generated ``tl`` kernel of one configuration, its pointer arguments 16-byte aligned
+  and M, N, K multiples of 16 (what the backend's launches specialize on for aligned tensors), TMA where the target
+  has it;
+- :func:`compile_row_kernel`: one launch of a ``codagen.ops.kernels`` row kernel, its arguments specialized by
+  Triton's own binder, as a launch on that target would;
+
+both with the device math portable where the target has no inline PTX (:mod:`.targets`).
 """
 from __future__ import annotations
 
@@ -13,7 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import MockTensor, create_function_from_signature
 
 from codagen.epilogue.ir import Program, RowVector, Store, TileInput
 
@@ -21,7 +29,7 @@ from .configs import KernelConfig
 from .modules import load_kernel
 from .targets import Target, compile_target
 
-__all__ = ["signature", "compile_persistent", "cubin_resources"]
+__all__ = ["signature", "compile_persistent", "Pointer", "compile_row_kernel", "cubin_resources"]
 
 _CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EPILOGUE_SPLIT", "SUB_N", "TMA_MAINLOOP", "TMA_EPILOGUE",
                "UPCAST_OPERANDS", "DOT_PRECISION", "FLATTEN", "PORTABLE", "PDL", "PREFETCH_K")
@@ -60,6 +68,40 @@ def compile_persistent(program: Program, cfg: KernelConfig, target: Target, dtyp
                       PDL=False, PREFETCH_K=0)
     return triton.compile(ASTSource(kernel, sig, constexprs, aligned), target=compile_target(target),
                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+class Pointer(MockTensor):
+    """A tensor argument as a kernel specializes on it, without storage: its dtype and its address modulo 16."""
+
+    def __init__(self, dtype, offset: int = 0):
+        super().__init__(dtype)
+        self._offset = offset
+
+    def data_ptr(self) -> int:
+        return self._offset
+
+
+def compile_row_kernel(kernel, args: list, meta: dict, target: Target):
+    """``kernel`` (a module-level ``@triton.jit`` kernel) compiled for ``target`` as its launch with ``args`` (tensors
+    as :class:`Pointer`) and ``meta`` (constexprs and ``num_warps``) would compile it there.
+
+    Triton's binder for the target's backend specializes the arguments (16-byte alignment, integers equal to 1 or
+    multiples of 16; ``JITFunction._pack_args`` of the Triton range pyproject pins); ``PORTABLE`` follows the target,
+    and ``PDL`` (programmatic dependent launch, :mod:`.dependent_launch`) is on where the target has it (NVIDIA sm_90+).
+    """
+    import triton
+    meta = dict(meta)
+    if "PORTABLE" in meta:
+        meta["PORTABLE"] = target.portable
+    if "PDL" in meta:
+        meta["PDL"] = target.backend == "cuda" and target.arch >= 90
+    meta.pop("launch_pdl", None)  # a launch option: the compiled code is the same
+    gpu = compile_target(target)
+    backend = make_backend(gpu)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **meta)
+    options, sig, constexprs, attrs = kernel._pack_args(backend, meta, bound, specialization, options)
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=gpu, options=options.__dict__)
 
 
 def cubin_resources(cubin: bytes) -> tuple[int, int]:

@@ -26,7 +26,8 @@ from ._launch import cdiv, dispatcher, launch_kernel, launcher, next_power_of_2,
 from .finish import finish_col_sum_triton
 
 __all__ = ["post_norm_residual", "post_norm_residual_ref", "post_norm_residual_triton", "post_norm_backward",
-           "post_norm_backward_ref", "post_norm_backward_triton", "MAX_COLUMNS", "POST_NORM_BACKWARD_ROWS"]
+           "post_norm_backward_ref", "post_norm_backward_triton", "backward_warps", "MAX_COLUMNS",
+           "POST_NORM_BACKWARD_ROWS"]
 
 #: the widest row the backward holds in registers (fp32: 64 KiB per program's row)
 MAX_COLUMNS = 16384
@@ -83,6 +84,13 @@ def _post_norm_backward_kernel(y_ptr, rstd_y_ptr, post_weight_ptr, grad_x_ptr, g
     tl.store(partial_ptr + block.to(tl.int64) * n_cols + cols, grad_post_weight, mask=col_ok)
 
 
+def backward_warps(block: int) -> int:
+    """Warps of a backward program over rows of ``block`` columns: at most 32 columns per thread, whose row arrays
+    (the weight, its gradient, ``c``, ``g``) then fit in registers without spilling (sm_90's cubin at 8192 columns
+    spills 512 bytes per thread with 4 warps)."""
+    return max(4, min(16, block // 1024))
+
+
 def post_norm_residual_ref(y: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
                            norm_weight: torch.Tensor, eps: float):
     """``(x, normed, rstd, rstd_y)`` of the module docstring: ``x`` and ``normed`` in ``y``'s dtype, the statistics
@@ -131,8 +139,9 @@ def post_norm_backward_triton(y: torch.Tensor, rstd_y: torch.Tensor, post_weight
     blocks = cdiv(m, rows)
     partial = torch.empty(max(blocks, 1), n, dtype=torch.float32, device=y.device)
     if m:
+        block = next_power_of_2(n)
         launch_kernel(_post_norm_backward_kernel, (blocks,), y, rstd_y, post_weight, grad_x, grad_y, partial, m, n,
-                      ROWS=rows, BLOCK=next_power_of_2(n))
+                      ROWS=rows, BLOCK=block, num_warps=backward_warps(block))
     else:
         partial.zero_()
     return grad_y, finish_col_sum_triton(partial, post_weight.dtype)
