@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from ..core import Example, Expr, Gemm, Program, ProgramError, Store, Width, need_tile, primitive
+from ..core import Example, Gemm, Program, Store, primitive
+from ..gated import GatedPair
 from .accumulator import Accumulator
 from .row_vector import RowVector
 
@@ -42,47 +43,13 @@ def gelu_tanh_sigmoid(em, gate: str) -> str:
 
 
 @primitive
-class GeGLU(Expr):
+class GeGLU(GatedPair):
     """Adjacent-pair map 2 -> 1: ``out[j] = gelu_tanh(x[2j]) * x[2j+1]`` (interleaved gate/up columns), with
     ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``."""
-    x: Expr
-    pairs = True
-
-    def __post_init__(self):
-        need_tile(self.x, "GeGLU")
-        if self.x.width == Width.HALF:
-            raise ProgramError("GeGLU input must be FULL or DOUBLE width (it halves the width)")
-
-    @property
-    def kind(self) -> str:
-        return "tile"
-
-    @property
-    def width(self) -> Width:
-        return self.x.width.halved()
-
-    def children(self):
-        return (self.x,)
-
-    def render(self, show) -> str:
-        return f"geglu({show(self.x)})"
-
-    def reference(self, ev):
-        return geglu_ref(ev.value(self.x))
-
-    def emit_persistent(self, em) -> str:
-        name = em.fresh("geglu")
-        gate, up = em.pairs_of(self.x)
-        em.emit(f"# {em.comment(self)}: gelu_tanh(gate) * up on pairs (gate, up) = (x[2j], x[2j+1])")
-        em.emit(f"{name} = {gate} * {gelu_tanh_sigmoid(em, gate)} * {up}")
-        return name
-
-    def emit_pingpong(self, em) -> None:
-        name = em.fresh("geglu")
-        gate, up = em.operand(self.x, self.x.width, True)
-        sig = gelu_tanh_sigmoid(em, gate)
-        em.emit(f"{name} = {gate} * {sig} * {up}  # {em.comment(self)}: gelu_tanh(gate) * up")
-        em.full[self] = name
+    label = "geglu"
+    activation = "gelu_tanh"
+    ref = staticmethod(geglu_ref)
+    gate_sigmoid = staticmethod(gelu_tanh_sigmoid)
 
     @classmethod
     def examples(cls) -> list[Example]:

@@ -5,7 +5,8 @@ import math
 
 import torch
 
-from ..core import Example, Expr, Gemm, Program, ProgramError, RowPartial, Store, Width, need_tile, primitive
+from ..core import Example, Gemm, Program, RowPartial, Store, Width, primitive
+from ..gated import GatedPairBackward
 from .accumulator import Accumulator
 from .geglu import GELU_CUBIC, GELU_LINEAR, gelu_tanh_sigmoid
 from .tile_input import TileInput
@@ -29,7 +30,7 @@ def _lines(name: str, dy: str, gate: str, up: str, sig: str) -> list[str]:
 
 
 @primitive
-class GeGLUBackward(Expr):
+class GeGLUBackward(GatedPairBackward):
     """Adjacent-pair map (pair + gradient) -> pair: the gradient of ``gelu_tanh(g) * u``.
 
     With ``(g, u) = (preact[2j], preact[2j+1])``, ``dy = grad[j]``, ``k = sqrt(2/pi)``,
@@ -40,56 +41,11 @@ class GeGLUBackward(Expr):
 
     The result is interleaved ``(dg, du)`` with the width of ``preact`` (twice that of ``grad``).
     """
-    preact: Expr
-    grad: Expr
-    pairs = True
-
-    def __post_init__(self):
-        need_tile(self.preact, "GeGLUBackward(preact)")
-        need_tile(self.grad, "GeGLUBackward(grad)")
-        if self.preact.width == Width.HALF or self.preact.width.halved() != self.grad.width:
-            raise ProgramError(
-                f"GeGLUBackward needs preact twice as wide as grad, got {self.preact.width!r} and {self.grad.width!r}")
-
-    @property
-    def kind(self) -> str:
-        return "tile"
-
-    @property
-    def width(self) -> Width:
-        return self.preact.width
-
-    def children(self):
-        return (self.preact, self.grad)
-
-    def render(self, show) -> str:
-        return f"geglu_backward({show(self.preact)}, {show(self.grad)})"
-
-    def reference(self, ev):
-        return geglu_backward_ref(ev.value(self.preact), ev.value(self.grad))
-
-    def emit_persistent(self, em) -> str:
-        name = em.fresh("geglu_grad")
-        dy = em.full(self.grad)
-        gate, up = em.pairs_of(self.preact)
-        sig = gelu_tanh_sigmoid(em, gate)
-        em.emit(f"# {em.comment(self)}")
-        em.emit("#   dg = dy * u * (s + s (1 - s) g a'(g)),  du = dy * g * s,  s = sigmoid(a(g)); interleaved (dg, du)")
-        for line in _lines(name, dy, gate, up, sig):
-            em.emit(line)
-        em.pair_form[self] = (f"{name}_gate", f"{name}_up")
-        return name
-
-    def emit_pingpong(self, em) -> None:
-        name = em.fresh("geglu_grad")
-        gate, up = em.operand(self.preact, self.preact.width, True)
-        dy = em.operand(self.grad, self.grad.width, False)
-        sig = gelu_tanh_sigmoid(em, gate)
-        em.emit(f"# {em.comment(self)}")
-        em.emit("#   dg = dy * u * (s + s (1 - s) g a'(g)),  du = dy * g * s,  s = sigmoid(a(g))")
-        for line in _lines(name, dy, gate, up, sig):
-            em.emit(line)
-        em.pairs[self] = (f"{name}_gate", f"{name}_up")
+    label = "geglu_backward"
+    formula = "dg = dy * u * (s + s (1 - s) g a'(g)),  du = dy * g * s,  s = sigmoid(a(g))"
+    ref = staticmethod(geglu_backward_ref)
+    grad_lines = staticmethod(_lines)
+    gate_sigmoid = staticmethod(gelu_tanh_sigmoid)
 
     @classmethod
     def examples(cls) -> list[Example]:

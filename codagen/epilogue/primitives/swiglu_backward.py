@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core import Example, Expr, Gemm, Program, ProgramError, RowPartial, Store, Width, need_tile, primitive
+from ..core import Example, Gemm, Program, RowPartial, Store, Width, primitive
+from ..gated import GatedPairBackward
 from .accumulator import Accumulator
 from .tile_input import TileInput
 
@@ -26,7 +27,7 @@ def _lines(name: str, dy: str, gate: str, up: str, sig: str) -> list[str]:
 
 
 @primitive
-class SwiGLUBackward(Expr):
+class SwiGLUBackward(GatedPairBackward):
     """Adjacent-pair map (pair + gradient) -> pair: the gradient of ``silu(g) * u``.
 
     With ``(g, u) = (preact[2j], preact[2j+1])``, ``dy = grad[j]`` and ``s = sigmoid(g)``::
@@ -35,56 +36,14 @@ class SwiGLUBackward(Expr):
 
     The result is interleaved ``(dg, du)`` with the width of ``preact`` (twice that of ``grad``).
     """
-    preact: Expr
-    grad: Expr
-    pairs = True
+    label = "swiglu_backward"
+    formula = "dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g)"
+    ref = staticmethod(swiglu_backward_ref)
+    grad_lines = staticmethod(_lines)
 
-    def __post_init__(self):
-        need_tile(self.preact, "SwiGLUBackward(preact)")
-        need_tile(self.grad, "SwiGLUBackward(grad)")
-        if self.preact.width == Width.HALF or self.preact.width.halved() != self.grad.width:
-            raise ProgramError(
-                f"SwiGLUBackward needs preact twice as wide as grad, got {self.preact.width!r} and {self.grad.width!r}")
-
-    @property
-    def kind(self) -> str:
-        return "tile"
-
-    @property
-    def width(self) -> Width:
-        return self.preact.width
-
-    def children(self):
-        return (self.preact, self.grad)
-
-    def render(self, show) -> str:
-        return f"swiglu_backward({show(self.preact)}, {show(self.grad)})"
-
-    def reference(self, ev):
-        return swiglu_backward_ref(ev.value(self.preact), ev.value(self.grad))
-
-    def emit_persistent(self, em) -> str:
-        name = em.fresh("swiglu_grad")
-        dy = em.full(self.grad)
-        gate, up = em.pairs_of(self.preact)
-        sig = em.sigmoid(gate)
-        em.emit(f"# {em.comment(self)}")
-        em.emit("#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g); interleaved (dg, du)")
-        for line in _lines(name, dy, gate, up, sig):
-            em.emit(line)
-        em.pair_form[self] = (f"{name}_gate", f"{name}_up")
-        return name
-
-    def emit_pingpong(self, em) -> None:
-        name = em.fresh("swiglu_grad")
-        gate, up = em.operand(self.preact, self.preact.width, True)
-        dy = em.operand(self.grad, self.grad.width, False)
-        sig = em.sigmoid(gate)
-        em.emit(f"# {em.comment(self)}")
-        em.emit("#   dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s,  s = sigmoid(g)")
-        for line in _lines(name, dy, gate, up, sig):
-            em.emit(line)
-        em.pairs[self] = (f"{name}_gate", f"{name}_up")
+    @staticmethod
+    def gate_sigmoid(em, gate: str) -> str:
+        return em.sigmoid(gate)
 
     @classmethod
     def examples(cls) -> list[Example]:
