@@ -23,7 +23,7 @@ from .conftest import (
     padded_inputs,
     two_x_rule,
 )
-from .test_hf_generate import assert_same_generation, greedy, prompts
+from .test_hf_generate import assert_generates_as_unpatched
 from .test_lora import assert_matches, wrap
 
 transformers = pytest.importorskip("transformers")
@@ -124,13 +124,7 @@ def test_lora_on_every_projection(family):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_generate_matches_unpatched(family, cache):
-    model = tiny(family).eval()
-    ids, mask = prompts()
-    impl = None if cache == "dynamic" else "static"
-    want = greedy(model, ids, mask, cache_implementation=impl)
-    patch(model)
-    got = greedy(model, ids, mask, cache_implementation=impl)
-    assert_same_generation(got, want)
+    assert_generates_as_unpatched(tiny(family).eval(), cache)
 
 
 def test_phi3_residual_dropout_is_refused_where_it_drops():

@@ -64,17 +64,22 @@ def assert_same_generation(got, want, rtol=1e-4):
             return
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("variant", list(FAMILIES))
-def test_greedy_matches_unpatched(variant, cache):
-    family, overrides = FAMILIES[variant]
-    model = build(family, **overrides).eval()
+def assert_generates_as_unpatched(model, cache: str) -> None:
+    """Greedy ``generate()`` of :func:`prompts` with ``cache`` ("dynamic" or "static") gives the unpatched model's
+    tokens after ``patch``."""
     ids, mask = prompts()
     impl = None if cache == "dynamic" else "static"
     want = greedy(model, ids, mask, cache_implementation=impl)
     patch(model)
     got = greedy(model, ids, mask, cache_implementation=impl)
     assert_same_generation(got, want)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("variant", list(FAMILIES))
+def test_greedy_matches_unpatched(variant, cache):
+    family, overrides = FAMILIES[variant]
+    assert_generates_as_unpatched(build(family, **overrides).eval(), cache)
 
 
 @pytest.mark.skipif(triton_backend_missing() is not None, reason=str(triton_backend_missing()))

@@ -11,7 +11,7 @@ import pytest
 from codagen.models import decode_graphs, families, patch
 
 from .conftest import BACKENDS, assert_same_training, build, lm_inputs, lora_config
-from .test_hf_generate import assert_same_generation, greedy, prompts
+from .test_hf_generate import assert_generates_as_unpatched
 from .test_lora import assert_matches, wrap
 
 transformers = pytest.importorskip("transformers")
@@ -74,13 +74,7 @@ def test_lora(case):
 def test_generate_matches_unpatched(case, cache):
     """Prompts of 7 tokens and 6 new ones: LongRoPE's and dynamic RoPE's frequencies switch during decoding."""
     model = model_of(case, max_position_embeddings=64) if case != "llama_dynamic" else model_of(case)
-    model.eval()
-    ids, mask = prompts()
-    impl = None if cache == "dynamic" else "static"
-    want = greedy(model, ids, mask, cache_implementation=impl)
-    patch(model)
-    got = greedy(model, ids, mask, cache_implementation=impl)
-    assert_same_generation(got, want)
+    assert_generates_as_unpatched(model.eval(), cache)
 
 
 def test_frequencies_from_positions_keep_decode_steps_eager():
