@@ -171,15 +171,20 @@ def rms_gate_up_swiglu(save_preact: bool = True, activation: str = "silu") -> Pr
 
 
 @functools.cache
-def rms_qkv_rope(qk_norm_head_dim: int | None = None, qk_norm_eps: float = 1e-6, save_preact: bool = True) -> Program:
+def rms_qkv_rope(qk_norm_head_dim: int | None = None, qk_norm_eps: float = 1e-6, save_preact: bool = True,
+                 bias: bool = False) -> Program:
     """F4: rstd-scaled QKV projection + RoPE on interleaved pairs, optionally with QK-norm before RoPE.
 
     ``z = rstd[m] * (a @ b^T)``; ``qkv[m, 2j:2j+2] = rotate(y[m, 2j:2j+2], positions[m] * frequencies[j])``.
     ``frequencies`` [N/2] holds each pair's inverse frequency; V's pairs hold 0 (no rotation).
     Without QK-norm ``y = z``.
 
+    With ``bias`` (program ``rms_qkv_rope_bias``, Qwen2's Q/K/V biases): ``z = rstd[m] * (a @ b^T) + bias[n]``
+    (``bias`` [N] in the fused weight's row order), rotated with the rest. It takes the plain program's tuned
+    choices until it has its own (``tuning_stand_in``): the same GEMM, one vector add more per element.
+
     With ``qk_norm_head_dim = hd`` (program ``rms_qkv_rope_qk_norm``): per-head RMSNorm of the Q and K
-    heads (Qwen3, OLMo-2), each head being an aligned group of ``hd`` columns::
+    heads (Qwen3, Gemma 3), each head being an aligned group of ``hd`` columns::
 
         qk_rstd[m, n] = rsqrt(segment_sum(z^2, hd)[m, n] / hd + qk_norm_eps)     (one value per (row, head))
         y = z * (qk_norm_weight[n] * qk_rstd + qk_passthrough[n])
@@ -194,9 +199,14 @@ def rms_qkv_rope(qk_norm_head_dim: int | None = None, qk_norm_eps: float = 1e-6,
     """
     z = acc * rstd
     if qk_norm_head_dim is None:
-        return Program("rms_qkv_rope", Gemm.linear(), (
+        name, stand_in = "rms_qkv_rope", None
+        if bias:
+            z, name, stand_in = z + ColVector("bias"), "rms_qkv_rope_bias", rms_qkv_rope()
+        return Program(name, Gemm.linear(), (
             Store("qkv", Rope(z, RowVector("positions"), ColVector("frequencies", Width.HALF))),
-        ), doc=rms_qkv_rope.__doc__)
+        ), doc=rms_qkv_rope.__doc__, tuning_stand_in=stand_in)
+    if bias:  # the bias would enter before the norm: no model needs it yet
+        raise ProgramError("rms_qkv_rope: bias together with QK-norm is not supported")
     hd = qk_norm_head_dim
     if isinstance(hd, bool) or not isinstance(hd, int) or hd < 2 or hd % 2:
         raise ProgramError(f"rms_qkv_rope: qk_norm_head_dim must be an even int >= 2, got {hd!r}")

@@ -148,7 +148,7 @@ def _compile_region(fn):
 
 def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, spec: AttentionSpec,
               positions: torch.Tensor, frequencies: torch.Tensor, eps: float):
-    """A block's norm + QKV projection + RoPE (+ QK-norm, + rotated QKV bias): ``(q, k, v, x)``, q/k in pair order.
+    """A block's norm + QKV projection (+ bias) + RoPE (+ QK-norm): ``(q, k, v, x)``, q/k in pair order.
 
     ``x`` passes through the QKV op, so that the residual path's gradient joins its backward's store;
     q, k, v come back as separate views, so that their gradients reach its backward unconcatenated.
@@ -158,20 +158,14 @@ def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: to
     if blk.frequencies is not None:
         frequencies = blk.frequencies
     if blk.q_norm is None and blk.k_norm is None:
-        q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
-                                      split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank)
-    else:
-        if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
-            raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
-        q, k, v, x = ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
-                                      blk.q_norm, blk.k_norm, num_heads=spec.num_heads, qk_norm_eps=eps,
-                                      split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank)
-    if blk.qkv_bias is not None:
-        # RoPE is linear: rope(z + b) = rope(z) + rope(b), so the bias joins after the fused kernel.
-        angles = positions.float()[:, None] * frequencies[None, :]
-        rotated_bias = rotate_pairs(blk.qkv_bias.expand(x.shape[0], -1), angles).to(q.dtype)
-        q, k, v = (t + bias for t, bias in zip((q, k, v), rotated_bias.split(split_sizes, dim=1)))
-    return q, k, v, x
+        return ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
+                                split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank,
+                                bias=blk.qkv_bias)
+    if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
+        raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
+    return ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies, blk.q_norm, blk.k_norm,
+                            num_heads=spec.num_heads, qk_norm_eps=eps, split_sizes=split_sizes, pass_residual=True,
+                            low_rank=blk.qkv_low_rank)
 
 
 def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_norm: torch.Tensor, eps: float):

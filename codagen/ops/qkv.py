@@ -23,9 +23,11 @@ from ._fused import (
     consumer_input_grad,
     consumer_rms_norm_backward,
     fake_consumer_grads,
+    fake_grad,
     lora_args,
     low_rank_operand,
     low_rank_pair,
+    or_empty,
     run,
 )
 from .layouts import kv_heads_of
@@ -42,23 +44,31 @@ QK_NORM_SUB_TILE_16BIT, QK_NORM_SUB_TILE_32BIT = 128, 64
 # plain: RoPE only
 # ==================================================================================================
 @custom_op("rms_qkv_rope", fake=lambda normed, qkv_weight, **_: normed.new_empty(normed.shape[0], qkv_weight.shape[0]))
-def _rms_qkv_rope_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor,
-                     frequencies: Tensor, lora_u: Tensor | None, lora_b: Tensor | None) -> Tensor:
-    return run(library.rms_qkv_rope(), normed, qkv_weight, lora_u, lora_b, rstd=rstd, positions=positions,
-               frequencies=frequencies)["qkv"]
+def _rms_qkv_rope_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
+                     bias: Tensor | None, lora_u: Tensor | None, lora_b: Tensor | None) -> Tensor:
+    vectors = {} if bias is None else {"bias": bias}
+    return run(library.rms_qkv_rope(bias=bias is not None), normed, qkv_weight, lora_u, lora_b, rstd=rstd,
+               positions=positions, frequencies=frequencies, **vectors)["qkv"]
 
 
-@custom_op("rms_qkv_rope_backward", fake=lambda x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b,
-           **_: fake_consumer_grads(x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b))
+def _fake_backward(x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b, bias, bias_grad, **_):
+    return (*fake_consumer_grads(x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b),
+            fake_grad(bias, bias_grad, x))
+
+
+@custom_op("rms_qkv_rope_backward", fake=_fake_backward)
 def _rms_qkv_rope_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor | None, qkv: Tensor, x: Tensor,
                               rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor, positions: Tensor,
                               frequencies: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
-                              lora_b: Tensor | None, lora_u: Tensor | None,
-                              lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grad_z, mean_z_dz = kernels.rope_backward(grad_blocks, qkv, positions, frequencies, x.shape[1])  # B1
+                              lora_b: Tensor | None, lora_u: Tensor | None, lora_scale: float,
+                              bias: Tensor | None, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                             Tensor]:
+    grad_z, mean_z_dz = kernels.rope_backward(grad_blocks, qkv, positions, frequencies, x.shape[1], bias)  # B1
+    # the bias's gradient: grad_z summed over the tokens, in fp32 (one column reduction)
+    grad_bias = or_empty(None if not bias_grad else grad_z.sum(dim=0, dtype=torch.float32).to(bias.dtype), x)
     return consumer_backward_outputs(x, consumer_rms_norm_backward(  # B2, B3
         grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual, weight_grad=weight_grad,
-        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
+        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale), grad_bias)
 
 
 def _contiguous(t: Tensor | None) -> Tensor | None:
@@ -84,11 +94,12 @@ def _grad_blocks(grads: tuple[Tensor | None, ...], split_sizes: tuple[int, ...] 
 
 class _RmsQkvRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, split_sizes, lora_a, lora_b,
-                lora_scale):
+    def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, bias, split_sizes, lora_a,
+                lora_b, lora_scale):
         lora_u = low_rank_operand(normed, lora_a, lora_scale)
-        qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies, lora_u, lora_b)
-        ctx.save_for_backward(qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, lora_a, lora_b, lora_u)
+        qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies, bias, lora_u, lora_b)
+        ctx.save_for_backward(qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, lora_a, lora_b, lora_u,
+                              bias)
         ctx.split_sizes, ctx.lora_scale = split_sizes, lora_scale
         ctx.set_materialize_grads(False)
         return *_split_outputs(qkv, split_sizes), x.view_as(x)
@@ -97,15 +108,15 @@ class _RmsQkvRope(torch.autograd.Function):
     @named_gradients(forward)
     def backward(ctx, needs, *grads):
         *grad_outputs, grad_residual = grads
-        qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, lora_a, lora_b, lora_u = ctx.saved_tensors
+        qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, lora_a, lora_b, lora_u, bias = ctx.saved_tensors
         grad_blocks = _grad_blocks(tuple(grad_outputs), ctx.split_sizes, qkv)
         if grad_blocks is None:  # only the residual path carries a gradient
             return dict(x=grad_residual)
-        named, _ = consumer_gradients(needs, _rms_qkv_rope_backward_op(
+        named, (grad_bias,) = consumer_gradients(needs, _rms_qkv_rope_backward_op(
             grad_blocks, _contiguous(grad_residual), qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies,
             needs["qkv_weight"], consumer_input_grad(needs), lora_a, lora_b, lora_u,
-            ctx.lora_scale), "qkv_weight", lora_a)
-        return named
+            ctx.lora_scale, bias, needs["bias"]), "qkv_weight", lora_a)
+        return dict(**named, bias=grad_bias if needs["bias"] else None)
 
 
 # ==================================================================================================
@@ -234,8 +245,10 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
                  positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor | None = None,
                  k_norm_weight: Tensor | None = None, num_heads: int | None = None,
                  qk_norm_eps: float = 1e-6, *, split_sizes: tuple[int, int, int] | None = None,
-                 pass_residual: bool = False, low_rank: LowRank | None = None) -> Tensor | tuple[Tensor, ...]:
-    """F4: ``qkv = rope(RMSNorm(x) @ qkv_weight^T)`` on adjacent pairs, one GEMM; optionally QK-norm before RoPE.
+                 pass_residual: bool = False, low_rank: LowRank | None = None,
+                 bias: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
+    """F4: ``qkv = rope(RMSNorm(x) @ qkv_weight^T [+ bias])`` on adjacent pairs, one GEMM; optionally QK-norm before
+    RoPE.
 
     ``z = rstd[m] * (normed @ W^T)``; pair ``j`` of row ``m`` rotates by ``positions[m] * frequencies[j]``
     (``frequencies`` [N/2] from :func:`rope_frequencies`; V pairs are 0). Q/K rows of ``qkv_weight``
@@ -272,6 +285,9 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     order of ``qkv_weight``) in the same GEMM through its low-rank pair ``(scale * normed @ a^T, b)``, so
     RoPE and QK-norm see the sum; the backward GEMM carries ``(scale * grad_z @ b, a)``.
     ``grad_qkv_weight`` is computed only when ``qkv_weight`` requires a gradient.
+    ``bias`` [N] (Qwen2's Q/K/V biases, in the fused row order of ``qkv_weight``, without QK-norm): added to ``z``
+    in the epilogue before RoPE (program ``rms_qkv_rope_bias``); its gradient is ``grad_z`` summed over the tokens
+    after B1 (one column reduction, fp32).
 
     Saved: ``qkv`` (attention keeps it alive anyway), ``x``, ``rstd``; with QK-norm ``preact = z``
     [M, N] instead of ``qkv`` (one extra activation of qkv's size: the norm's backward needs the
@@ -297,9 +313,13 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
         if num_heads is not None:
             raise ValueError("num_heads: only used with QK-norm (give q_norm_weight and k_norm_weight too)")
         split_sizes = check.split_sizes("split_sizes", split_sizes, qkv_weight.shape[0])
+        if bias is not None:
+            bias = check.vector("bias", bias, qkv_weight.shape[0], "[qkv features]", like)
         out = _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
-                                frequencies.detach(), split_sizes, *lora)
+                                frequencies.detach(), bias, split_sizes, *lora)
         return _outputs(out, pass_residual)
+    if bias is not None:  # the bias would enter before the norm, inside the kernel
+        raise NotImplementedError("bias: a QKV bias together with QK-norm is not supported")
     if q_norm_weight is None or k_norm_weight is None:
         missing = "q_norm_weight" if q_norm_weight is None else "k_norm_weight"
         raise ValueError(f"{missing}: QK-norm needs both q_norm_weight and k_norm_weight, got only one")

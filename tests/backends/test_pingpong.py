@@ -24,10 +24,11 @@ SPLIT4, SPLIT8 = PINGPONG
 H200_SMEM = 232448
 
 #: every program variant the schedule takes (the library's defaults, the other residual-gradient modes and the
-#: GeGLU MLP's and the LM-head programs with Gemma 2's final logit soft-cap)
+#: QKV program with a bias, the GeGLU MLP's and the LM-head programs with Gemma 2's final logit soft-cap)
 PROGRAMS = {name: factory() for name, factory in library.PROGRAMS.items() if pingpong.supports(factory()) is None}
 PROGRAMS.update({"rms_norm_backward_accumulate": library.rms_norm_backward("accumulate"),
                  "rms_norm_backward_none": library.rms_norm_backward("none"),
+                 "rms_qkv_rope_bias": library.rms_qkv_rope(bias=True),
                  "rms_gate_up_geglu": library.rms_gate_up_swiglu(activation="gelu_tanh"),
                  "geglu_backward": library.swiglu_backward("gelu_tanh")})
 PROGRAMS.update({p.name: p for p in (library.rms_linear(30.0), library.rms_linear(30.0, save_preact=False),
@@ -51,7 +52,7 @@ def test_supported_programs():
     assert set(PROGRAMS) == {"linear", "input_grad", "rms_linear", "residual_rms_stats", "rms_gate_up_swiglu",
                              "rms_qkv_rope", "rms_lm_head_cross_entropy", "rms_lm_head_cross_entropy_backward",
                              "rms_norm_backward", "swiglu_backward", "rms_norm_backward_accumulate",
-                             "rms_norm_backward_none", "rms_gate_up_geglu", "geglu_backward",
+                             "rms_norm_backward_none", "rms_qkv_rope_bias", "rms_gate_up_geglu", "geglu_backward",
                              "rms_linear_softcap", "rms_linear_softcap_inference",
                              "rms_lm_head_cross_entropy_softcap", "rms_lm_head_cross_entropy_backward_softcap"}
     assert "A must be [M, K]" in pingpong.supports(library.weight_grad())

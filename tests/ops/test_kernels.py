@@ -48,6 +48,10 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 got = k.rope_backward_triton(grad_blocks, y, positions, frequencies, 5)
                 for a, b in zip(got, want):
                     torch.testing.assert_close(a, b, rtol=tol, atol=tol * 10)
+            bias = torch.randn(n)  # qkv = rope(z + bias): the bias's share of the statistic taken off
+            got = k.rope_backward_triton(blocks, y, positions, frequencies, 5, bias)
+            for a, b in zip(got, k.rope_backward_ref([x], y, positions, frequencies, 5, bias)):
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol * 10)
             grad_act = torch.randn(m, n // 2).to(dtype)
             for activation in ("silu", "gelu_tanh"):
                 got = k.swiglu_backward_triton(grad_act, 3 * x, 3, activation)  # gates well into both tails

@@ -35,6 +35,8 @@ def _qkv_inputs(qk_norm: bool) -> dict:
     if qk_norm:
         args.update(q_norm_weight=torch.rand(HEAD_DIM) + 0.5, k_norm_weight=torch.rand(HEAD_DIM) + 0.5,
                     num_heads=HEADS)
+    else:
+        args.update(bias=torch.randn(QKV))
     return args
 
 
@@ -96,7 +98,7 @@ MUTATIONS = {
 VALID = {
     # vectors need not share the activations' float dtype; an op that copies or permutes takes any dtype
     *((op, arg, "float16") for op in OPS for arg in ("norm_weight", "next_norm_weight", "post_norm_weight",
-                                                      "q_norm_weight", "k_norm_weight", "inv_freq")),
+                                                      "q_norm_weight", "k_norm_weight", "inv_freq", "bias")),
     *(("split_gate_up", "gate_up_weight", m) for m in ("dtype", "float16", "extra_column", "extra_dim", "device")),
     *((op, "weight", m) for op in ("rope_pairs_from_half_split", "rope_half_split_from_pairs")
       for m in ("dtype", "float16", "extra_column", "extra_dim", "device")),

@@ -50,7 +50,7 @@ def _every_public_op():
     normed, rstd = ops.rms_norm_stats(x, gamma, 1e-6)
     q, k, v, residual = ops.rms_qkv_rope(x, normed, rstd, gamma, _leaf(QKV, D, scale=0.2), positions, freqs,
                                          split_sizes=(HEADS * HD, KV_HEADS * HD, KV_HEADS * HD), pass_residual=True,
-                                         low_rank=lora(QKV, D))
+                                         low_rank=lora(QKV, D), bias=_leaf(QKV))
     qk = ops.rms_qkv_rope(x, normed, rstd, gamma, _leaf(QKV, D, scale=0.2), positions, freqs, _leaf(HD), _leaf(HD),
                           num_heads=HEADS)
     h, normed, rstd = ops.out_proj_residual_rms(q.contiguous(), _leaf(D, HEADS * HD, scale=0.2), residual, gamma, 1e-6,

@@ -74,6 +74,26 @@ def test_gradcheck_rms_qkv_rope():
     assert gradcheck(f, (x, gamma, weight))
 
 
+def test_gradcheck_rms_qkv_rope_bias():
+    """Qwen2's Q/K/V biases inside the epilogue: ``rope(z + bias)``; every input's gradient, the bias's too."""
+    x, gamma, weight, bias = rand(M, D), norm_weight(), rand(QKV, D), rand(QKV)
+    positions = torch.randint(0, 50, (M,))
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM, base=7.0).double()
+
+    def f(x, gamma, weight, bias):
+        return ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies, bias=bias,
+                                split_sizes=(HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM))
+
+    assert gradcheck(f, (x, gamma, weight, bias))
+    from codagen.models.llama import rotate_pairs
+    z = rms_norm(x, gamma, EPS) @ weight.t() + bias
+    got = torch.cat(f(x, gamma, weight, bias), dim=1)
+    torch.testing.assert_close(got, rotate_pairs(z, positions.double()[:, None] * frequencies[None, :]))
+    with pytest.raises(NotImplementedError, match="bias: a QKV bias together with QK-norm is not supported"):
+        ops.rms_qkv_rope(*stats(x, gamma), weight, positions, frequencies, rand(HEAD_DIM), rand(HEAD_DIM),
+                         num_heads=HEADS, bias=bias)
+
+
 def test_gradcheck_rms_qkv_rope_qk_norm():
     """Every input: x, the input norm weight, the qkv weight, q_norm and k_norm (eps large enough that
     finite differences see it)."""

@@ -485,12 +485,15 @@ def _tuning_relatives(bound: BoundProgram) -> list[BoundProgram]:
     itself without the low-rank pair (which adds a short R loop to the base program's mainloop)."""
     relatives, program = [], bound.program
     while program is not None:
+        # a stand-in may read fewer inputs (the QKV program without its bias): its key names only its own
+        dropped = set(bound.program.inputs) - set(program.inputs)
+        tensors = {name: t for name, t in bound.tensors.items() if name not in dropped}
         if program is not bound.program:
-            relatives.append(BoundProgram(program, bound.a, bound.b, bound.m, bound.n, bound.k, bound.tensors))
+            relatives.append(BoundProgram(program, bound.a, bound.b, bound.m, bound.n, bound.k, tensors))
         if program.gemm.low_rank:
             base = Program(program.name, Gemm(program.gemm.a_layout, program.gemm.b_layout), program.outputs,
                            doc=program.doc)
-            tensors = {name: t for name, t in bound.tensors.items() if name not in ("a2", "b2")}
+            tensors = {name: t for name, t in tensors.items() if name not in ("a2", "b2")}
             relatives.append(BoundProgram(base, bound.a, bound.b, bound.m, bound.n, bound.k, tensors))
         program = program.tuning_stand_in
     return relatives

@@ -2,8 +2,9 @@
 
 ``grad_z[m, 2j:2j+2] = R(-positions[m] * frequencies[j]) grad_qkv[m, 2j:2j+2]`` (adjacent pairs) and
 ``mean_z_dz[m] = sum_k qkv[m, k] grad_qkv[m, k] / width``: a rotation preserves dot products, so the
-statistic needs the RoPE outputs, never its inputs. One program per row; the gradient arrives as up to
-three column blocks (q, k, v as attention's backward wrote them), read in place.
+statistic needs the RoPE outputs, never its inputs. With a bias inside the rotation (``qkv = rope(z + bias)``) the
+norm's statistic is that of ``z`` alone: ``sum_k bias[k] grad_z[m, k]`` is subtracted. One program per row; the
+gradient arrives as up to three column blocks (q, k, v as attention's backward wrote them), read in place.
 """
 from __future__ import annotations
 
@@ -43,12 +44,14 @@ def _store_pairs(ptr, even, odd, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rope_backward_chunk(grad_ptr, values_ptr, grad_z_ptr, frequencies_ptr, n_valid, position,
-                         PRE_ROPE: tl.constexpr, BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
+def _rope_backward_chunk(grad_ptr, values_ptr, grad_z_ptr, frequencies_ptr, bias_ptr, n_valid, position,
+                         PRE_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                         PORTABLE: tl.constexpr):
     """BLOCK columns of a row from an even column on (``n_valid`` of them in bounds): rotate the gradient
     back and store it; return the lanes' share of ``sum z * dz``. ``values`` are the RoPE outputs
     (dotted with the incoming gradient: rotations preserve dot products) or, ``PRE_ROPE``, its inputs
-    (dotted with the rotated-back gradient)."""
+    (dotted with the rotated-back gradient). ``HAS_BIAS``: the RoPE outputs rotated ``z + bias``, so the
+    bias's share ``bias * dz`` is taken off."""
     mask = tl.arange(0, BLOCK) < n_valid
     g0, g1 = _load_pairs(grad_ptr, mask, BLOCK // 2)
     y0, y1 = _load_pairs(values_ptr, mask, BLOCK // 2)
@@ -59,39 +62,46 @@ def _rope_backward_chunk(grad_ptr, values_ptr, grad_z_ptr, frequencies_ptr, n_va
     _store_pairs(grad_z_ptr, u0, u1, mask, BLOCK // 2)
     if PRE_ROPE:
         return y0 * u0 + y1 * u1
-    return y0 * g0 + y1 * g1
+    z_dz = y0 * g0 + y1 * g1
+    if HAS_BIAS:
+        b0, b1 = _load_pairs(bias_ptr, mask, BLOCK // 2)
+        z_dz -= b0 * u0 + b1 * u1
+    return z_dz
 
 
 @triton.jit
-def _rope_backward_columns(grad_ptr, values_ptr, grad_z_ptr, frequencies_ptr, n_cols, position,
-                           PRE_ROPE: tl.constexpr, BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
+def _rope_backward_columns(grad_ptr, values_ptr, grad_z_ptr, frequencies_ptr, bias_ptr, n_cols, position,
+                           PRE_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                           PORTABLE: tl.constexpr):
     """A row's ``n_cols`` columns of one column block, BLOCK at a time (:func:`_rope_backward_chunk`);
     returns the lanes' share of their ``sum z * dz``."""
     z_dz = tl.zeros([BLOCK // 2], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         z_dz += _rope_backward_chunk(grad_ptr + start, values_ptr + start, grad_z_ptr + start,
-                                     frequencies_ptr + start // 2, n_cols - start, position, PRE_ROPE, BLOCK,
-                                     PORTABLE)
+                                     frequencies_ptr + start // 2, bias_ptr + start, n_cols - start, position,
+                                     PRE_ROPE, HAS_BIAS, BLOCK, PORTABLE)
     return z_dz
 
 
 @triton.jit
 def _rope_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, k_stride, v_stride, q_cols, k_cols,
-                          v_cols, qkv_ptr, positions_ptr, frequencies_ptr, grad_z_ptr, mean_z_dz_ptr, inv_width,
-                          BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
+                          v_cols, qkv_ptr, positions_ptr, frequencies_ptr, bias_ptr, grad_z_ptr, mean_z_dz_ptr,
+                          inv_width, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
     """One row per program. The gradient arrives as three column blocks (q, k, v, as attention's
     backward wrote them, each with its own row stride), read in place: no concatenation first."""
     row = tl.program_id(0).to(tl.int64)
     n = q_cols + k_cols + v_cols
     position = tl.load(positions_ptr + row).to(tl.float32)
     qkv_row, grad_z_row = qkv_ptr + row * n, grad_z_ptr + row * n
-    z_dz = _rope_backward_columns(grad_q_ptr + row * q_stride, qkv_row, grad_z_row, frequencies_ptr, q_cols,
-                                  position, False, BLOCK, PORTABLE)
+    z_dz = _rope_backward_columns(grad_q_ptr + row * q_stride, qkv_row, grad_z_row, frequencies_ptr, bias_ptr,
+                                  q_cols, position, False, HAS_BIAS, BLOCK, PORTABLE)
     z_dz += _rope_backward_columns(grad_k_ptr + row * k_stride, qkv_row + q_cols, grad_z_row + q_cols,
-                                   frequencies_ptr + q_cols // 2, k_cols, position, False, BLOCK, PORTABLE)
+                                   frequencies_ptr + q_cols // 2, bias_ptr + q_cols, k_cols, position, False,
+                                   HAS_BIAS, BLOCK, PORTABLE)
     column = q_cols + k_cols
     z_dz += _rope_backward_columns(grad_v_ptr + row * v_stride, qkv_row + column, grad_z_row + column,
-                                   frequencies_ptr + column // 2, v_cols, position, False, BLOCK, PORTABLE)
+                                   frequencies_ptr + column // 2, bias_ptr + column, v_cols, position, False,
+                                   HAS_BIAS, BLOCK, PORTABLE)
     tl.store(mean_z_dz_ptr + row, tl.sum(z_dz, axis=0) * inv_width)
 
 
@@ -110,8 +120,10 @@ def _three_blocks(grad_blocks, widths: tuple[int, int, int] | None = None) -> li
 
 
 def rope_backward_ref(grad_blocks: Sequence[torch.Tensor], qkv: torch.Tensor, positions: torch.Tensor,
-                      frequencies: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``grad_z = rotate(grad_qkv, -positions[m] * frequencies[j])``, ``mean_z_dz[m] = sum_k qkv grad_qkv / width``.
+                      frequencies: torch.Tensor, width: int,
+                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grad_z = rotate(grad_qkv, -positions[m] * frequencies[j])``, ``mean_z_dz[m] = sum_k qkv grad_qkv / width``
+    (minus ``sum_k bias grad_z / width`` with ``bias``: ``qkv = rope(z + bias)``).
 
     ``grad_blocks``: ``grad_qkv`` as its column blocks, left to right: ``[grad_qkv]``, or
     ``[grad_q, grad_k, grad_v]`` as attention's backward wrote them (the kernel reads them in place).
@@ -122,14 +134,16 @@ def rope_backward_ref(grad_blocks: Sequence[torch.Tensor], qkv: torch.Tensor, po
     cd = stats_dtype(grad_qkv.dtype)
     grad = grad_qkv.to(cd)
     theta = positions.to(cd)[:, None] * frequencies.to(cd)[None, :]
-    grad_z = reference.rope_ref(grad, -theta).to(grad_qkv.dtype)
-    mean_z_dz = (qkv.to(cd) * grad).sum(dim=-1) / width
-    return grad_z, mean_z_dz
+    grad_z = reference.rope_ref(grad, -theta)
+    z_dz = (qkv.to(cd) * grad).sum(dim=-1)
+    if bias is not None:
+        z_dz = z_dz - (bias.to(cd) * grad_z).sum(dim=-1)
+    return grad_z.to(grad_qkv.dtype), z_dz / width
 
 
 @launcher
 def rope_backward_triton(grad_blocks: Sequence[torch.Tensor], qkv: torch.Tensor, positions: torch.Tensor,
-                         frequencies: torch.Tensor, width: int, *,
+                         frequencies: torch.Tensor, width: int, bias: torch.Tensor | None = None, *,
                          launch: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rope_backward_ref` as one kernel launch (fp16/bf16/fp32); up to three column blocks, each an
     even number of columns wide (a pair never straddles two blocks). ``launch``: ``(columns per step,
@@ -145,8 +159,9 @@ def rope_backward_triton(grad_blocks: Sequence[torch.Tensor], qkv: torch.Tensor,
     block, warps = launch or (rope_block(max(b.shape[1] for b in blocks)), 4)
     if m:
         launch_kernel(_rope_backward_kernel, (m,), grad_q, grad_k, grad_v, *(b.stride(0) for b in blocks),
-                      *(b.shape[1] for b in blocks), qkv, positions, frequencies, grad_z, mean_z_dz,
-                      1.0 / width, BLOCK=block, PORTABLE=portable_math(), num_warps=warps)
+                      *(b.shape[1] for b in blocks), qkv, positions, frequencies,
+                      qkv if bias is None else bias.contiguous(), grad_z, mean_z_dz, 1.0 / width,
+                      HAS_BIAS=bias is not None, BLOCK=block, PORTABLE=portable_math(), num_warps=warps)
     return grad_z, mean_z_dz
 
 

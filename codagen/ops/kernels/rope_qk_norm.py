@@ -114,8 +114,8 @@ def _rope_qk_norm_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, 
         grad_k_odd += k_odd
         v_dz = _rope_backward_columns(  # V: rotated back only; none of a row past the end
             grad_v_ptr + row.to(tl.int64) * v_stride, preact_row + qk_cols, grad_z_row + qk_cols,
-            frequencies_ptr + qk_cols // 2, tl.where(row_ok, 2 * n_pairs - qk_cols, 0), position, True, BLOCK,
-            PORTABLE)
+            frequencies_ptr + qk_cols // 2, preact_row, tl.where(row_ok, 2 * n_pairs - qk_cols, 0), position, True,
+            False, BLOCK, PORTABLE)
         row_z_dz = tl.sum(tl.sum(q_z_dz + k_z_dz, axis=1), axis=0) + tl.sum(v_dz, axis=0)
         tl.store(mean_z_dz_ptr + row, row_z_dz * inv_width, mask=row_ok)
     # partial row of this program: [q_norm grad | k_norm grad], each head_dim wide
