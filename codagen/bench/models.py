@@ -54,10 +54,11 @@ _LIGER = {"llama": "apply_liger_kernel_to_llama", "mistral": "apply_liger_kernel
           "qwen2": "apply_liger_kernel_to_qwen2", "qwen3": "apply_liger_kernel_to_qwen3",
           "phi3": "apply_liger_kernel_to_phi3", "granite": "apply_liger_kernel_to_granite",
           "smollm3": "apply_liger_kernel_to_smollm3", "gemma2": "apply_liger_kernel_to_gemma2",
-          "gemma3": "apply_liger_kernel_to_gemma3_text"}
+          "gemma3": "apply_liger_kernel_to_gemma3_text", "glm4": "apply_liger_kernel_to_glm4"}
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-            "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+            "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+            "glm4": "Glm4ForCausalLM"}
 #: LoRA targets by the projections Phi-3 fuses (PEFT adapts the fused module: q/v -> all of qkv_proj)
 _FUSED_TARGETS = {"phi3": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
                            "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}}
@@ -79,12 +80,20 @@ class ModelConfig:
     rms_norm_eps: float
     num_hidden_layers: int  # the published depth; the benchmark trims it (--layers)
     rope_scaling: dict | None = None
-    attention_bias: bool = False  # Qwen2: biases on q/k/v (its config has no field: the family always has them)
+    attention_bias: bool = False  # biases on q/k/v (Qwen2's and GLM's configs have no such field: always there)
     fields: tuple = ()  # the family's own config.json fields, as (name, value) pairs (Granite's multipliers, ...)
 
 
 _LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
+
+#: microsoft/Phi-4-mini-instruct's rope_scaling.long_factor
+_PHI4_MINI_LONG_FACTOR = [
+    1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649, 2.446418898,
+    2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533, 5.984965424,
+    6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+    16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6,
+    32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]
 
 #: published models (Hugging Face ``config.json`` of each), by their hub names
 MODELS = {
@@ -107,6 +116,11 @@ MODELS = {
     "SmolLM2-1.7B": ModelConfig("llama", 2048, 8192, 32, 32, 64, 49152, True, 130000.0, 1e-5, 24),
     "Phi-3-mini-4k": ModelConfig("phi3", 3072, 8192, 32, 32, 96, 32064, False, 10000.0, 1e-5, 32,
                                  fields=(("sliding_window", 2047),)),
+    # LongRoPE (48 factors: the 96 rotated channels of each 128-wide head), tied head, vocabulary 200064
+    "Phi-4-mini": ModelConfig("phi3", 3072, 8192, 24, 8, 128, 200064, True, 10000.0, 1e-5, 32,
+                              dict(rope_type="longrope", long_factor=_PHI4_MINI_LONG_FACTOR, short_factor=[1.0] * 48),
+                              fields=(("partial_rotary_factor", 0.75), ("original_max_position_embeddings", 4096),
+                                      ("max_position_embeddings", 131072), ("sliding_window", 262144))),
     "Granite-3.1-2B": ModelConfig("granite", 2048, 8192, 32, 8, 64, 49155, True, 5000000.0, 1e-5, 40,
                                   fields=(("embedding_multiplier", 12.0), ("residual_multiplier", 0.22),
                                           ("attention_multiplier", 0.015625), ("logits_scaling", 8.0))),
@@ -115,6 +129,9 @@ MODELS = {
                                           ("attention_multiplier", 0.0078125), ("logits_scaling", 16.0))),
     "SmolLM3-3B": ModelConfig("smollm3", 2048, 11008, 16, 4, 128, 128256, True, 5000000.0, 1e-6, 36,
                               fields=(("no_rope_layer_interval", 4),)),
+    # sandwich norms, Q/K/V biases, RoPE on interleaved pairs of half of each head's channels
+    "GLM-4-9B-0414": ModelConfig("glm4", 4096, 13696, 32, 2, 128, 151552, False, 10000.0, 1e-5, 40,
+                                 attention_bias=True, fields=(("partial_rotary_factor", 0.5),)),
     # every second layer local (sliding window 4096), soft-caps 50 (attention) and 30 (final logits)
     "Gemma-2-2B": ModelConfig("gemma2", 2304, 9216, 8, 4, 256, 256000, True, 10000.0, 1e-6, 26,
                               fields=(("sliding_window", 4096), ("query_pre_attn_scalar", 256),
@@ -153,13 +170,13 @@ def hf_config(model: ModelConfig, layers: int | None = None):
                                                               "rope_theta": fields.pop("rope_local_base_freq")}}
     if model.family == "gemma3":
         config_class = transformers.Gemma3TextConfig
-    config = config_class(**kwargs, rope_parameters=rope)
+    # the family's fields at construction: the config derives from some of them (Phi's partial rotary factor and
+    # LongRoPE lengths enter rope_parameters)
+    config = config_class(**{**kwargs, **fields}, rope_parameters=rope)
     if model.family == "llama":
         config.attention_bias = model.attention_bias
     if model.family == "mistral":
         config.sliding_window = None  # Mistral-7B-v0.3's config.json; MistralConfig's default is 4096
-    for field, value in fields.items():
-        setattr(config, field, value)
     if model.family == "smollm3":  # its layers read no_rope_layers, which the config derives from the interval
         config.no_rope_layers = [int((i + 1) % config.no_rope_layer_interval != 0)
                                  for i in range(config.num_hidden_layers)]

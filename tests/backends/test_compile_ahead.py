@@ -148,7 +148,7 @@ def test_eager_first_step_trace_reaches_every_fused_gemm(monkeypatch, planned, f
         model(input_ids=ids, labels=ids).loss.backward()
         real, dry = set(planned["real"]), set(planned["dry"])
         names = {name for name, *_ in real}
-        qkv = "rms_qkv_rope_qk_norm" if family == "qwen3" else "rms_qkv_rope"
+        qkv = {"qwen2": "rms_qkv_rope_bias", "qwen3": "rms_qkv_rope_qk_norm"}.get(family, "rms_qkv_rope")
         assert {qkv, "rms_gate_up_swiglu", "input_grad", "rms_norm_backward"} <= names, names
         assert real <= dry, f"launched without a dry run: {sorted(real - dry, key=str)}"
         assert len(calls) == 1 and not isinstance(calls[0], torch._subclasses.FakeTensor)
