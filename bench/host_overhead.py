@@ -35,6 +35,7 @@ from triton.runtime.jit import JITFunction
 import codagen
 from codagen import ops
 from codagen.backends import get_backend
+from codagen.backends.triton.targets import TARGETS
 from codagen.ops.kernels import _launch
 
 
@@ -55,7 +56,7 @@ def stubbed_gpu_launches():
 
     def check(bound):  # TritonBackend._check for an sm_90 GPU
         backend_check(bound)  # the dtype checks
-        return False, 9
+        return False, TARGETS["sm_90"]
 
     backend_check = type(backend)._check.__get__(backend)
     with contextlib.ExitStack() as stack:

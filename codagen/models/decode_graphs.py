@@ -97,7 +97,7 @@ class _ModelGraphs:
             self.steps.clear()
             self.modules_key = key
             self.parameters = [p for m in model.modules() for p in m._parameters.values() if p is not None]
-            self.eligible = (not any(lora._is_peft_module(m) for m in model.modules())
+            self.eligible = (not any(lora.is_peft_module(m) for m in model.modules())
                              and not families.rope_from_positions(model))
         self.versions = tuple(p._version for p in self.parameters)
         self.verified = True
@@ -177,7 +177,7 @@ def default_static_cache(model: nn.Module, generation_config, model_kwargs: dict
         return False
     if given_cache(model_kwargs) is not None:
         return False
-    return not any(lora._is_peft_module(m) for m in model.modules())
+    return not any(lora.is_peft_module(m) for m in model.modules())
 
 
 def _step_kind(model: nn.Module, args: tuple, kwargs: dict):

@@ -174,7 +174,7 @@ def _runs_here(model: nn.Module, input_ids: torch.Tensor, logits_processor, stop
         return None
     if any(layer.is_initialized for layer in cache.layers) and int(cache.get_seq_length()) != 0:
         return None  # a cache holding a prefix: transformers' loop slices the inputs
-    if any(lora._is_peft_module(m) for m in model.modules()):
+    if any(lora.is_peft_module(m) for m in model.modules()):
         return None  # adapters switch without touching a parameter
     if families.rope_from_positions(model):
         return None  # the rotary module picks its frequencies per step, on the host

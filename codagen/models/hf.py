@@ -101,6 +101,7 @@ from . import (
     hf_cache,
     layer_units,
     lora,
+    module_changes,
     tensor_parallel,
 )
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
@@ -253,28 +254,70 @@ def _check_shapes(model: nn.Module) -> None:
             raise _refuse(f"rotary embeddings of different widths per layer type (layer {i})", model)
 
 
-def _structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> tuple:
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    """One walk of a model's modules and what the per-forward checks read of them, valid while
+    :func:`.module_changes.version` stays ``version``."""
+    version: tuple[int, int]
+    modules: tuple[tuple[str, nn.Module], ...]
+    peft_modules: tuple[tuple[str, nn.Module], ...]  # what lora.prepare_adapters reads
+    tree: tuple  # each module's identity and its parameters' presence and shapes
+    scalar_modules: tuple[nn.Module, ...]  # the modules holding an eps or a head_dim (plain attributes)
+    layers: tuple[nn.Module, ...]  # the decoder layers, and their attention modules (read without nn.Module lookups)
+    attentions: tuple[nn.Module, ...]
+
+
+#: the last walk of each patched model (outside torch.compile, which guards what it traced itself)
+_WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _walk(model: nn.Module, version: tuple[int, int] | None = None) -> _Walk:
+    modules = tuple(model.named_modules())
+    return _Walk(module_changes.version() if version is None else version, modules,
+                 tuple((path, m) for path, m in modules if lora.is_peft_module(m)),
+                 tuple((id(m), tuple(None if p is None else p.shape for p in m._parameters.values()))
+                       for _, m in modules),
+                 tuple(m for _, m in modules if families.norm_eps(m) is not None or "head_dim" in m.__dict__),
+                 tuple(model.model.layers), tuple(layer.self_attn for layer in model.model.layers))
+
+
+def _current_walk(model: nn.Module) -> tuple[_Walk, bool]:
+    """``(walk, new)``: the model's last walk while nothing was registered since (:mod:`.module_changes`), else a new
+    one."""
+    version = module_changes.version()
+    walk = _WALKS.get(model)
+    if walk is not None and walk.version == version:
+        return walk, False
+    walk = _WALKS[model] = _walk(model, version)
+    return walk, True
+
+
+def _structure(model: nn.Module, walk: _Walk) -> tuple:
     """What :func:`_check_model` and :func:`_check_shapes` read, in a form cheap to compare on every forward: each
-    module's identity (a projection or ``act_fn`` swapped), its parameters' presence and shapes (a bias added), its
-    eps and ``head_dim``, the family's multipliers and attention scalings, and the config and rotary fields."""
+    module's identity (a projection or ``act_fn`` swapped) and its parameters' presence and shapes (a bias added), from
+    ``walk``; the eps and ``head_dim`` attributes, the family's multipliers and attention scalings, and the config and
+    rotary fields, read now."""
     config = model.config
     family = families.family_of(model)
-    layers = model.model.layers
     fields = [getattr(model.model, family.embedding_multiplier, None) if family.embedding_multiplier else None,
               getattr(config, family.logits_divisor, None) if family.logits_divisor else None,
-              *(getattr(layer, family.residual_multiplier, None) for layer in layers if family.residual_multiplier),
-              *(getattr(layer.self_attn, "scaling", None) for layer in layers)]
-    return (tuple((id(m), tuple(None if p is None else p.shape for p in m._parameters.values()),
-                   families.norm_eps(m), m.__dict__.get("head_dim")) for _, m in modules), tuple(fields),
-            getattr(config, "hidden_act", None), config.num_attention_heads, config.num_key_value_heads,
+              *(getattr(layer, family.residual_multiplier, None)
+                for layer in walk.layers if family.residual_multiplier),
+              *(attn.__dict__.get("scaling") for attn in walk.attentions)]
+    # the rotary embedding per layer type (one for most families): its attention factor and rotated width
+    rotary_layers = {attn.__dict__.get("layer_type"): layer for layer, attn in zip(walk.layers, walk.attentions)}
+    rotary_layers = rotary_layers.values()
+    return (walk.tree, tuple((families.norm_eps(m), m.__dict__.get("head_dim")) for m in walk.scalar_modules),
+            tuple(fields), getattr(config, "hidden_act", None), config.num_attention_heads, config.num_key_value_heads,
             families.rope_types(model), tuple((families.attention_scaling(family, model, layer),
-                                               families.inv_freq(family, model, layer).shape) for layer in layers))
+                                               families.inv_freq(family, model, layer).shape)
+                                              for layer in rotary_layers))
 
 
-def _check_structure(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> None:
+def _check_structure(model: nn.Module, walk: _Walk) -> None:
     """:func:`_check_model` and :func:`_check_shapes` again when :func:`_structure` differs from the one they last
     passed: a bias added or ``act_fn`` replaced after patching is refused, never computed as the unmodified model."""
-    structure = _structure(model, modules)
+    structure = _structure(model, walk)
     if _CHECKED_STRUCTURE.get(model) != structure:
         _check_model(model)
         _check_shapes(model)
@@ -294,7 +337,7 @@ def patch(model: nn.Module) -> nn.Module:
     hf_cache.load_transformers()
     _check_model(inner)
     _check_shapes(inner)
-    _CHECKED_STRUCTURE[inner] = _structure(inner, tuple(inner.named_modules()))
+    _CHECKED_STRUCTURE[inner] = _structure(inner, _walk(inner))
     _check_hooks(inner)
     if not is_patched(inner):
         inner.forward = _PatchedForward(inner)
@@ -565,13 +608,18 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
              labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
              return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
-    # PEFT wrappers and adapter states can change after patching (fused parameters take none: sharding.py);
-    # hooks can be added: both checked on one walk of the modules
-    modules = tuple(self.named_modules())
-    adapters = not fused_layers.is_fused(self) and lora.prepare_adapters(self, modules, patched=True)
-    _check_hooks(self, modules)
-    if not fused_layers.is_fused(self) and not torch.compiler.is_compiling():  # Dynamo guards what it traced
-        _check_structure(self, modules)
+    # PEFT wrappers and adapter states can change after patching (fused parameters take none: sharding.py); hooks
+    # can be added: checked on one walk of the modules, re-walked only after a registration (.module_changes)
+    if torch.compiler.is_compiling():  # Dynamo guards what it traced: no structure check, no cached walk
+        walk, new_walk = _walk(self, version=(0, 0)), True
+    else:
+        walk, new_walk = _current_walk(self)
+    modules = walk.modules
+    adapters = not fused_layers.is_fused(self) and lora.prepare_adapters(self, walk.peft_modules, patched=True)
+    if new_walk:  # a hook is registered through a new handle: a walk of the same version has seen them all
+        _check_hooks(self, modules)
+    if not fused_layers.is_fused(self) and not torch.compiler.is_compiling():
+        _check_structure(self, walk)
         _check_residual_dropout(self, families.family_of(self))  # the training mode can change without a patch
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
@@ -713,7 +761,8 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
                          scale=None if scaling is None or scaling == head_dim ** -0.5 else float(scaling),
                          half_split_dim=None if fused else families.half_split_dim(family, self, head_dim),
                          softcap=families.softcap(config, family.attention_softcap))
-    layers = self.model.layers[: config.num_hidden_layers]
+    # a tuple, not a slice of the ModuleList: that would be a new ModuleList, whose modules register again
+    layers = tuple(self.model.layers)[: config.num_hidden_layers]
     if compile_ahead.tracing():  # a layer of each structure launches every kernel the others of it would
         layers = compile_ahead.one_of_each(layers, lambda layer: _sliding_window(self, layer))
     # FSDP units on the decoder layers or the final norm (accelerate's placement; _check_hooks refuses other hooks

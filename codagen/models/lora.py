@@ -39,7 +39,8 @@ from codagen import ops
 
 from . import families
 
-__all__ = ["unwrap_peft", "prepare_adapters", "qkv_low_rank", "gate_up_low_rank", "linear_low_rank", "Adapter"]
+__all__ = ["unwrap_peft", "is_peft_module", "prepare_adapters", "qkv_low_rank", "gate_up_low_rank", "linear_low_rank",
+           "Adapter"]
 
 
 
@@ -54,7 +55,8 @@ def _refuse(feature: str, patched: bool = False) -> NotImplementedError:
                                f"(merge_and_unload) or {_advice(patched)}")
 
 
-def _is_peft_module(module: nn.Module) -> bool:
+def is_peft_module(module: nn.Module) -> bool:
+    """Whether ``module`` is one of PEFT's (FSDP2's wrapped class included)."""
     cls = type(module)
     if isinstance(module, FSDPModule):  # FSDP2's fully_shard swaps in FSDP<cls>(FSDPModule, cls), defined in torch
         cls = cls.__mro__[2]
@@ -63,12 +65,12 @@ def _is_peft_module(module: nn.Module) -> bool:
 
 def is_lora_linear(module: nn.Module) -> bool:
     """A PEFT LoRA layer (``peft.tuners.lora.Linear`` or a subclass), recognised without importing PEFT."""
-    return _is_peft_module(module) and hasattr(module, "lora_A") and hasattr(module, "base_layer")
+    return is_peft_module(module) and hasattr(module, "lora_A") and hasattr(module, "base_layer")
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The ``...ForCausalLM`` inside a ``peft.PeftModel`` (checked against its LoRA configs), else ``model``."""
-    if not (_is_peft_module(model) and hasattr(model, "get_base_model") and hasattr(model, "peft_config")):
+    if not (is_peft_module(model) and hasattr(model, "get_base_model") and hasattr(model, "peft_config")):
         return model
     for name, config in model.peft_config.items():
         peft_type = str(getattr(config, "peft_type", ""))
@@ -96,7 +98,7 @@ def prepare_adapters(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] 
     caller has walked them already; ``patched``: whether ``model`` is patched (the refusals' advice).
     Returns whether the model holds LoRA layers."""
     modules = model.named_modules() if modules is None else modules
-    peft_modules = [(path, module) for path, module in modules if _is_peft_module(module)]
+    peft_modules = [(path, module) for path, module in modules if is_peft_module(module)]
     if not peft_modules:
         return False
     slots = {id(getattr(getattr(layer, parent), name)) for layer in model.model.layers

@@ -82,8 +82,10 @@ def test_decode_steps_bind_without_repeating_the_checks():
         bind_module.bind(bind_module.library.linear(), torch.randn(3, 5), torch.randn(4, 6), {})
 
 
-def test_decode_step_walks_the_modules_once():
-    """One walk checks hooks and adapters and keys the kept fused weights: per step, whatever the depth."""
+def test_decode_steps_walk_the_modules_only_after_a_registration():
+    """The walk that checks hooks, adapters and structure and keys the kept fused weights is kept while nothing is
+    registered (codagen.models.module_changes): no walk per decode step, whatever the depth; a buffer registered
+    (or a hook added) anywhere gives one walk at the next step, and a hook added on a submodule is refused there."""
     model = patch(build("llama", num_hidden_layers=3)).eval()
     walks = []
     named_modules = type(model).named_modules
@@ -95,7 +97,13 @@ def test_decode_step_walks_the_modules_once():
     counts = []
     with use_backend("reference"), mock.patch.object(type(model), "named_modules", counting):
         _decode_steps(model, 3, on_step=lambda: counts.append(len(walks)))
-    assert [b - a for a, b in zip(counts, counts[1:])] == [1, 1], counts
+        assert [b - a for a, b in zip(counts, counts[1:])] == [0, 0], counts
+        torch.nn.Linear(2, 2)  # a registration elsewhere in the process: the next forward (a prefill) walks, once
+        _decode_steps(model, 2, on_step=lambda: counts.append(len(walks)))
+        assert counts[3:] == [counts[2] + 1] * 2, counts
+        model.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+        with pytest.raises(NotImplementedError, match="forward hooks on submodule 'model.layers.1.mlp'"):
+            _decode_steps(model, 1)
 
 
 @pytest.mark.skipif(triton_backend_missing() is not None, reason=str(triton_backend_missing()))
