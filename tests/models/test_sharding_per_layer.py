@@ -125,11 +125,16 @@ def decoder_layer_units(layers: int, prefix: str = "") -> list[str]:
 @pytest.mark.parametrize(("family", "overrides"), [
     ("llama", {}), ("qwen3", {}), ("llama", dict(attention_bias=True, tie_word_embeddings=True)), ("phi3", {}),
     ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
-                     logits_scaling=8.0))])
+                     logits_scaling=8.0)),
+    ("gemma2", dict(head_dim=8, query_pre_attn_scalar=6, sliding_window=5,
+                    layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0,
+                    final_logit_softcapping=3.0)),
+    ("glm4", dict(head_dim=8, attention_bias=True))])
 def test_accelerate_placement_matches_one_unpatched_process(family, overrides):
     """A unit per decoder layer, the embeddings (untied), [final norm, LM head] and the root, as accelerate places
-    them, on a patched Llama, Qwen3 (QK-norm), Llama with an O bias and tied embeddings, Phi-3 (fused projections)
-    and Granite (multipliers: the logits' one in the final norm's unit)."""
+    them, on a patched Llama, Qwen3 (QK-norm), Llama with an O bias and tied embeddings, Phi-3 (fused projections),
+    Granite (multipliers: the logits' one in the final norm's unit), Gemma 2 (x (1 + w) and sandwich norms inside the
+    layers' units, soft-caps) and GLM-4 (sandwich norms, partial interleaved RoPE)."""
     model, batch = build(family, **overrides), lm_batch()
     want = reference(model, batch)
     got = run_distributed(2, _per_layer_training, model, batch)
