@@ -27,6 +27,11 @@ _registrations = 0
 
 
 def _count(*_args) -> None:  # returns None: the registration proceeds unchanged
+    # Not while Dynamo traces: reading the counter there would guard the graph on its value (a recompile per call
+    # of a compiled model whose forward slices a ModuleList, as transformers' decoders do); what a traced forward
+    # registers exists at trace time only
+    if torch.compiler.is_compiling():
+        return
     global _registrations
     _registrations += 1
 
