@@ -264,7 +264,7 @@ class _Walk:
     tree: tuple  # each module's identity and its parameters' presence and shapes
     scalar_modules: tuple[nn.Module, ...]  # the modules holding an eps or a head_dim (plain attributes)
     layers: tuple[nn.Module, ...]  # the decoder layers, and their attention modules (read without nn.Module lookups)
-    attentions: tuple[nn.Module, ...]
+    attentions: tuple[nn.Module | None, ...]  # None for a fused block (codagen.models.sharding) or a wrapper
 
 
 #: the last walk of each patched model (outside torch.compile, which guards what it traced itself)
@@ -278,7 +278,7 @@ def _walk(model: nn.Module, version: tuple[int, int] | None = None) -> _Walk:
                  tuple((id(m), tuple(None if p is None else p.shape for p in m._parameters.values()))
                        for _, m in modules),
                  tuple(m for _, m in modules if families.norm_eps(m) is not None or "head_dim" in m.__dict__),
-                 tuple(model.model.layers), tuple(layer.self_attn for layer in model.model.layers))
+                 tuple(model.model.layers), tuple(layer._modules.get("self_attn") for layer in model.model.layers))
 
 
 def _current_walk(model: nn.Module) -> tuple[_Walk, bool]:
@@ -303,10 +303,10 @@ def _structure(model: nn.Module, walk: _Walk) -> tuple:
               getattr(config, family.logits_divisor, None) if family.logits_divisor else None,
               *(getattr(layer, family.residual_multiplier, None)
                 for layer in walk.layers if family.residual_multiplier),
-              *(attn.__dict__.get("scaling") for attn in walk.attentions)]
+              *(vars(attn).get("scaling") for attn in walk.attentions if attn is not None)]
     # the rotary embedding per layer type (one for most families): its attention factor and rotated width
-    rotary_layers = {attn.__dict__.get("layer_type"): layer for layer, attn in zip(walk.layers, walk.attentions)}
-    rotary_layers = rotary_layers.values()
+    rotary_layers = {vars(attn).get("layer_type"): layer for layer, attn in zip(walk.layers, walk.attentions)
+                     if attn is not None}.values()
     return (walk.tree, tuple((families.norm_eps(m), m.__dict__.get("head_dim")) for m in walk.scalar_modules),
             tuple(fields), getattr(config, "hidden_act", None), config.num_attention_heads, config.num_key_value_heads,
             families.rope_types(model), tuple((families.attention_scaling(family, model, layer),
