@@ -704,8 +704,10 @@ def _rope_frequencies(rotary: nn.Module, inv_freq: torch.Tensor, num_heads: int,
     if key not in kept:
         if len(kept) >= 8:  # a buffer replaced, or updated in place (LongRoPE): the old entries go
             kept.clear()
-        kept[key] = build()
-    return kept[key]
+        # inv_freq is kept with what it built: while it is, no new buffer (dynamic RoPE registers one as the
+        # sequence grows) can take its address and find its entry
+        kept[key] = (inv_freq, build())
+    return kept[key][1]
 
 
 def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_ids, labels, shift_labels,

@@ -66,13 +66,15 @@ def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWei
     ``modules``: ``model.named_modules()`` when the caller has walked them already.
     """
     # modules too: merging an adapter (peft's merge_and_unload) writes through ``.data`` and swaps modules
-    modules = [m for _, m in (model.named_modules() if modules is None else modules)]
+    modules = tuple(m for _, m in (model.named_modules() if modules is None else modules))
     # (a parameter shared by two modules appears twice)
-    key = (dtype, tuple((p.data_ptr(), p._version) for m in modules for p in m._parameters.values() if p is not None),
-           tuple(map(id, modules)))
+    params = tuple(p for m in modules for p in m._parameters.values() if p is not None)
+    key = (dtype, tuple((p.data_ptr(), p._version) for p in params), tuple(map(id, modules)))
     kept = _FUSED_WEIGHTS.get(model)
     if kept is None or kept[0] != key:
-        kept = (key, fuse(), object())
+        # the parameters and modules are kept with their build: while they are, a replacement cannot take an old
+        # one's address or id and so match its key (a new parameter starts at version 0, as an untouched old one)
+        kept = (key, fuse(), object(), params, modules)
         _FUSED_WEIGHTS[model] = kept
     return kept[1]
 

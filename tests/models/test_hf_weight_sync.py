@@ -39,6 +39,16 @@ def _assign_data(model, new):
         p.data = new[name].clone()
 
 
+def _new_parameters(model, new):
+    """Each parameter replaced by a new one, the old one freed first: the allocator may give the new one the old
+    one's memory, and a new parameter's version counter starts at 0, as an untouched old one's."""
+    for name in [name for name, _ in model.named_parameters()]:  # names only: no reference keeps an old one alive
+        path, _, attr = name.rpartition(".")
+        module = model.get_submodule(path)
+        module._parameters[attr] = None
+        module._parameters[attr] = torch.nn.Parameter(new[name].clone())
+
+
 def _data_copy(model, new):
     for name, p in model.named_parameters():
         p.data.copy_(new[name])
@@ -54,7 +64,8 @@ def _trl_mix(model, new, alpha=0.6):
 _THROUGH_DATA = (_data_copy, _trl_mix)
 
 
-@pytest.mark.parametrize("write", [_load_state_dict, _copy_under_no_grad, _assign_data, _data_copy, _trl_mix])
+@pytest.mark.parametrize("write", [_load_state_dict, _copy_under_no_grad, _assign_data, _new_parameters, _data_copy,
+                                   _trl_mix])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_forward_after_a_weight_write_uses_the_new_weights(write, family):
     model = build(family).eval()
