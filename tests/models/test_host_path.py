@@ -117,14 +117,14 @@ def test_triton_decode_steps_plan_once():
     assert counts[1] == counts[0], counts
 
 
-def test_the_registration_counter_guards_no_compiled_graph(monkeypatch):
+def test_the_registration_counter_guards_no_compiled_graph():
     """transformers' decoders slice their ModuleList in forward, which registers modules while Dynamo traces: the
     counter of codagen.models.module_changes must not enter the graph's guards (a recompile per call)."""
     import codagen.models.module_changes  # noqa: F401  (installed, as by any codagen import)
     model = build("llama")
     compiled = torch.compile(model, backend="eager")
     ids = torch.randint(0, model.config.vocab_size, (1, 8))
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     torch._dynamo.reset()
-    for _ in range(3):
-        compiled(input_ids=ids)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # monkeypatch's undo would delete the setting
+        for _ in range(3):
+            compiled(input_ids=ids)
