@@ -1,6 +1,7 @@
 """What do a patched forward's checks of the model cost on the host, with the module walk kept and re-walked? (CPU)
 
-Before it computes, a patched forward checks the model's hooks, PEFT modules and structure (``codagen.models.hf``).
+Before it computes, a patched forward checks the model's hooks, PEFT modules and structure
+(``codagen.models.hf._check_before_forward``).
 The walk of ``named_modules()`` those checks read is kept while nothing is registered anywhere
 (``codagen.models.module_changes``); after a registration the forward walks again. This times the checks alone,
 both ways, alternating the two in rounds (the machine's noise lands on both), on a tiny Llama of ``--layers``
@@ -19,16 +20,7 @@ import torch
 import transformers
 
 import codagen
-from codagen.models import hf, lora
-
-
-def checks(model, walk, new_walk) -> None:
-    """The checks of ``hf._forward`` before it computes, on ``walk``."""
-    lora.prepare_adapters(model, walk.peft_modules, patched=True)
-    if new_walk:
-        hf._check_hooks(model, walk.modules)
-    hf._check_structure(model, walk)
-    hf._check_residual_dropout(model, hf.families.family_of(model))
+from codagen.models import hf
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -47,8 +39,11 @@ def main(argv=None) -> int:
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
     model = codagen.patch(transformers.LlamaForCausalLM(config))
-    kept = lambda: checks(model, *hf._current_walk(model))  # noqa: E731
-    walked = lambda: checks(model, hf._walk(model), True)  # noqa: E731
+    kept = lambda: hf._check_before_forward(model)  # noqa: E731
+
+    def walked():  # the kept walk dropped: the checks walk the modules again
+        hf._WALKS.pop(model, None)
+        hf._check_before_forward(model)
     kept(), walked()
     times = {"kept": [], "walked": []}
     for _ in range(args.rounds):

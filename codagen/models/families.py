@@ -282,12 +282,12 @@ def rope_types(model: nn.Module) -> tuple[str, ...]:
     return tuple(sorted(set(rope_type.values()))) if isinstance(rope_type, dict) else (rope_type,)
 
 
-def half_split_dim(family: Family, model: nn.Module, head_dim: int) -> int | None:
-    """The leading channels of each Q/K head in half-split RoPE order (:class:`codagen.models.llama.AttentionSpec`):
-    None for a full half-split rotary embedding, the rotated channels of a partial one, 0 for interleaved RoPE."""
+def half_split_dim(family: Family, rotary_dim: int, head_dim: int) -> int | None:
+    """The leading channels of each Q/K head in half-split RoPE order (:class:`codagen.models.llama.AttentionSpec`),
+    for a rotary embedding of ``rotary_dim`` channels (twice its ``inv_freq``'s length): None where it rotates them
+    all, ``rotary_dim`` for a partial one, 0 for interleaved RoPE."""
     if family.rope_interleaved:
         return 0
-    rotary_dim = 2 * inv_freq(family, model).shape[0]
     return None if rotary_dim == head_dim else rotary_dim
 
 

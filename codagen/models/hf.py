@@ -161,8 +161,7 @@ def _check_model(model: nn.Module) -> None:
         raise _refuse(f"RoPE per layer type with the rope types {families.rope_types(model)} (supported: static "
                       f"frequencies without an attention_scaling)", model)
     families.scales(family, model)  # ValueError naming a multiplier that is not a finite nonzero number
-    for field in (family.attention_softcap, family.logits_softcap):
-        families.softcap(config, field)  # ValueError naming a soft-cap that is not a positive number
+    families.softcap(config, family.logits_softcap)  # ValueError naming a soft-cap that is not a positive number
     if families.softcap(config, family.attention_softcap) is not None and config.attention_dropout:
         raise _refuse("attention dropout together with an attention soft-cap", model)
     scalings = {getattr(layer.self_attn, "scaling", None) for layer in model.model.layers}
@@ -312,6 +311,26 @@ def _structure(model: nn.Module, walk: _Walk) -> tuple:
             families.rope_types(model), tuple((families.attention_scaling(family, model, layer),
                                                families.inv_freq(family, model, layer).shape)
                                               for layer in rotary_layers))
+
+
+def _check_before_forward(model: nn.Module) -> tuple[_Walk, bool]:
+    """What a patched forward checks before it computes; ``(walk, whether the model holds LoRA layers)``.
+
+    PEFT wrappers and adapter states can change after patching (fused parameters take none: sharding.py), hooks can
+    be added: checked on one walk of the modules, re-walked only after a registration (:mod:`.module_changes`)."""
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # Dynamo guards what it traced: no structure check, no kept walk
+        walk, new_walk = _walk(model, version=(0, 0)), True
+    else:
+        walk, new_walk = _current_walk(model)
+    fused = fused_layers.is_fused(model)
+    adapters = not fused and lora.prepare_adapters(model, walk.peft_modules, patched=True)
+    if new_walk:  # a hook is registered through a new handle: a walk of the same version has seen them all
+        _check_hooks(model, walk.modules)
+    if not fused and not compiling:
+        _check_structure(model, walk)
+        _check_residual_dropout(model, families.family_of(model))  # the training mode can change without a patch
+    return walk, adapters
 
 
 def _check_structure(model: nn.Module, walk: _Walk) -> None:
@@ -608,19 +627,8 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
              labels=None, use_cache=None, logits_to_keep=0, output_attentions=None, output_hidden_states=None,
              return_dict=None, num_items_in_batch=None, shift_labels=None, **kwargs):
     """codagen's replacement of ``...ForCausalLM.forward`` (same arguments; see the module docstring)."""
-    # PEFT wrappers and adapter states can change after patching (fused parameters take none: sharding.py); hooks
-    # can be added: checked on one walk of the modules, re-walked only after a registration (.module_changes)
-    if torch.compiler.is_compiling():  # Dynamo guards what it traced: no structure check, no cached walk
-        walk, new_walk = _walk(self, version=(0, 0)), True
-    else:
-        walk, new_walk = _current_walk(self)
+    walk, adapters = _check_before_forward(self)
     modules = walk.modules
-    adapters = not fused_layers.is_fused(self) and lora.prepare_adapters(self, walk.peft_modules, patched=True)
-    if new_walk:  # a hook is registered through a new handle: a walk of the same version has seen them all
-        _check_hooks(self, modules)
-    if not fused_layers.is_fused(self) and not torch.compiler.is_compiling():
-        _check_structure(self, walk)
-        _check_residual_dropout(self, families.family_of(self))  # the training mode can change without a patch
     if kwargs.keys() & _FLASH_ATTENTION_KWARGS:
         raise _refuse(f"flash-attention varlen arguments {sorted(kwargs.keys() & _FLASH_ATTENTION_KWARGS)} (packed "
                       f"documents come from position_ids: DataCollatorWithFlattening(return_flash_attn_kwargs=False))",
@@ -750,8 +758,9 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
     def frequencies_of(inv_freq):
         return _rope_frequencies(rotary, inv_freq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                                  x.device)
-    frequencies = frequencies_of(families.inv_freq(family, self))
-    rotary_dim = 2 * families.inv_freq(family, self).shape[0]  # of each head's channels (HF order: the first ones)
+    inv_freq = families.inv_freq(family, self)
+    frequencies = frequencies_of(inv_freq)
+    rotary_dim = 2 * inv_freq.shape[0]  # of each head's channels (HF order: the first ones)
 
     def layer_frequencies(layer):  # None: the model's; a NoPE layer rotates by 0, Gemma 3's by its layer type's
         if not families.uses_rope(family, layer):
@@ -761,7 +770,7 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
     spec = AttentionSpec(batch, seq, config.num_attention_heads, config.num_key_value_heads, head_dim,
                          dropout=config.attention_dropout if self.training else 0.0, mask=additive(mask, dtype),
                          scale=None if scaling is None or scaling == head_dim ** -0.5 else float(scaling),
-                         half_split_dim=None if fused else families.half_split_dim(family, self, head_dim),
+                         half_split_dim=None if fused else families.half_split_dim(family, rotary_dim, head_dim),
                          softcap=families.softcap(config, family.attention_softcap))
     # a tuple, not a slice of the ModuleList: that would be a new ModuleList, whose modules register again
     layers = tuple(self.model.layers)[: config.num_hidden_layers]

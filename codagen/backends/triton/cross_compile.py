@@ -1,8 +1,8 @@
 """Compile a program's persistent kernel, or a row kernel's launch, for a target without its GPU (``triton.compile``
 with a ``GPUTarget``).
 
-What the compile matrices (``tests/backends/test_compile_matrix.py``, ``test_row_kernel_matrix.py``) and
-``bench/triton_resources.py`` run:
+What the compile matrices (``tests/backends/test_compile_matrix.py``, the row kernels' in ``tests/ops/test_kernels.py``)
+and ``bench/triton_resources.py`` run:
 
 - :func:`compile_persistent`: the generated ``tl`` kernel of one configuration, its pointer arguments 16-byte aligned
   and M, N, K multiples of 16 (what the backend's launches specialize on for aligned tensors), TMA where the target
