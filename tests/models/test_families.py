@@ -127,6 +127,19 @@ def test_generate_matches_unpatched(family, cache):
     assert_generates_as_unpatched(tiny(family).eval(), cache)
 
 
+@pytest.mark.parametrize("field, value", [("final_logit_softcapping", -1.0), ("attn_logit_softcapping", 0.0),
+                                          ("final_logit_softcapping", float("inf"))])
+def test_gemma2_soft_caps_that_are_not_positive_numbers_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"config.{field} must be a positive number or None, got {value!r}"):
+        patch(tiny("gemma2", **{field: value}))
+
+
+def test_gemma2_attention_dropout_with_a_soft_cap_is_refused():
+    with pytest.raises(NotImplementedError, match="attention dropout together with an attention soft-cap"):
+        patch(tiny("gemma2", attention_dropout=0.1))
+    patch(tiny("gemma2", attention_dropout=0.1, attn_logit_softcapping=None))  # SDPA takes the dropout
+
+
 def test_phi3_residual_dropout_is_refused_where_it_drops():
     model = tiny("phi3", resid_pdrop=0.1)
     with pytest.raises(NotImplementedError, match=r"dropout p=0.1 in training mode on the residual branch "

@@ -342,6 +342,22 @@ def test_a_bad_softcap_is_refused(softcap):
             factory(softcap)
 
 
+def test_qkv_program_with_a_bias():
+    """Qwen2's bias: ``rope(z + bias)`` (the reference backend's math against float64), the plain program's tuned
+    choices standing in; a bias with QK-norm is refused."""
+    m, d, n = 5, 8, 12
+    x, gamma, w, bias = (torch.randn(m, d, dtype=F64), torch.randn(d, dtype=F64), torch.randn(n, d, dtype=F64),
+                         torch.randn(n, dtype=F64))
+    positions, frequencies = torch.arange(m, dtype=F64), torch.rand(n // 2, dtype=F64)
+    program = library.rms_qkv_rope(bias=True)
+    assert program.name == "rms_qkv_rope_bias" and program.tuning_stand_in is library.rms_qkv_rope()
+    out = run(program, x * gamma, w, rstd=rstd_of(x), bias=bias, positions=positions, frequencies=frequencies)
+    want = rope_ref(rms_norm(x, gamma) @ w.T + bias, positions[:, None] * frequencies[None, :])
+    torch.testing.assert_close(out["qkv"], want)
+    with pytest.raises(ProgramError, match="rms_qkv_rope: bias together with QK-norm is not supported"):
+        library.rms_qkv_rope(4, bias=True)
+
+
 def test_rms_norm_backward_accumulates_in_place():
     m, d, n = 9, 16, 10
     x, gamma, grad_residual = leaves(m, d)
