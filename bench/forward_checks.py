@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     kept = lambda: hf._check_before_forward(model)  # noqa: E731
 
     def walked():  # the kept walk dropped: the checks walk the modules again
-        hf._WALKS.pop(model, None)
+        hf._WALKS.pop(model)
         hf._check_before_forward(model)
     kept(), walked()
     times = {"kept": [], "walked": []}

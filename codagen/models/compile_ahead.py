@@ -26,7 +26,6 @@ ahead compilation, never the step.
 from __future__ import annotations
 
 import contextvars
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -35,13 +34,15 @@ from torch.utils._pytree import tree_map_only
 
 from codagen.backends import compiles_ahead, compiling_ahead
 
+from .per_model import PerModel
+
 __all__ = ["trace_first_step", "tracing", "one_of_each"]
 
 _tracing: contextvars.ContextVar[bool] = contextvars.ContextVar("codagen_first_step_trace", default=False)
 # model -> the call signatures already traced
-_TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TRACED = PerModel("traced_signatures")
 # models whose last trace found every kernel compiled already: later new shapes are not traced
-_SETTLED: weakref.WeakSet = weakref.WeakSet()
+_SETTLED = PerModel("settled")
 
 
 def tracing() -> bool:
@@ -92,7 +93,10 @@ def trace_first_step(model: nn.Module, forward: Callable, args: tuple, kwargs: d
     if first is None or not compiles_ahead(first.device):
         return
     signature = _signature(model, args, kwargs, first.device)
-    traced = _TRACED.setdefault(model, set())
+    traced = _TRACED.get(model)
+    if traced is None:
+        traced = set()
+        _TRACED.set(model, traced)
     if signature in traced:  # the common case from the second step on: no walk of the parameters
         return
     traced.add(signature)
@@ -122,4 +126,4 @@ def trace_first_step(model: nn.Module, forward: Callable, args: tuple, kwargs: d
     finally:
         _tracing.reset(token)
     if compiling_ahead() == submitted:  # Triton specializes on shapes' divisibility, not values: this shape
-        _SETTLED.add(model)             # compiled nothing new, and another one will rarely either
+        _SETTLED.set(model, True)  # compiled nothing new, and another one will rarely either

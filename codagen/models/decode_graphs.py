@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -51,6 +50,7 @@ import torch
 from torch import nn
 
 from . import families, fused_layers, hf_cache, lora
+from .per_model import PerModel
 
 __all__ = ["replay", "compiles_forward", "default_static_cache", "drop", "eagerly", "graphs_of", "weights_key",
            "on_stream", "cache_tensors", "capture", "given_cache", "static_full_attention"]
@@ -103,7 +103,7 @@ class _ModelGraphs:
         self.verified = True
 
 
-_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GRAPHS = PerModel("decode_graphs")
 _EAGERLY = contextvars.ContextVar("codagen_decode_steps_eagerly", default=False)
 
 
@@ -135,7 +135,7 @@ def graphs_of(model: nn.Module) -> dict[tuple, _Step]:
 
 def drop(model: nn.Module) -> None:
     """Forget ``model``'s captured steps."""
-    _GRAPHS.pop(model, None)
+    _GRAPHS.pop(model)
 
 
 def given_cache(model_kwargs: dict):
@@ -226,7 +226,8 @@ def replay(model: nn.Module, forward: Callable, args: tuple, kwargs: dict):
         return None
     key, cache, inputs = kind
     if state is None:
-        state = _GRAPHS[model] = _ModelGraphs()
+        state = _ModelGraphs()
+        _GRAPHS.set(model, state)
     state.check(model)
     if not state.eligible:
         return None

@@ -43,13 +43,13 @@ caches stay allocated between calls (:data:`MAX_LOOP_KINDS` at most; :func:`drop
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections import OrderedDict
 
 import torch
 from torch import nn
 
 from . import decode_graphs, families, hf_cache, lora
+from .per_model import PerModel
 
 __all__ = ["takes", "decode", "sample", "loops_of", "drop", "CHECK_EVERY", "SET_PROCESSORS"]
 
@@ -93,7 +93,7 @@ class _ModelLoops:
         self.loops: OrderedDict[tuple, _Loop] = OrderedDict()
 
 
-_LOOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOOPS = PerModel("generate_loops")
 
 
 def loops_of(model: nn.Module) -> dict[tuple, _Loop]:
@@ -104,7 +104,7 @@ def loops_of(model: nn.Module) -> dict[tuple, _Loop]:
 
 def drop(model: nn.Module) -> None:
     """Forget ``model``'s loops and their graphs."""
-    _LOOPS.pop(model, None)
+    _LOOPS.pop(model)
 
 
 #: generate() arguments that transformers' custom_generate path does not hand to the decode loop: a call with any of
@@ -243,7 +243,8 @@ def sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, stopping
 def _loop_for(model: nn.Module, key: tuple, positions, slots: int, device: torch.device) -> _Loop:
     state = _LOOPS.get(model)
     if state is None:
-        state = _LOOPS[model] = _ModelLoops()
+        state = _ModelLoops()
+        _LOOPS.set(model, state)
     weights = decode_graphs.weights_key(model)
     if weights != state.weights:  # a graph reads the fused weights of the model it was captured on
         state.loops.clear()

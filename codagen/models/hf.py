@@ -82,7 +82,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -106,6 +105,7 @@ from . import (
 )
 from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
+from .per_model import PerModel
 
 __all__ = ["patch", "unpatch", "is_patched", "refresh_weights", "SUPPORTED_MODELS"]
 
@@ -118,9 +118,9 @@ _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 _HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new")
 _FLASH_ATTENTION_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 # rotary module -> {what the frequencies were built from: the fused QKV's per-pair frequencies}
-_FREQUENCIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FREQUENCIES = PerModel("rope_frequencies")
 # model -> the _structure its patch-time checks last passed
-_CHECKED_STRUCTURE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CHECKED_STRUCTURE = PerModel("checked_structure")
 
 
 def _advice(model: nn.Module | None) -> str:
@@ -266,8 +266,9 @@ class _Walk:
     attentions: tuple[nn.Module | None, ...]  # None for a fused block (codagen.models.sharding) or a wrapper
 
 
-#: the last walk of each patched model (outside torch.compile, which guards what it traced itself)
-_WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the last walk of each patched model (outside torch.compile, which guards what it traced itself); on the model, as a
+#: walk names the model (per_model)
+_WALKS = PerModel("walk")
 
 
 def _walk(model: nn.Module, version: tuple[int, int] | None = None) -> _Walk:
@@ -287,7 +288,8 @@ def _current_walk(model: nn.Module) -> tuple[_Walk, bool]:
     walk = _WALKS.get(model)
     if walk is not None and walk.version == version:
         return walk, False
-    walk = _WALKS[model] = _walk(model, version)
+    walk = _walk(model, version)
+    _WALKS.set(model, walk)
     return walk, True
 
 
@@ -340,7 +342,7 @@ def _check_structure(model: nn.Module, walk: _Walk) -> None:
     if _CHECKED_STRUCTURE.get(model) != structure:
         _check_model(model)
         _check_shapes(model)
-        _CHECKED_STRUCTURE[model] = structure
+        _CHECKED_STRUCTURE.set(model, structure)
 
 
 def patch(model: nn.Module) -> nn.Module:
@@ -356,7 +358,7 @@ def patch(model: nn.Module) -> nn.Module:
     hf_cache.load_transformers()
     _check_model(inner)
     _check_shapes(inner)
-    _CHECKED_STRUCTURE[inner] = _structure(inner, _walk(inner))
+    _CHECKED_STRUCTURE.set(inner, _structure(inner, _walk(inner)))
     _check_hooks(inner)
     if not is_patched(inner):
         inner.forward = _PatchedForward(inner)
@@ -402,7 +404,7 @@ def refresh_weights(model: nn.Module) -> nn.Module:
         raise ValueError("codagen.models.hf.refresh_weights: model is not patched by codagen.patch")
     hf_cache.drop_inference_blocks(inner)
     _drop_decode_graphs(inner)
-    _FREQUENCIES.pop(inner.model.rotary_emb, None)
+    _FREQUENCIES.pop(inner.model.rotary_emb)
     return model
 
 
@@ -708,7 +710,10 @@ def _rope_frequencies(rotary: nn.Module, inv_freq: torch.Tensor, num_heads: int,
     if torch.compiler.is_compiling() or compile_ahead.tracing():  # nothing kept from a trace's fake tensors
         return build()
     key = (inv_freq.data_ptr(), inv_freq._version, num_heads, num_kv_heads, head_dim, device)
-    kept = _FREQUENCIES.setdefault(rotary, {})
+    kept = _FREQUENCIES.get(rotary)
+    if kept is None:
+        kept = {}
+        _FREQUENCIES.set(rotary, kept)
     if key not in kept:
         if len(kept) >= 8:  # a buffer replaced, or updated in place (LongRoPE): the old entries go
             kept.clear()

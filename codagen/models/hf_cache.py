@@ -24,7 +24,6 @@ sliding-window layers). Anything else (quantized, offloaded, encoder-decoder, le
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,6 +32,7 @@ from codagen import ops
 from codagen.ops.kernels import half_split_heads, static_cache_write
 
 from .llama import AttentionSpec, BlockWeights, block_out_mlp, block_qkv, heads_attention
+from .per_model import PerModel
 
 __all__ = ["inference_blocks", "inference_blocks_build", "new_dynamic_cache", "check_cache", "attention_masks",
            "decoder_stack_with_cache", "half_split_heads", "output"]
@@ -41,13 +41,14 @@ _SUPPORTED_CACHES = ("DynamicCache", "StaticCache")
 _SUPPORTED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
 
 
-# model -> (what the fused weights were built from, the fused weights, a token of this build)
-_FUSED_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# on each model: (what the fused weights were built from, the fused weights, a token of this build, the parameters and
+# modules they were built from); on the model, as the modules name it (per_model)
+_FUSED_WEIGHTS = PerModel("fused_weights")
 
 
 def drop_inference_blocks(model) -> None:
     """Forget the fused weights :func:`inference_blocks` keeps for ``model`` (a forward with autograd on)."""
-    _FUSED_WEIGHTS.pop(model, None)
+    _FUSED_WEIGHTS.pop(model)
 
 
 @torch.compiler.disable  # reads version counters; a compiled forward (generate's static cache) calls it eagerly
@@ -75,7 +76,7 @@ def inference_blocks(model, dtype: torch.dtype, fuse: Callable[[], list[BlockWei
         # the parameters and modules are kept with their build: while they are, a replacement cannot take an old
         # one's address or id and so match its key (a new parameter starts at version 0, as an untouched old one)
         kept = (key, fuse(), object(), params, modules)
-        _FUSED_WEIGHTS[model] = kept
+        _FUSED_WEIGHTS.set(model, kept)
     return kept[1]
 
 
