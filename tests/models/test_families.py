@@ -178,11 +178,19 @@ def test_fused_parameters_take_the_llama_layout_only():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_gpu_bf16_two_x_rule(family, monkeypatch):
-    """bf16 parameters on the GPU (Triton kernels): every gradient within twice transformers' bf16 error."""
+    """bf16 parameters on the GPU (Triton kernels): every gradient within twice transformers' bf16 error.
+
+    The errors are summed over three batches: some gradients are mostly rounding noise in both runs, so one
+    batch's ratio of errors scatters. The K bias's gradient is zero in exact math on every channel RoPE leaves
+    as is (GLM's unrotated half): adding a vector to every key shifts a query's scores by one constant, which
+    softmax ignores."""
     monkeypatch.setenv("CODAGEN_TRITON_AUTOTUNE", "0")
-    fields = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                  vocab_size=1000, num_hidden_layers=4, **({"head_dim": 64} if family == "qwen3" else {}),
-                  **({"sliding_window": 48} if "sliding_window" in TINY[family] else {}))
+    fields = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  vocab_size=1000, num_hidden_layers=4)
+    if "sliding_window" in TINY[family]:
+        fields["sliding_window"] = 48
+    if "layer_types" in TINY[family]:  # one entry per layer
+        fields["layer_types"] = TINY[family]["layer_types"] * 2
     model = tiny(family, **fields).cuda()
-    inputs = {k: v.cuda() for k, v in lm_inputs(batch=2, seq=128, vocab=1000).items()}
-    two_x_rule(model, inputs, lambda m, batch: m.bfloat16()(**batch).loss)
+    batches = [{k: v.cuda() for k, v in lm_inputs(batch=2, seq=128, vocab=1000).items()} for _ in range(3)]
+    two_x_rule(model, batches, lambda m, batch: m.bfloat16()(**batch).loss)
