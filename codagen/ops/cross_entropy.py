@@ -20,7 +20,10 @@ fp32 logits and picks the target logit (``rms_lm_head_cross_entropy``); finished
 (:func:`codagen.ops.kernels.finish_cross_entropy`): ``loss[m] = logsumexp_t(partial_lse) - z[m, target[m]]``.
 No logits are stored.
 
-Chunking bounds the only vocabulary-sized buffer, one chunk of logits, to :data:`CHUNK_BYTES`.
+Chunking bounds the only vocabulary-sized buffer, one chunk of logits, to :data:`CHUNK_BYTES`. Its rows are whole
+16-byte units: step 3's GEMMs read it as an operand, and TMA (with the 16-byte vectors of the pointer-load path)
+needs aligned row strides, which a vocabulary such as Granite's 49155 does not give. Training then runs steps 1 and 3
+on the weight padded with zero rows (:func:`padded_head`): those columns' logits are 0, and so is what they add.
 
 With a soft-cap (Gemma 2's ``final_logit_softcapping``) the loss is that of ``y = cap * tanh(z / cap)``. Training
 stores the uncapped ``z`` (step 1 unchanged) and the row kernel caps it as it reads it: its ``dz`` is the
@@ -89,6 +92,14 @@ def _ce_op(normed: Tensor, rstd: Tensor, lm_head_weight: Tensor, target: Tensor,
     return _reduce(row_loss, valid, row_weight, mean)
 
 
+def padded_head(lm_head_weight: Tensor, logits_dtype: torch.dtype) -> Tensor:
+    """``lm_head_weight`` [V, d] with zero rows appended so that a row of logits in ``logits_dtype`` fills whole
+    16-byte units (itself when it does already; one copy of the weight otherwise)."""
+    per_unit = max(1, 16 // torch.empty((), dtype=logits_dtype).element_size())
+    missing = -lm_head_weight.shape[0] % per_unit
+    return lm_head_weight if missing == 0 else torch.nn.functional.pad(lm_head_weight, (0, 0, 0, missing))
+
+
 def _accumulates_wide(m: int, rows_per_chunk: int, lm_head_weight: Tensor) -> bool:
     """Several chunks accumulate grad_W: keep it in fp32 then (one rounding, in backward)."""
     return rows_per_chunk < m and lm_head_weight.dtype in (torch.float16, torch.bfloat16)
@@ -119,13 +130,15 @@ def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tenso
     grad_x = torch.zeros_like(x)  # each chunk accumulates into its own rows
     grad_norm_weight = norm_weight.new_zeros(d, dtype=cd)
     wide = weight_grad and _accumulates_wide(m, rows_per_chunk, lm_head_weight)
+    vocab = lm_head_weight.shape[0]
+    head = padded_head(lm_head_weight, x.dtype)  # aligned rows of logits (module docstring)
     grad_weight = None
     for start in range(0, m, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
-        grad_logits = execute(library.rms_linear(), normed[rows], lm_head_weight, rstd=rstd[rows])["out"]
-        row_loss[rows], mean_z_dz = kernels.cross_entropy_logits_grad(grad_logits, target[rows], row_weight[rows], d,
-                                                                      softcap)
-        norm = execute(library.rms_norm_backward("accumulate"), grad_logits, lm_head_weight, residual=x[rows],
+        grad_logits = execute(library.rms_linear(), normed[rows], head, rstd=rstd[rows])["out"]
+        row_loss[rows], mean_z_dz = kernels.cross_entropy_logits_grad(grad_logits[:, :vocab], target[rows],
+                                                                      row_weight[rows], d, softcap)
+        norm = execute(library.rms_norm_backward("accumulate"), grad_logits, head, residual=x[rows],
                        rstd=rstd[rows], norm_weight=norm_weight, mean_z_dz=mean_z_dz, grad_residual=grad_x[rows])
         grad_norm_weight += kernels.finish_col_sum(norm["partial_grad_norm_weight"], cd)
         if not weight_grad:
@@ -139,6 +152,8 @@ def _ce_with_grad_op(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tenso
         grad_weight = lm_head_weight.new_empty(0)
     elif grad_weight is None:  # no tokens
         grad_weight = torch.zeros_like(lm_head_weight)
+    else:
+        grad_weight = grad_weight[:vocab]  # the padded rows' gradients, zeros, dropped (a contiguous view)
     return _reduce(row_loss, valid, row_weight, mean), grad_x, grad_norm_weight, grad_weight
 
 

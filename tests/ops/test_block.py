@@ -142,6 +142,19 @@ def test_cross_entropy_chunk_rows_bounds_memory():
     assert chunk_rows(100, 10**9, 4, budget=1) == 1
 
 
+def test_the_lm_head_pads_its_logits_rows_to_16_bytes():
+    """A chunk's logits rows fill whole 16-byte units (TMA operands): Granite's 49155 rows pad to 49160 in bf16, the
+    appended rows zero; an aligned vocabulary keeps the weight itself."""
+    from codagen.ops.cross_entropy import padded_head
+
+    weight = torch.randn(49155, 8)
+    for dtype, rows in ((torch.bfloat16, 49160), (torch.float32, 49156), (torch.float64, 49156)):
+        padded = padded_head(weight, dtype)
+        assert padded.shape == (rows, 8) and torch.equal(padded[:49155], weight) and not padded[49155:].any()
+    aligned = torch.randn(49152, 8)
+    assert padded_head(aligned, torch.bfloat16) is aligned
+
+
 @pytest.mark.parametrize("qk_norm, activation", [(False, "silu"), (True, "silu"), (False, "gelu_tanh")],
                          ids=["plain", "qk_norm", "geglu"])
 def test_bf16_block_two_x_rule_on_reference_backend(qk_norm, activation):

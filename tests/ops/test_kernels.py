@@ -80,6 +80,14 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 scale = max(1.0, logits.float().abs().max().item())
                 for a, b, atol in zip(got + (got_logits,), want + (want_logits,), (tol * scale, tol * scale, tol)):
                     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=atol)
+            # rows of a wider buffer (the LM head's chunk, its rows padded to 16-byte units): its other columns kept
+            padded = torch.randn(m, n + 6).to(dtype)
+            padded[:, :n] = logits
+            columns_after = padded[:, n:].clone()
+            got = k.cross_entropy_logits_grad_triton(padded[:, :n], target, row_weight, 5, softcap)
+            for a, b in zip(got + (padded[:, :n],), want + (want_logits,)):
+                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * scale)
+            assert torch.equal(padded[:, n:], columns_after)
             # the sandwich norm after a GEMM: forward (x, normed, rstd, rstd_y) and backward (grad_y and the
             # post-norm weight's gradient) with one backward program per row, or 16 rows each (the last ragged)
             residual, grad_x = torch.randn(m, n).to(dtype), torch.randn(m, n).to(dtype)

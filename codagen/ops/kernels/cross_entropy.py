@@ -28,7 +28,7 @@ CROSS_ENTROPY_GROUP = 8
 
 @triton.jit
 def _cross_entropy_logits_grad_kernel(logits_ptr, target_ptr, row_weight_ptr, row_loss_ptr, mean_z_dz_ptr,
-                                      n_cols, inv_width, softcap, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                                      n_cols, row_stride, inv_width, softcap, BLOCK: tl.constexpr, GROUP: tl.constexpr,
                                       SOFTCAP: tl.constexpr, PORTABLE: tl.constexpr):
     """One row per program, two passes over it.
 
@@ -38,7 +38,7 @@ def _cross_entropy_logits_grad_kernel(logits_ptr, target_ptr, row_weight_ptr, ro
     in L2), and writes ``dz`` over the logits. ``y`` is ``z``, or with ``SOFTCAP`` ``softcap * tanh(z /
     softcap)``."""
     row = tl.program_id(0).to(tl.int64)
-    logits_row = logits_ptr + row * n_cols
+    logits_row = logits_ptr + row * row_stride
     inv_softcap = 1.0 / softcap
     target = tl.load(target_ptr + row)
     # an ignored (negative) target, or one past the vocabulary, has no logit
@@ -116,15 +116,19 @@ def cross_entropy_logits_grad_triton(logits: torch.Tensor, target: torch.Tensor,
                                      width: int, softcap: float | None = None, *,
                                      launch: tuple[int, int] = CROSS_ENTROPY_LAUNCH
                                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`cross_entropy_logits_grad_ref` as one kernel launch (fp16/bf16/fp32; contiguous logits).
+    """:func:`cross_entropy_logits_grad_ref` as one kernel launch (fp16/bf16/fp32; logits with contiguous rows, at
+    any row stride: the LM head pads its chunks' rows to whole 16-byte units).
     ``launch``: (logits per step, warps), :data:`CROSS_ENTROPY_LAUNCH` by default."""
+    if logits.stride(1) != 1:
+        raise ValueError(f"logits: expected contiguous rows (stride 1 along the vocabulary), got strides "
+                         f"{tuple(logits.stride())}")
     m, vocab = logits.shape
     row_loss = torch.empty(m, dtype=torch.float32, device=logits.device)
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=logits.device)
     if m:
         block, warps = launch
         launch_kernel(_cross_entropy_logits_grad_kernel, (m,),
-                      logits, target, row_weight, row_loss, mean_z_dz, vocab, 1.0 / width,
+                      logits, target, row_weight, row_loss, mean_z_dz, vocab, logits.stride(0), 1.0 / width,
                       1.0 if softcap is None else softcap,
                       BLOCK=max(min(block, next_power_of_2(vocab)), CROSS_ENTROPY_GROUP), GROUP=CROSS_ENTROPY_GROUP,
                       SOFTCAP=softcap is not None, PORTABLE=portable_math(), num_warps=warps)
