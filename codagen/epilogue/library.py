@@ -148,7 +148,7 @@ def residual_rms_stats() -> Program:
 
 
 @functools.cache
-def rms_gate_up_swiglu(save_preact: bool = True, activation: str = "silu") -> Program:
+def rms_gate_up_swiglu(save_preact: bool = True, activation: str = "silu", pre_norm: bool = True) -> Program:
     """F2: rstd-scaled gate/up projection + SwiGLU, weight rows interleaved ``(g0, u0, g1, u1, ...)``.
 
     ``z = rstd[m] * (a @ b^T)``; outputs ``preact = z`` (saved for backward, [M, 2F]) and
@@ -158,9 +158,19 @@ def rms_gate_up_swiglu(save_preact: bool = True, activation: str = "silu") -> Pr
     ``save_preact=False`` (programs ``rms_gate_up_swiglu_inference``, ``rms_gate_up_geglu_inference``): ``out``
     alone, for a forward without backward (prefill, decode), which then writes a third of the bytes.
     A GeGLU program takes its SwiGLU twin's tuned choices until it has its own (the same GEMM and tiles).
+    ``pre_norm=False`` (programs ``gate_up_swiglu``, ``gate_up_geglu`` and their ``_inference`` twins): ``z = a @ b^T``
+    for an MLP with no norm before it (OLMo 2), taking the normed program's tuned choices (the same GEMM, one
+    multiply fewer per element).
     """
     pair_map, _, stem = _gated(activation)
     doc = _doc(rms_gate_up_swiglu, activation)
+    if not pre_norm:
+        normed_twin = rms_gate_up_swiglu(save_preact, activation)
+        act = Store("out", pair_map(acc))
+        if not save_preact:
+            return Program(f"gate_up_{stem}_inference", Gemm.linear(), (act,), doc=doc, tuning_stand_in=normed_twin)
+        return Program(f"gate_up_{stem}", Gemm.linear(), (Store("preact", acc), act), doc=doc,
+                       tuning_stand_in=normed_twin)
     z = acc * rstd
     act = Store("out", pair_map(z))
     if not save_preact:

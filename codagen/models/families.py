@@ -34,6 +34,10 @@ How each declared feature runs (exact in real arithmetic; the tests hold them to
   do the channels a partial rotary embedding leaves alone; the fused QKV weight's Q/K rows are permuted to adjacent
   pairs over the rotated channels only (none for interleaved RoPE), and the KV cache gets HF's order back;
 - ``x (1 + w)`` norms: the weight ``1 + w`` enters where ``w`` does (a vector per norm);
+- no norm before attention and the MLP (OLMo 2 and 3, whose norms come after both): the QKV and gate/up GEMMs read
+  the residual stream as it is (:func:`codagen.ops.qkv_norm_rope`, :func:`codagen.ops.gate_up_swiglu`);
+- QK-norm over the whole Q and K projections (OLMo 2 and 3): the QKV GEMM, then one row kernel that normalizes and
+  rotates them (a projection's norm needs its whole row);
 - a norm of a GEMM's output before its residual add: that GEMM, then one row kernel
   (:func:`codagen.ops.linear_post_norm_residual_rms`), the norm needing the whole row;
 - GELU-tanh: the gate/up epilogue's GeGLU in place of SwiGLU;
@@ -66,8 +70,8 @@ class Family:
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # one name: HF's fused [q; k; v] projection
     gate_up: tuple[str, ...] = ("gate_proj", "up_proj")  # one name: HF's fused [gate; up] projection
     act_fn: str = "act_fn"  # the MLP's activation module
-    attn_norm: str = "input_layernorm"  # the norm before attention
-    mlp_norm: str = "post_attention_layernorm"  # the norm before the MLP
+    attn_norm: str | None = "input_layernorm"  # the norm before attention (None: none, OLMo 2)
+    mlp_norm: str | None = "post_attention_layernorm"  # the norm before the MLP (None: none, OLMo 2)
     post_attn_norm: str | None = None  # a norm of the attention block's output before its residual add
     post_mlp_norm: str | None = None  # a norm of the MLP's output before its residual add
     norm_offset: float = 0.0  # the norms multiply by (norm_offset + weight)
@@ -81,6 +85,8 @@ class Family:
     logits_divisor: str | None = None  # config field dividing the logits
     rope_flag: str | None = None  # attribute of self_attn: false on a layer without RoPE
     residual_dropout: tuple[str, ...] = ()  # nn.Dropout modules of each decoder layer on its residual branches
+    qk_norm_over_projection: bool = False  # q_norm/k_norm normalize the whole Q and K projections (OLMo 2), not heads
+    layer_type_attr: str = "layer_type"  # self_attn's attribute naming its layer type (rope_per_layer_type)
 
     @property
     def llama_layout(self) -> bool:
@@ -111,14 +117,16 @@ FAMILIES = {family.name: family for family in (
            post_attn_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0,
            rope_per_layer_type=True,
            unset_config=("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention")),
+    Family("olmo2", ("Olmo2ForCausalLM",), attn_norm=None, mlp_norm=None, post_attn_norm="post_attention_layernorm",
+           post_mlp_norm="post_feedforward_layernorm", qk_norm_over_projection=True),
+    Family("olmo3", ("Olmo3ForCausalLM",), attn_norm=None, mlp_norm=None, post_attn_norm="post_attention_layernorm",
+           post_mlp_norm="post_feedforward_layernorm", qk_norm_over_projection=True, rope_per_layer_type=True,
+           layer_type_attr="attention_type"),
 )}
 
 #: families asked for whose blocks need what the fused decoder does not compute yet (refused naming it)
-NOT_SUPPORTED_YET = {
-    "Olmo2ForCausalLM": "norms only after attention and the MLP (none before them), QK-norm over the whole "
-                        "projection",
-    "Olmo3ForCausalLM": "norms only after attention and the MLP, QK-norm over the whole projection",
-}
+NOT_SUPPORTED_YET = {name: "mixture-of-experts MLPs (grouped GEMMs)" for name in (
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")}
 
 
 def family_of(model: nn.Module) -> Family:
@@ -236,9 +244,9 @@ def norm_weight(family: Family, norm: nn.Module) -> torch.Tensor:
 
 def norms(family: Family, layer: nn.Module) -> dict[str, nn.Module | None]:
     """The decoder layer's norm modules by role: ``attn``, ``mlp`` (before each), ``post_attn``, ``post_mlp``."""
-    return {"attn": getattr(layer, family.attn_norm), "mlp": getattr(layer, family.mlp_norm),
-            "post_attn": None if family.post_attn_norm is None else getattr(layer, family.post_attn_norm),
-            "post_mlp": None if family.post_mlp_norm is None else getattr(layer, family.post_mlp_norm)}
+    roles = {"attn": family.attn_norm, "mlp": family.mlp_norm, "post_attn": family.post_attn_norm,
+             "post_mlp": family.post_mlp_norm}
+    return {role: None if name is None else getattr(layer, name) for role, name in roles.items()}
 
 
 #: the MLP activation modules the gate/up epilogue computes, by class name (transformers.activations and torch.nn)
@@ -264,7 +272,7 @@ def inv_freq(family: Family, model: nn.Module, layer: nn.Module | None = None) -
     if not family.rope_per_layer_type:
         return rotary.inv_freq
     layer = model.model.layers[0] if layer is None else layer
-    return getattr(rotary, f"{layer.self_attn.layer_type}_inv_freq")
+    return getattr(rotary, f"{getattr(layer.self_attn, family.layer_type_attr)}_inv_freq")
 
 
 def attention_scaling(family: Family, model: nn.Module, layer: nn.Module | None = None) -> float:
@@ -273,7 +281,7 @@ def attention_scaling(family: Family, model: nn.Module, layer: nn.Module | None 
     if not family.rope_per_layer_type:
         return getattr(rotary, "attention_scaling", 1.0)
     layer = model.model.layers[0] if layer is None else layer
-    return getattr(rotary, f"{layer.self_attn.layer_type}_attention_scaling", 1.0)
+    return getattr(rotary, f"{getattr(layer.self_attn, family.layer_type_attr)}_attention_scaling", 1.0)
 
 
 def rope_types(model: nn.Module) -> tuple[str, ...]:

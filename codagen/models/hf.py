@@ -183,12 +183,19 @@ def _check_model(model: nn.Module) -> None:
         if family.post_attn_norm is not None and attn.o_proj.bias is not None:
             raise _refuse(f"an o_proj bias with a norm after attention (layer {i})", model)
         qk_norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+        if family.attn_norm is None and any(norm is None for norm in qk_norms):
+            raise _refuse(f"no norm before attention without a q_norm and a k_norm (layer {i})", model)
         if any(norm is not None for norm in qk_norms):
             if any(norm is None for norm in qk_norms):
                 raise _refuse(f"a norm on only one of q and k (layer {i})", model)
             if any(qkv_bias):
                 raise _refuse(f"Q/K/V biases together with QK-norm (layer {i})", model)
-            if any(tuple(norm.weight.shape) != (attn.head_dim,) for norm in qk_norms):
+            if family.qk_norm_over_projection:
+                shapes = ((config.num_attention_heads * attn.head_dim,), (config.num_key_value_heads * attn.head_dim,))
+                if tuple(tuple(norm.weight.shape) for norm in qk_norms) != shapes:
+                    raise _refuse(f"QK-norm weights of shapes other than the Q and K projections' {shapes} "
+                                  f"(layer {i})", model)
+            elif any(tuple(norm.weight.shape) != (attn.head_dim,) for norm in qk_norms):
                 raise _refuse(f"QK-norm weights of shape other than [head_dim] = ({attn.head_dim},) (layer {i})", model)
             if any(families.norm_eps(norm) != families.norm_eps(layer_norms[0]) for norm in qk_norms):
                 raise _refuse(f"a QK-norm eps different from the RMSNorm eps (layer {i})", model)
@@ -306,8 +313,8 @@ def _structure(model: nn.Module, walk: _Walk) -> tuple:
                 for layer in walk.layers if family.residual_multiplier),
               *(vars(attn).get("scaling") for attn in walk.attentions if attn is not None)]
     # the rotary embedding per layer type (one for most families): its attention factor and rotated width
-    rotary_layers = {vars(attn).get("layer_type"): layer for layer, attn in zip(walk.layers, walk.attentions)
-                     if attn is not None}.values()
+    rotary_layers = {vars(attn).get(family.layer_type_attr): layer
+                     for layer, attn in zip(walk.layers, walk.attentions) if attn is not None}.values()
     return (walk.tree, tuple((families.norm_eps(m), m.__dict__.get("head_dim")) for m in walk.scalar_modules),
             tuple(fields), getattr(config, "hidden_act", None), config.num_attention_heads, config.num_key_value_heads,
             families.rope_types(model), tuple((families.attention_scaling(family, model, layer),

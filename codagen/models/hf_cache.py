@@ -28,10 +28,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from codagen import ops
 from codagen.ops.kernels import half_split_heads, static_cache_write
 
-from .llama import AttentionSpec, BlockWeights, block_out_mlp, block_qkv, heads_attention
+from .llama import AttentionSpec, BlockWeights, block_out_mlp, block_qkv, heads_attention, input_stats
 from .per_model import PerModel
 
 __all__ = ["inference_blocks", "inference_blocks_build", "new_dynamic_cache", "check_cache", "attention_masks",
@@ -229,7 +228,7 @@ def decoder_stack_with_cache(x: torch.Tensor, blocks: Sequence[BlockWeights], fi
     """:func:`decoder_stack` with the KV cache: each block's new K and V enter ``cache`` (layer ``i`` for block ``i``),
     and attention reads the whole cache under ``masks`` (:func:`attention_masks`); returns ``(x, normed, rstd)``."""
     norms = [blk.attn_norm for blk in blocks] + [final_norm]
-    normed, rstd = ops.rms_norm_stats(x, norms[0], eps)
+    normed, rstd = input_stats(x, norms[0], eps)
     for layer_idx, (blk, next_norm) in enumerate(zip(blocks, norms[1:])):
         q, k, v, x = block_qkv(blk, x, normed, rstd, spec, positions, frequencies, eps)
         mask = masks["sliding" if blk.sliding_window is not None else "full"]

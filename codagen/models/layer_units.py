@@ -39,7 +39,7 @@ from codagen import ops
 
 from . import tensor_parallel
 from .checkpoint import CheckpointFn, checkpoint_block
-from .llama import AttentionSpec, BlockWeights, decoder_layer, lm_head
+from .llama import AttentionSpec, BlockWeights, decoder_layer, input_stats, lm_head
 
 __all__ = ["call_as_module", "decoder_stack", "head"]
 
@@ -101,13 +101,15 @@ def _layer(weights: Callable[[nn.Module], BlockWeights], eps: float, spec: Atten
     """One decoder layer on its own parameters (module docstring); ``weights(layer)``: its fused-layout tensors,
     whose copies are rebuilt in backward rather than kept (:func:`_copies_rebuilt_in_backward`)."""
     blk = weights(layer)
-    normed, rstd = ops.rms_norm_stats(x, blk.attn_norm, eps)
+    normed, rstd = input_stats(x, blk.attn_norm, eps)
 
     def block(x, normed, rstd, blk, next_norm):
         return decoder_layer(x, normed, rstd, blk, next_norm, eps, spec, positions, frequencies)
     saving = (_copies_rebuilt_in_backward(blk, lambda: weights(layer), layer)
               if torch.is_grad_enabled() and not torch.compiler.is_compiling() else contextlib.nullcontext())
-    with saving:  # next_norm: any [d] weight; the down projection's normed output is not read
+    # next_norm: any [d] weight (the down projection's normed output is not read), or None where there is no norm
+    # before attention (OLMo 2)
+    with saving:
         if checkpoint is None:
             return block(x, normed, rstd, blk, blk.attn_norm)[0]
         return checkpoint_block(checkpoint, block, x, normed, rstd, blk, blk.attn_norm)[0]

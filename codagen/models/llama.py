@@ -14,6 +14,10 @@ where ``next_norm`` is the next block's input norm weight, or the final norm's f
 The first block's statistics come from ``rms_norm_stats``; the last block's ``normed``/``rstd``
 feed the LM head (``rms_lm_head_cross_entropy`` for the loss, ``rms_linear`` for logits).
 
+A block without norms before attention and the MLP (OLMo 2: ``attn_norm`` and ``mlp_norm`` None, norms after
+both instead) threads ``normed = rstd = None``: its QKV GEMM reads ``x`` itself (``qkv_norm_rope``, QK-norm over
+the whole Q and K projections), its gate/up GEMM likewise (``gate_up_swiglu``).
+
 Weight layouts (converted from/to Hugging Face's inside :meth:`Llama.from_hf_state_dict` /
 :meth:`Llama.to_hf_state_dict`): ``W_qkv = [W_q; W_k; W_v]`` with each Q/K head's rows permuted from
 HF's half-split RoPE order ``(0..hd/2-1 | hd/2..hd-1)`` to adjacent pairs ``(0, hd/2), (1, hd/2+1), ...``
@@ -36,21 +40,23 @@ from .config import LlamaConfig
 from .masks import with_sliding_window
 
 __all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "module_stack", "block_qkv", "block_out_mlp",
-           "lm_head", "rotate_pairs", "fuse_qkv", "split_qkv"]
+           "input_stats", "lm_head", "rotate_pairs", "fuse_qkv", "split_qkv"]
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockWeights:
     """One block's tensors in the fused layout the ops take (see the module docstring)."""
-    attn_norm: torch.Tensor
+    attn_norm: torch.Tensor | None  # None: no norm before attention (OLMo 2); q_norm/k_norm then span Q and K whole
     qkv: torch.Tensor
     o: torch.Tensor
-    mlp_norm: torch.Tensor
+    mlp_norm: torch.Tensor | None  # None: no norm before the MLP (OLMo 2, whose post-norms are then required)
     gate_up: torch.Tensor
     down: torch.Tensor
     qkv_bias: torch.Tensor | None = None  # pair order, as the rows of ``qkv``
     o_bias: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None  # QK-norm weights [head_dim], pair order, as each head's rows of ``qkv``
+    # QK-norm weights [head_dim], pair order, as each head's rows of ``qkv``; without attn_norm [Q columns] and
+    # [K columns]: one norm over each whole projection
+    q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     sliding_window: int | None = None  # key j is visible to query i iff i - window < j <= i
     # the block's own RoPE frequencies (None: the model's): zeros on a layer without RoPE (SmolLM3's NoPE layers:
@@ -157,6 +163,12 @@ def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: to
     split_sizes = (q_cols, kv_cols, kv_cols)
     if blk.frequencies is not None:
         frequencies = blk.frequencies
+    if blk.attn_norm is None:  # OLMo 2: x as it is, one QK-norm over each whole projection
+        if blk.q_norm is None or blk.k_norm is None:
+            raise NotImplementedError("decoder_stack: a block without attn_norm needs q_norm and k_norm (OLMo 2)")
+        q, k, v = ops.qkv_norm_rope(x, blk.qkv, positions, frequencies, blk.q_norm, blk.k_norm, eps,
+                                    split_sizes=split_sizes, low_rank=blk.qkv_low_rank)
+        return q, k, v, x
     if blk.q_norm is None and blk.k_norm is None:
         return ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
                                 split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank,
@@ -173,7 +185,11 @@ def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_n
 
     With a norm after a projection (``post_attn_norm``, ``post_mlp_norm``) that projection is
     :func:`codagen.ops.linear_post_norm_residual_rms`, and the MLP's gate/up GEMM the standalone
-    :func:`codagen.ops.rms_gate_up_swiglu`."""
+    :func:`codagen.ops.rms_gate_up_swiglu` (:func:`codagen.ops.gate_up_swiglu` without ``mlp_norm``, where
+    ``normed`` and ``rstd`` are None; so are those returned with ``next_norm`` None)."""
+    if (blk.mlp_norm is None or next_norm is None) and (blk.post_attn_norm is None or blk.post_mlp_norm is None):
+        raise NotImplementedError("decoder_stack: a block without a norm before the MLP or the next block needs "
+                                  "post_attn_norm and post_mlp_norm (OLMo 2)")
     if blk.post_attn_norm is None:
         # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
         residual = x if blk.o_bias is None else x + blk.o_bias
@@ -185,8 +201,11 @@ def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_n
         return ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down, next_norm, eps,
                                            gate_up_low_rank=blk.gate_up_low_rank, down_low_rank=blk.down_low_rank,
                                            **_activation(blk))
-    act = ops.rms_gate_up_swiglu(x, normed, rstd, blk.mlp_norm, blk.gate_up, low_rank=blk.gate_up_low_rank,
-                                 **_activation(blk))
+    if blk.mlp_norm is None:
+        act = ops.gate_up_swiglu(x, blk.gate_up, low_rank=blk.gate_up_low_rank, **_activation(blk))
+    else:
+        act = ops.rms_gate_up_swiglu(x, normed, rstd, blk.mlp_norm, blk.gate_up, low_rank=blk.gate_up_low_rank,
+                                     **_activation(blk))
     return ops.linear_post_norm_residual_rms(act, blk.down, x, blk.post_mlp_norm, next_norm, eps,
                                              low_rank=blk.down_low_rank)
 
@@ -194,6 +213,12 @@ def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_n
 def _activation(blk: BlockWeights) -> dict:
     """The gated MLP ops' ``activation`` keyword: given only when it is not their default (SwiGLU)."""
     return {} if blk.activation == "silu" else {"activation": blk.activation}
+
+
+def input_stats(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float):
+    """``(normed, rstd)`` of the first block's input norm (:func:`codagen.ops.rms_norm_stats`), ``(None, None)``
+    where the block has none (OLMo 2)."""
+    return (None, None) if norm_weight is None else ops.rms_norm_stats(x, norm_weight, eps)
 
 
 def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: torch.Tensor, eps: float,
@@ -207,7 +232,7 @@ def decoder_stack(x: torch.Tensor, blocks: Sequence[BlockWeights], final_norm: t
     block ``i`` keeping only its inputs ``(x, normed, rstd)`` (:func:`codagen.models.checkpoint.checkpoint_block`).
     """
     norms = [blk.attn_norm for blk in blocks] + [final_norm]
-    normed, rstd = ops.rms_norm_stats(x, norms[0], eps)
+    normed, rstd = input_stats(x, norms[0], eps)
 
     def block(x, normed, rstd, blk, next_norm):
         return decoder_layer(x, normed, rstd, blk, next_norm, eps, spec, positions, frequencies)

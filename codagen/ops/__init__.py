@@ -16,12 +16,12 @@ from .layouts import (
 )
 from .linear import rms_linear
 from .low_rank import LowRank
-from .mlp import rms_gate_up_swiglu, swiglu_mlp_residual_rms
+from .mlp import gate_up_swiglu, rms_gate_up_swiglu, swiglu_mlp_residual_rms
 from .post_norm import linear_post_norm_residual_rms
-from .qkv import rms_qkv_rope
+from .qkv import qkv_norm_rope, rms_qkv_rope
 from .residual import out_proj_residual_rms, rms_norm_stats
 
 __all__ = ["rms_norm_stats", "out_proj_residual_rms", "rms_qkv_rope", "rms_gate_up_swiglu", "swiglu_mlp_residual_rms",
            "rms_linear", "rms_lm_head_cross_entropy", "embedding", "LowRank", "interleave_gate_up", "split_gate_up",
            "rope_pairs_from_half_split", "rope_half_split_from_pairs", "rope_frequencies",
-           "linear_post_norm_residual_rms"]
+           "linear_post_norm_residual_rms", "qkv_norm_rope", "gate_up_swiglu"]

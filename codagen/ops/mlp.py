@@ -1,5 +1,6 @@
-"""The gated MLP: F2 standalone (RMSNorm-scaled gate/up projection + SwiGLU or GeGLU) and F2 + F3, the whole
-MLP with its residual and the next norm's statistics (+ B4, B5, B6, B7).
+"""The gated MLP: F2 standalone (RMSNorm-scaled gate/up projection + SwiGLU or GeGLU), its twin for an MLP with no
+norm before it (OLMo 2), and F2 + F3, the whole MLP with its residual and the next norm's statistics (+ B4, B5, B6,
+B7).
 
 ``activation`` picks the gate's nonlinearity: ``"silu"`` (SwiGLU: LLaMA, Mistral, Qwen) or ``"gelu_tanh"``
 (GeGLU with the tanh approximation of GELU: Gemma 2 and 3). The custom ops take it as a string argument and
@@ -34,9 +35,9 @@ from ._fused import (
     stats_like,
 )
 from .low_rank import LowRank
-from .residual import out_proj_residual_rms_op
+from .residual import _linear_backward, out_proj_residual_rms_op
 
-__all__ = ["rms_gate_up_swiglu", "swiglu_mlp_residual_rms"]
+__all__ = ["rms_gate_up_swiglu", "gate_up_swiglu", "swiglu_mlp_residual_rms"]
 
 
 def _fake_gate_up(normed, gate_up_weight, **_):
@@ -137,6 +138,78 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
                                                 activation)
     return _RmsGateUpSwiglu.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight,
                                   *lora_args(low_rank), activation)
+
+
+# ==================================================================================================
+# F2 without a norm before it (OLMo 2's MLP reads the residual stream as it is)
+# ==================================================================================================
+@custom_op("gate_up_swiglu", fake=lambda x, gate_up_weight, save_preact, **_: (
+    x.new_empty(x.shape[0], gate_up_weight.shape[0] // 2),
+    x.new_empty(x.shape[0] if save_preact else 0, gate_up_weight.shape[0])))
+def _gate_up_swiglu_op(x: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None, lora_b: Tensor | None,
+                       activation: str, save_preact: bool) -> tuple[Tensor, Tensor]:
+    """``(act, preact)``; ``preact`` empty with ``save_preact=False`` (a forward without backward)."""
+    out = run(library.rms_gate_up_swiglu(save_preact, activation, pre_norm=False), x, gate_up_weight, lora_u, lora_b)
+    return out["out"], out["preact"] if save_preact else x.new_empty(0, gate_up_weight.shape[0])
+
+
+@custom_op("gate_up_swiglu_backward", fake=lambda x, gate_up_weight, weight_grad, input_grad, lora_a, lora_b, **_: (
+    fake_grad(x, input_grad, x), fake_grad(gate_up_weight, weight_grad, x), fake_grad(lora_a, True, x),
+    fake_grad(lora_b, True, x)))
+def _gate_up_swiglu_backward_op(grad_act: Tensor, preact: Tensor, x: Tensor, gate_up_weight: Tensor,
+                                weight_grad: bool, input_grad: bool, lora_a: Tensor | None, lora_b: Tensor | None,
+                                lora_u: Tensor | None, lora_scale: float,
+                                activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    grad_preact, _ = kernels.swiglu_backward(grad_act, preact, x.shape[1], activation)
+    grads = _linear_backward(grad_preact, x, gate_up_weight, (lora_a, lora_b, lora_u, lora_scale),
+                             weight_grad=weight_grad, input_grad=input_grad)
+    return tuple(or_empty(g, x) for g in grads)
+
+
+class _GateUpSwiglu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate_up_weight, lora_a, lora_b, lora_scale, activation):
+        lora_u = low_rank_operand(x, lora_a, lora_scale)
+        act, preact = _gate_up_swiglu_op(x, gate_up_weight, lora_u, lora_b, activation, True)
+        ctx.save_for_backward(preact, x, gate_up_weight, lora_a, lora_b, lora_u)
+        ctx.lora_scale, ctx.activation = lora_scale, activation
+        ctx.set_materialize_grads(False)
+        return act
+
+    @staticmethod
+    @named_gradients(forward)
+    def backward(ctx, needs, grad_act):
+        if grad_act is None:
+            return {}
+        preact, x, gate_up_weight, lora_a, lora_b, lora_u = ctx.saved_tensors
+        grad_x, grad_weight, grad_lora_a, grad_lora_b = _gate_up_swiglu_backward_op(
+            grad_act.contiguous(), preact, x, gate_up_weight, needs["gate_up_weight"], needs["x"], lora_a, lora_b,
+            lora_u, ctx.lora_scale, ctx.activation)
+        present = lora_a is not None
+        return dict(x=grad_x if needs["x"] else None, gate_up_weight=grad_weight if needs["gate_up_weight"] else None,
+                    lora_a=grad_lora_a if present else None, lora_b=grad_lora_b if present else None)
+
+
+def gate_up_swiglu(x: Tensor, gate_up_weight: Tensor, *, low_rank: LowRank | None = None,
+                   activation: str = "silu") -> Tensor:
+    """F2 of an MLP with no norm before it (OLMo 2): ``act = swiglu(x @ gate_up_weight^T)``, rows interleaved
+    ``g0, u0, ...``; ``activation`` and ``low_rank`` as in :func:`rms_gate_up_swiglu`.
+
+    One GEMM (program ``gate_up_swiglu``, or ``gate_up_geglu``) storing ``preact = x @ W^T`` [M, 2F] (saved) and
+    ``act`` [M, F]. Backward: the activation's elementwise backward (:func:`codagen.ops.kernels.swiglu_backward`),
+    then ``grad_x = grad_preact @ W`` and ``grad_W = grad_preact^T @ x``. Saved: ``preact``, ``x``; with autograd
+    off nothing, and ``preact`` is not stored.
+    """
+    activation = check.gated_activation("activation", activation)
+    x = check.activation("x", x)
+    like = check.Like("x", x)
+    d = x.shape[1]
+    gate_up_weight = check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, x features]",
+                                  like, even_rows=True)
+    low_rank = check.low_rank("low_rank", low_rank, d, gate_up_weight.shape[0], like)
+    if not torch.is_grad_enabled():
+        return _gate_up_swiglu_op(x, gate_up_weight, *low_rank_pair(x, low_rank), activation, False)[0]
+    return _GateUpSwiglu.apply(x, gate_up_weight, *lora_args(low_rank), activation)
 
 
 # ==================================================================================================

@@ -22,18 +22,22 @@ from .residual import _linear_backward
 __all__ = ["linear_post_norm_residual_rms"]
 
 
-def _fake_forward(inp, weight, residual, **_):
-    return (torch.empty_like(residual), torch.empty_like(residual), stats_like(residual, residual.shape[0]),
+def _fake_forward(inp, weight, residual, norm_weight, **_):
+    rows = residual.shape[0] if norm_weight is not None else 0
+    return (torch.empty_like(residual), residual.new_empty(rows, residual.shape[1]), stats_like(residual, rows),
             torch.empty_like(residual), stats_like(residual, residual.shape[0]))
 
 
 @custom_op("linear_post_norm_residual_rms", fake=_fake_forward)
 def _linear_post_norm_residual_rms_op(inp: Tensor, weight: Tensor, residual: Tensor, post_norm_weight: Tensor,
-                                      norm_weight: Tensor, eps: float, lora_u: Tensor | None,
+                                      norm_weight: Tensor | None, eps: float, lora_u: Tensor | None,
                                       lora_b: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(x, normed, rstd, y, rstd_y)``: ``y = inp @ W_eff^T`` (one GEMM), then the row kernel."""
+    """``(x, normed, rstd, y, rstd_y)``: ``y = inp @ W_eff^T`` (one GEMM), then the row kernel; without a
+    ``norm_weight`` ``normed`` and ``rstd`` are empty (no norm next)."""
     y = run(library.linear(), inp, weight, lora_u, lora_b)["out"]
     x, normed, rstd, rstd_y = kernels.post_norm_residual(y, residual, post_norm_weight, norm_weight, eps)
+    if norm_weight is None:
+        normed, rstd = residual.new_empty(0, residual.shape[1]), stats_like(residual, 0)
     return x, normed, rstd, y, rstd_y
 
 
@@ -54,7 +58,7 @@ class _LinearPostNormResidualRms(torch.autograd.Function):
         ctx.lora_scale = lora_scale
         ctx.mark_non_differentiable(normed, rstd)
         ctx.set_materialize_grads(False)
-        return x, normed, rstd
+        return x, normed, rstd  # normed, rstd empty without a next norm
 
     @staticmethod
     @named_gradients(forward)
@@ -73,9 +77,10 @@ class _LinearPostNormResidualRms(torch.autograd.Function):
 
 
 def linear_post_norm_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, post_norm_weight: Tensor,
-                                  norm_weight: Tensor, eps: float, *,
-                                  low_rank: LowRank | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``x = residual + RMSNorm(inp @ weight^T) * post_norm_weight``; returns ``(x, normed = x * norm_weight, rstd)``.
+                                  norm_weight: Tensor | None, eps: float, *,
+                                  low_rank: LowRank | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``x = residual + RMSNorm(inp @ weight^T) * post_norm_weight``; returns ``(x, normed = x * norm_weight, rstd)``,
+    or ``(x, None, None)`` with ``norm_weight=None``, where no norm comes next (OLMo 2's next GEMM reads ``x``).
 
     ``RMSNorm(y) = y * rsqrt(mean(y^2) + eps)``, and ``rstd = rsqrt(mean(x^2) + eps)`` for the next norm, whose
     consumer owns its backward (``normed`` and ``rstd`` are non-differentiable). One GEMM (with
@@ -95,7 +100,9 @@ def linear_post_norm_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor,
                          f"most {kernels.post_norm.MAX_COLUMNS}")
     weight = check.weight("weight", weight, (d, inp.shape[1]), "[residual features, inp features]", like)
     post_norm_weight = check.vector("post_norm_weight", post_norm_weight, d, "[residual features]", like)
-    norm_weight = check.vector("norm_weight", norm_weight, d, "[residual features]", like)
+    if norm_weight is not None:
+        norm_weight = check.vector("norm_weight", norm_weight, d, "[residual features]", like).detach()
     low_rank = check.low_rank("low_rank", low_rank, inp.shape[1], d, like)
-    return _LinearPostNormResidualRms.apply(inp, weight, residual, post_norm_weight, norm_weight.detach(),
-                                            check.eps(eps), *lora_args(low_rank))
+    x, normed, rstd = _LinearPostNormResidualRms.apply(inp, weight, residual, post_norm_weight, norm_weight,
+                                                       check.eps(eps), *lora_args(low_rank))
+    return (x, normed, rstd) if norm_weight is not None else (x, None, None)

@@ -1,4 +1,5 @@
-"""F4 (+ B1, B2, B3): the RMSNorm-scaled QKV projection + RoPE, optionally with QK-norm, one GEMM.
+"""F4 (+ B1, B2, B3): the RMSNorm-scaled QKV projection + RoPE, optionally with QK-norm, one GEMM; and OLMo 2's
+QKV projection of an un-normed input with QK-norm over the whole Q and K projections (:func:`qkv_norm_rope`).
 
 With QK-norm of heads that no epilogue sub-tile holds whole (:func:`qk_norm_in_epilogue`; Gemma 3's head_dim
 256), F4 is two launches: the GEMM stores ``z`` and a row kernel (:mod:`codagen.ops.kernels.qk_norm_rope`)
@@ -32,8 +33,10 @@ from ._fused import (
 )
 from .layouts import kv_heads_of
 from .low_rank import LowRank
+from .residual import _linear_backward
 
-__all__ = ["rms_qkv_rope", "qk_norm_in_epilogue", "QK_NORM_SUB_TILE_16BIT", "QK_NORM_SUB_TILE_32BIT"]
+__all__ = ["rms_qkv_rope", "qkv_norm_rope", "qk_norm_in_epilogue", "QK_NORM_SUB_TILE_16BIT",
+           "QK_NORM_SUB_TILE_32BIT"]
 
 #: the widest epilogue sub-tile (``BLOCK_N / EPILOGUE_SPLIT`` columns) that every Triton configuration pool offers
 #: outside decode (:mod:`codagen.backends.triton.configs`), for fp16/bf16 operands and for fp32 ones
@@ -236,6 +239,115 @@ class _RmsQkvRopeQkNorm(torch.autograd.Function):
             consumer_input_grad(needs), lora_a, lora_b, lora_u, ctx.lora_scale)
         named, (grad_q_norm_weight, grad_k_norm_weight) = consumer_gradients(needs, grads, "qkv_weight", lora_a)
         return dict(**named, q_norm_weight=grad_q_norm_weight, k_norm_weight=grad_k_norm_weight)
+
+
+# ==================================================================================================
+# no norm before the projection, QK-norm over the whole Q and K projections (OLMo 2)
+# ==================================================================================================
+@custom_op("qkv_norm_rope", fake=lambda x, qkv_weight, save_preact, **_: (
+    x.new_empty(x.shape[0], qkv_weight.shape[0]), x.new_empty(x.shape[0] if save_preact else 0,
+                                                              qkv_weight.shape[0])))
+def _qkv_norm_rope_op(x: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor,
+                      k_norm_weight: Tensor, eps: float, lora_u: Tensor | None, lora_b: Tensor | None,
+                      save_preact: bool) -> tuple[Tensor, Tensor]:
+    """``(qkv, preact = z)``: the GEMM stores ``z = x @ W_eff^T``, the row kernel normalizes and rotates it (Q and K
+    one norm group each); ``preact`` empty with ``save_preact=False``."""
+    z = run(library.linear(), x, qkv_weight, lora_u, lora_b)["out"]
+    qkv = kernels.qk_norm_rope(z, positions, frequencies, q_norm_weight, k_norm_weight, 1, eps)
+    return qkv, z if save_preact else z.new_empty(0, z.shape[1])
+
+
+@custom_op("qkv_norm_rope_backward", fake=lambda x, qkv_weight, q_norm_weight, k_norm_weight, weight_grad, input_grad,
+           lora_a, lora_b, **_: (fake_grad(x, input_grad, x), fake_grad(qkv_weight, weight_grad, x),
+                                 fake_grad(lora_a, True, x), fake_grad(lora_b, True, x),
+                                 torch.empty_like(q_norm_weight), torch.empty_like(k_norm_weight)))
+def _qkv_norm_rope_backward_op(grad_blocks: list[Tensor], preact: Tensor, x: Tensor, qkv_weight: Tensor,
+                               positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
+                               eps: float, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
+                               lora_b: Tensor | None, lora_u: Tensor | None,
+                               lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # B1: RoPE backward + the Q and K projections' RMSNorm backward (+ q_norm/k_norm weight gradients)
+    grad_z, _, grad_q_norm_weight, grad_k_norm_weight = kernels.rope_qk_norm_backward(
+        grad_blocks, preact, positions, frequencies, q_norm_weight, k_norm_weight, 1, eps, x.shape[1])
+    grads = _linear_backward(grad_z, x, qkv_weight, (lora_a, lora_b, lora_u, lora_scale), weight_grad=weight_grad,
+                             input_grad=input_grad)  # B8, B9
+    return (*(or_empty(g, x) for g in grads), grad_q_norm_weight.to(q_norm_weight.dtype),
+            grad_k_norm_weight.to(k_norm_weight.dtype))
+
+
+class _QkvNormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, eps, split_sizes, lora_a,
+                lora_b, lora_scale):
+        lora_u = low_rank_operand(x, lora_a, lora_scale)
+        qkv, preact = _qkv_norm_rope_op(x, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, eps,
+                                        lora_u, lora_b, True)
+        ctx.save_for_backward(preact, x, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, lora_a,
+                              lora_b, lora_u)
+        ctx.eps, ctx.split_sizes, ctx.lora_scale = eps, split_sizes, lora_scale
+        ctx.set_materialize_grads(False)
+        return _split_outputs(qkv, split_sizes)
+
+    @staticmethod
+    @named_gradients(forward)
+    def backward(ctx, needs, *grad_outputs):
+        *saved, lora_a, lora_b, lora_u = ctx.saved_tensors  # preact first
+        grad_blocks = _grad_blocks(tuple(grad_outputs), ctx.split_sizes, saved[0])
+        if grad_blocks is None:
+            return {}
+        grad_x, grad_weight, grad_lora_a, grad_lora_b, grad_q_norm, grad_k_norm = _qkv_norm_rope_backward_op(
+            grad_blocks, *saved, ctx.eps, needs["qkv_weight"], needs["x"], lora_a, lora_b, lora_u, ctx.lora_scale)
+        present = lora_a is not None
+        return dict(x=grad_x if needs["x"] else None, qkv_weight=grad_weight if needs["qkv_weight"] else None,
+                    lora_a=grad_lora_a if present else None, lora_b=grad_lora_b if present else None,
+                    q_norm_weight=grad_q_norm, k_norm_weight=grad_k_norm)
+
+
+def qkv_norm_rope(x: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor,
+                  k_norm_weight: Tensor, eps: float, *, split_sizes: tuple[int, int, int] | None = None,
+                  low_rank: LowRank | None = None) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    """OLMo 2's attention input: ``z = x @ qkv_weight^T`` (no norm before it), an RMSNorm over the whole Q projection
+    and one over the whole K projection, then RoPE: ``q = rope(RMSNorm(z_q) * q_norm_weight)``, likewise ``k``,
+    ``v = z_v``.
+
+    ``q_norm_weight`` [q columns] and ``k_norm_weight`` [k columns] (each head's channels in the pair order of
+    ``qkv_weight``'s Q/K rows: :func:`rope_pairs_from_half_split` per head converts Hugging Face's); V has as many
+    columns as K. ``positions``, ``frequencies``, ``split_sizes`` and ``low_rank`` as in :func:`rms_qkv_rope`.
+
+    Two launches: the GEMM stores ``z`` (the ``preact`` the backward keeps) and one row kernel normalizes and
+    rotates it (:func:`codagen.ops.kernels.qk_norm_rope`; a norm over a whole projection needs the whole row, which
+    no output tile holds). Backward: B1 rotates the gradient back and applies the two norms' backward
+    (:func:`codagen.ops.kernels.rope_qk_norm_backward`, with the norm weights' gradients), then ``grad_x = grad_z @
+    W`` and ``grad_W = grad_z^T @ x``. Saved: ``preact``, ``x``; with autograd off nothing, and ``preact`` is not
+    stored.
+    """
+    x = check.activation("x", x)
+    like = check.Like("x", x)
+    m, d = x.shape
+    qkv_weight = check.weight("qkv_weight", qkv_weight, (None, d), "[q + 2 k columns, x features]", like,
+                              even_rows=True)
+    rows = qkv_weight.shape[0]
+    positions = check.index_vector("positions", positions, m, like, allow_float=True)
+    frequencies = check.vector("frequencies", frequencies, rows // 2, "[qkv features / 2]", like,
+                               dtypes=(torch.float32, torch.float64))
+    positions = positions.to(stats_dtype(x.dtype))  # angles are computed in fp32 registers
+    q_norm_weight = check.head_vector("q_norm_weight", q_norm_weight, like)
+    k_norm_weight = check.head_vector("k_norm_weight", k_norm_weight, like)
+    q_cols, k_cols = q_norm_weight.shape[0], k_norm_weight.shape[0]
+    if q_cols + 2 * k_cols != rows:
+        raise ValueError(f"qkv_weight: expected q_norm_weight's {q_cols} + twice k_norm_weight's {k_cols} rows "
+                         f"(Q, K and V), got shape {tuple(qkv_weight.shape)}")
+    eps = check.eps(eps)
+    split_sizes = check.split_sizes("split_sizes", split_sizes, rows, (q_cols, k_cols, k_cols))
+    low_rank = check.low_rank("low_rank", low_rank, d, rows, like)
+    if not torch.is_grad_enabled():  # inference: no autograd node, no preact
+        qkv, _ = _qkv_norm_rope_op(x, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, eps,
+                                   *low_rank_pair(x, low_rank), False)
+        out = _split_outputs(qkv, split_sizes)
+    else:
+        out = _QkvNormRope.apply(x, qkv_weight, positions.detach(), frequencies.detach(), q_norm_weight,
+                                 k_norm_weight, eps, split_sizes, *lora_args(low_rank))
+    return out[0] if len(out) == 1 else out
 
 
 # ==================================================================================================

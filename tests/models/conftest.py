@@ -46,7 +46,7 @@ COMMON = dict(vocab_size=67, hidden_size=32, intermediate_size=40, num_hidden_la
 #: the transformers class prefix of each family spec (codagen.models.families.FAMILIES)
 CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
                 "granite": "Granite", "smollm3": "SmolLM3", "gemma2": "Gemma2", "gemma3": "Gemma3", "glm": "Glm",
-                "glm4": "Glm4"}
+                "glm4": "Glm4", "olmo2": "Olmo2", "olmo3": "Olmo3"}
 #: config classes not named after the model class (``<prefix>Config``)
 CONFIG_CLASS = {"gemma3": "Gemma3TextConfig"}
 
@@ -60,7 +60,7 @@ def build(family: str, **overrides) -> torch.nn.Module:
         overrides = {"head_dim": 16, **overrides}
     if family == "gemma2":  # transformers runs Gemma 2's soft-capped attention eagerly (SDPA has no soft-cap)
         overrides = {"attn_implementation": "eager", **overrides}
-    if family in ("phi3", "smollm3", "glm", "glm4"):  # their configs' token ids lie outside a tiny vocabulary
+    if family in ("phi3", "smollm3", "glm", "glm4", "olmo2", "olmo3"):  # their token ids lie outside a tiny vocabulary
         overrides = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides}
     model = model_cls(config_cls(**{**COMMON, **overrides}))
     with torch.no_grad():

@@ -50,6 +50,11 @@ TINY = {
     # fused gate_up_proj, Q/K/V biases, RoPE on interleaved pairs of half of each head's channels
     "glm": dict(head_dim=8, attention_bias=True),
     "glm4": dict(head_dim=8, attention_bias=True),  # and sandwich norms
+    # no norm before attention or the MLP, norms after both, QK-norm over the whole Q and K projections (GQA: of
+    # different widths)
+    "olmo2": {},
+    # and local (sliding) and global layers, each layer type with its rotary module
+    "olmo3": dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
 }
 #: the LoRA targets of every projection of a family (Phi-3's fused ones by their names)
 ALL_PROJECTIONS = {name: [n for _, names in families.lora_slots(families.FAMILIES[name]) for n in names]
@@ -164,10 +169,20 @@ def test_granite_multipliers_must_be_finite_and_nonzero(field):
 
 
 def test_families_not_supported_yet_are_refused_naming_what_they_need():
-    config = transformers.Olmo2Config(vocab_size=67, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
-    with pytest.raises(TypeError, match=r"Olmo2ForCausalLM needs norms only after attention and the MLP"):
-        patch(transformers.Olmo2ForCausalLM(config))
+    config = transformers.Qwen3MoeConfig(vocab_size=67, hidden_size=32, intermediate_size=40, moe_intermediate_size=8,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         num_experts=4, num_experts_per_tok=2, head_dim=8)
+    with pytest.raises(TypeError, match=r"Qwen3MoeForCausalLM needs mixture-of-experts MLPs"):
+        patch(transformers.Qwen3MoeForCausalLM(config))
+
+
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
+def test_olmo_layers_have_no_pre_norm_and_whole_projection_qk_norms(family):
+    """The tiny OLMo configs hold what the fused path is tested on: no norm before attention or the MLP, and
+    q_norm / k_norm over every Q and every K head (4 and 2 heads of 8)."""
+    layer = tiny(family).model.layers[0]
+    assert not hasattr(layer, "input_layernorm") and not hasattr(layer, "pre_feedforward_layernorm")
+    assert layer.self_attn.q_norm.weight.shape == (4 * 8,) and layer.self_attn.k_norm.weight.shape == (2 * 8,)
 
 
 def test_fused_parameters_take_the_llama_layout_only():

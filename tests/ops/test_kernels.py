@@ -97,6 +97,11 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             want = k.post_norm_residual_ref(x, residual, post_weight, gamma, 1e-5)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 10)
+            # ... and with no norm next (OLMo 2): x and rstd_y alone, bitwise those of the launch above
+            with unittest.mock.patch.object(torch, "empty", poisoned_empty):
+                alone = k.post_norm_residual_triton(x, residual, post_weight, None, 1e-5)
+            assert alone[1] is None and alone[2] is None
+            assert torch.equal(alone[0], got[0]) and torch.equal(alone[3], got[3])
             rstd_y = want[3]
             for rows in (1, 16):
                 with unittest.mock.patch.object(torch, "empty", poisoned_empty):
@@ -143,13 +148,19 @@ _KERNEL_SCRIPT = textwrap.dedent("""
         # 16; narrower steps (max_block): one head a step, or 2 heads (6 Q heads in 3 steps, 3 K heads in 2, the
         # last ragged), V's columns in two steps (the last ragged)
         launch = k.QK_NORM_LAUNCH
-        for heads, kv_heads, head_dim, max_block in ((2, 1, 6, 1024), (4, 2, 16, 1024), (4, 2, 6, 8), (6, 3, 6, 16)):
+        # QK-norm over the whole projection (OLMo 2: one group of heads * head_dim columns each for Q and K, of
+        # different widths under GQA), given as num_heads = 1 with weights of the projections' widths
+        for heads, kv_heads, head_dim, max_block, whole in ((2, 1, 6, 1024, False), (4, 2, 16, 1024, False),
+                                                            (4, 2, 6, 8, False), (6, 3, 6, 16, False),
+                                                            (4, 2, 6, 1024, True), (3, 3, 8, 16, True),
+                                                            (40, 8, 128, 1024, True)):  # OLMo-2-32B's widths
             m, n = 17, (heads + 2 * kv_heads) * head_dim
             grad, preact = torch.randn(m, n).to(dtype), torch.randn(m, n).to(dtype)
             positions = torch.randint(0, 4096, (m,)).float()
             frequencies = ops.rope_frequencies(heads, kv_heads, head_dim)
-            q_norm, k_norm = torch.randn(head_dim).to(dtype), torch.randn(head_dim).to(dtype)
-            args = (preact, positions, frequencies, q_norm, k_norm, heads, 1e-6, 11)
+            q_width, k_width = (heads * head_dim, kv_heads * head_dim) if whole else (head_dim, head_dim)
+            q_norm, k_norm = torch.randn(q_width).to(dtype), torch.randn(k_width).to(dtype)
+            args = (preact, positions, frequencies, q_norm, k_norm, 1 if whole else heads, 1e-6, 11)
             want = k.rope_qk_norm_backward_ref([grad], *args)
             split = [t.clone() for t in grad.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), 1)]
             for grad_blocks in ([grad], split):
@@ -160,13 +171,17 @@ _KERNEL_SCRIPT = textwrap.dedent("""
         # QK-norm forward (heads no epilogue sub-tile holds): head_dim 256 (4 heads a step), 96 (48 pairs in a 64-wide
         # block); narrower steps: one head a step (192), 2 heads (6 Q heads in 3 steps, 3 K heads in 2, the last
         # ragged), V's columns in two steps (the last ragged); random frequencies on every pair, V's too; no rows
-        for heads, kv_heads, head_dim, step in ((2, 1, 256, 1024), (4, 2, 96, 1024), (2, 1, 192, 256), (6, 3, 6, 16),
-                                                (4, 2, 6, 8)):
+        # ... and over the whole Q and K projections (OLMo 2), GQA and not, in one step or several
+        for heads, kv_heads, head_dim, step, whole in ((2, 1, 256, 1024, False), (4, 2, 96, 1024, False),
+                                                       (2, 1, 192, 256, False), (6, 3, 6, 16, False),
+                                                       (4, 2, 6, 8, False), (4, 2, 16, 1024, True),
+                                                       (3, 3, 8, 16, True), (40, 8, 128, 1024, True)):
             m, n = 5, (heads + 2 * kv_heads) * head_dim
             preact = (3 * torch.randn(m, n)).to(dtype)
             positions, frequencies = torch.randint(0, 4096, (m,)).float(), torch.rand(n // 2)
-            q_norm, k_norm = (1 + 0.3 * torch.randn(head_dim)).to(dtype), (1 + 0.3 * torch.randn(head_dim)).to(dtype)
-            args = (positions, frequencies, q_norm, k_norm, heads, 1e-6)
+            q_width, k_width = (heads * head_dim, kv_heads * head_dim) if whole else (head_dim, head_dim)
+            q_norm, k_norm = (1 + 0.3 * torch.randn(q_width)).to(dtype), (1 + 0.3 * torch.randn(k_width)).to(dtype)
+            args = (positions, frequencies, q_norm, k_norm, 1 if whole else heads, 1e-6)
             with unittest.mock.patch.object(torch, "empty", poisoned_empty):
                 got = k.qk_norm_rope_triton(preact, *args, launch=(step, 4))
                 assert k.qk_norm_rope_triton(preact[:0], *args).shape == (0, n)
@@ -504,10 +519,10 @@ def test_qk_norm_rope_compiles_for_sm90():
 
     pointers = {"preact_ptr": "*bf16", "positions_ptr": "*fp32", "frequencies_ptr": "*fp32",
                 "q_norm_weight_ptr": "*bf16", "k_norm_weight_ptr": "*bf16", "qkv_ptr": "*bf16"}
-    scalars = {**dict.fromkeys(("n_cols", "head_dim", "num_heads", "num_kv_heads"), "i32"), "eps": "fp32"}
-    constexprs = {"HEADS": 4, "HEAD_BLOCK": 128, "BLOCK": 1024, "PORTABLE": False}
+    scalars = {**dict.fromkeys(("n_cols", "q_width", "k_width", "q_groups", "k_groups"), "i32"), "eps": "fp32"}
+    constexprs = {"Q_HEADS": 4, "Q_BLOCK": 128, "K_HEADS": 4, "K_BLOCK": 128, "BLOCK": 1024, "PORTABLE": False}
     signature = {**pointers, **scalars, **dict.fromkeys(constexprs, "constexpr")}
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + 2)}  # + n_cols, head_dim
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + 3)}  # + n_cols, q_width, k_width
     compiled = triton.compile(ASTSource(fn=_qk_norm_rope_kernel, signature=signature, constexprs=constexprs,
                                         attrs=aligned), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = compiled.asm["ptx"]

@@ -50,7 +50,15 @@ OPS = {
     "linear_post_norm_residual_rms": (ops.linear_post_norm_residual_rms, lambda: dict(
         inp=torch.randn(M, FFN), weight=torch.randn(D, FFN), residual=torch.randn(M, D),
         post_norm_weight=torch.rand(D) + 0.5, norm_weight=torch.rand(D) + 0.5, eps=1e-6)),
+    "linear_post_norm_residual_rms_last": (ops.linear_post_norm_residual_rms, lambda: dict(  # no norm next
+        inp=torch.randn(M, FFN), weight=torch.randn(D, FFN), residual=torch.randn(M, D),
+        post_norm_weight=torch.rand(D) + 0.5, norm_weight=None, eps=1e-6)),
     "rms_qkv_rope": (ops.rms_qkv_rope, lambda: _qkv_inputs(False)),
+    "qkv_norm_rope": (ops.qkv_norm_rope, lambda: dict(
+        x=torch.randn(M, D), qkv_weight=torch.randn(QKV, D), positions=torch.arange(M),
+        frequencies=ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM), q_norm_weight=torch.rand(HEADS * HEAD_DIM) + 0.5,
+        k_norm_weight=torch.rand(KV_HEADS * HEAD_DIM) + 0.5, eps=1e-6)),
+    "gate_up_swiglu": (ops.gate_up_swiglu, lambda: dict(x=torch.randn(M, D), gate_up_weight=torch.randn(2 * FFN, D))),
     "rms_qkv_rope_qk_norm": (ops.rms_qkv_rope, lambda: _qkv_inputs(True)),
     "rms_gate_up_swiglu": (ops.rms_gate_up_swiglu, lambda: dict(_normed_inputs(),
                                                                 gate_up_weight=torch.randn(2 * FFN, D))),
@@ -108,6 +116,7 @@ VALID = {
     ("embedding", "weight", "extra_column"),  # a wider table
     ("rms_qkv_rope", "positions", "float16"),  # positions may be float
     ("rms_qkv_rope_qk_norm", "positions", "float16"),
+    ("qkv_norm_rope", "positions", "float16"),
 }
 
 
@@ -153,7 +162,8 @@ def test_a_bad_tensor_argument_is_named(op, arg, mutation):
 
 #: (op, its low-rank argument, the update's in and out features)
 LOW_RANK = [("out_proj_residual_rms", "low_rank", FFN, D), ("linear_post_norm_residual_rms", "low_rank", FFN, D),
-            ("rms_qkv_rope", "low_rank", D, QKV),
+            ("rms_qkv_rope", "low_rank", D, QKV), ("qkv_norm_rope", "low_rank", D, QKV),
+            ("gate_up_swiglu", "low_rank", D, 2 * FFN),
             ("rms_gate_up_swiglu", "low_rank", D, 2 * FFN), ("swiglu_mlp_residual_rms", "gate_up_low_rank", D, 2 * FFN),
             ("swiglu_mlp_residual_rms", "down_low_rank", FFN, D)]
 

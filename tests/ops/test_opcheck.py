@@ -58,6 +58,14 @@ def _every_public_op():
     post_normed, *_ = ops.linear_post_norm_residual_rms(q.contiguous(), _leaf(D, HEADS * HD, scale=0.2), residual,
                                                         _leaf(D), gamma, 1e-6, low_rank=lora(D, HEADS * HD))
     act = ops.rms_gate_up_swiglu(h, normed, rstd, gamma, _leaf(2 * FFN, D, scale=0.2))
+    # OLMo 2's block: no norm before the QKV and gate/up GEMMs, QK-norm over the projections, no norm after
+    olmo_q, olmo_k, olmo_v = ops.qkv_norm_rope(x, _leaf(QKV, D, scale=0.2), positions, freqs, _leaf(HEADS * HD),
+                                               _leaf(KV_HEADS * HD), 1e-6, split_sizes=(HEADS * HD, KV_HEADS * HD,
+                                                                                       KV_HEADS * HD),
+                                               low_rank=lora(QKV, D))
+    olmo_x, *_ = ops.linear_post_norm_residual_rms(olmo_q.contiguous(), _leaf(D, HEADS * HD, scale=0.2), x, _leaf(D),
+                                                   None, 1e-6)
+    olmo_act = ops.gate_up_swiglu(olmo_x, _leaf(2 * FFN, D, scale=0.2), low_rank=lora(2 * FFN, D))
     h, normed, rstd = ops.swiglu_mlp_residual_rms(h, normed, rstd, gamma, _leaf(2 * FFN, D, scale=0.2),
                                                   _leaf(D, FFN, scale=0.2), gamma, 1e-6,
                                                   down_low_rank=lora(D, FFN), activation="gelu_tanh")
@@ -71,9 +79,11 @@ def _every_public_op():
                                activation="gelu_tanh")
         ops.rms_qkv_rope(x, normed, rstd, gamma, _leaf(QKV, D, scale=0.2), positions, freqs, _leaf(HD), _leaf(HD),
                          num_heads=HEADS)
+        ops.qkv_norm_rope(x, _leaf(QKV, D, scale=0.2), positions, freqs, _leaf(HEADS * HD), _leaf(KV_HEADS * HD), 1e-6)
+        ops.gate_up_swiglu(x, _leaf(2 * FFN, D, scale=0.2), activation="gelu_tanh")
     embedded = ops.embedding(torch.randint(0, VOCAB, (M,)), _leaf(VOCAB, D), padding_idx=0)
     total = (loss + eval_loss + logits.sum() + capped.sum() + act.sum() + qk.sum() + k.sum() + v.sum()
-             + embedded.sum() + post_normed.sum())
+             + embedded.sum() + post_normed.sum() + olmo_k.sum() + olmo_v.sum() + olmo_act.sum())
     total.backward()
 
 

@@ -226,6 +226,43 @@ def test_rms_qkv_rope_qk_norm_forward_values():
     torch.testing.assert_close(got, rotate_pairs(y, positions.double()[:, None] * frequencies[None, :]))
 
 
+def test_gradcheck_qkv_norm_rope():
+    """OLMo 2's QKV: every input (x, the weight, q_norm over all Q heads, k_norm over all K heads, a LoRA pair),
+    split into q, k, v; eps large enough that finite differences see it."""
+    x, weight = rand(M, D), rand(QKV, D)
+    q_norm = (1 + 0.3 * rand(HEADS * HEAD_DIM, requires_grad=False)).requires_grad_()
+    k_norm = (1 + 0.3 * rand(KV_HEADS * HEAD_DIM, requires_grad=False)).requires_grad_()
+    lora_a, lora_b = rand(2, D), rand(QKV, 2)
+    positions = torch.randint(0, 50, (M,))
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM, base=7.0).double()
+    sizes = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
+
+    def f(x, weight, q_norm, k_norm, lora_a, lora_b):
+        return ops.qkv_norm_rope(x, weight, positions, frequencies, q_norm, k_norm, 0.01, split_sizes=sizes,
+                                 low_rank=ops.LowRank(lora_a, lora_b, 0.5))
+
+    assert gradcheck(f, (x, weight, q_norm, k_norm, lora_a, lora_b))
+
+
+def test_qkv_norm_rope_forward_values():
+    """One RMSNorm over the whole Q projection and one over the whole K projection (not per head), then RoPE."""
+    x, weight = rand(M, D, requires_grad=False), rand(QKV, D, requires_grad=False)
+    q_norm, k_norm = rand(HEADS * HEAD_DIM, requires_grad=False), rand(KV_HEADS * HEAD_DIM, requires_grad=False)
+    positions = torch.randint(0, 50, (M,))
+    frequencies = ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM).double()
+    got = ops.qkv_norm_rope(x, weight, positions, frequencies, q_norm, k_norm, EPS)
+    z_q, z_k, z_v = (x @ weight.t()).split((HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM), dim=1)
+    y = torch.cat((rms_norm(z_q, q_norm, EPS), rms_norm(z_k, k_norm, EPS), z_v), dim=1)
+    from codagen.models.llama import rotate_pairs
+    torch.testing.assert_close(got, rotate_pairs(y, positions.double()[:, None] * frequencies[None, :]))
+
+
+def test_qkv_norm_rope_refuses_norm_weights_that_do_not_span_the_projections():
+    args = (rand(M, D), rand(QKV, D), torch.arange(M), ops.rope_frequencies(HEADS, KV_HEADS, HEAD_DIM).double())
+    with pytest.raises(ValueError, match=r"qkv_weight: expected q_norm_weight's 4 \+ twice k_norm_weight's 4 rows"):
+        ops.qkv_norm_rope(*args, rand(HEAD_DIM), rand(HEAD_DIM), EPS)  # per-head weights
+
+
 def test_rms_qkv_rope_matches_half_split_rope():
     """Permuted weights + adjacent-pair RoPE = Hugging Face half-split RoPE, up to the same permutation."""
     x, gamma = rand(M, D, requires_grad=False), norm_weight().detach()
@@ -257,6 +294,35 @@ def test_gradcheck_rms_gate_up_swiglu(activation):
     act = f(x, gamma, weight)
     h = rms_norm(x, gamma, EPS)
     torch.testing.assert_close(act, GATE_ACTIVATIONS[activation](h @ weight[0::2].t()) * (h @ weight[1::2].t()))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gradcheck_gate_up_swiglu(activation):
+    """The gate/up GEMM of an MLP with no norm before it (OLMo 2), with a LoRA pair."""
+    x, weight, lora_a, lora_b = rand(M, D), rand(2 * FFN, D), rand(2, D), rand(2 * FFN, 2)
+
+    def f(x, weight, lora_a, lora_b):
+        return ops.gate_up_swiglu(x, weight, low_rank=ops.LowRank(lora_a, lora_b, 0.5), activation=activation)
+
+    assert gradcheck(f, (x, weight, lora_a, lora_b))
+    effective = weight + 0.5 * lora_b @ lora_a
+    torch.testing.assert_close(f(x, weight, lora_a, lora_b),
+                               GATE_ACTIVATIONS[activation](x @ effective[0::2].t()) * (x @ effective[1::2].t()))
+
+
+def test_gradcheck_linear_post_norm_residual_without_a_next_norm():
+    """``norm_weight=None`` (OLMo 2: no norm before the next GEMM): ``(x, None, None)``, the same ``x``."""
+    inp, weight, residual, post, gamma = rand(M, FFN), rand(D, FFN), rand(M, D), norm_weight(), norm_weight()
+
+    def f(inp, weight, residual, post):
+        x, normed, rstd = ops.linear_post_norm_residual_rms(inp, weight, residual, post, None, EPS)
+        assert normed is None and rstd is None
+        return x
+
+    assert gradcheck(f, (inp, weight, residual, post))
+    with_next = ops.linear_post_norm_residual_rms(inp, weight, residual, post, gamma, EPS)[0]
+    torch.testing.assert_close(f(inp, weight, residual, post), with_next, rtol=0, atol=0)
+    torch.testing.assert_close(with_next, residual + rms_norm(inp @ weight.t(), post, EPS))
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
@@ -408,6 +474,10 @@ def test_programs_per_op(monkeypatch):
     geglu = lambda *args: ops.rms_gate_up_swiglu(*args, activation="gelu_tanh")  # noqa: E731
     assert programs(geglu, *stats(x, gamma), rand(2 * FFN, D)) == (
         ["rms_gate_up_geglu"], ["rms_norm_backward", "weight_grad"])  # + the GeGLU backward row kernel
+    # OLMo 2: no norm before the GEMMs; the norms over the whole projections and after the GEMMs are row kernels
+    assert programs(ops.gate_up_swiglu, x, rand(2 * FFN, D)) == (["gate_up_swiglu"], ["input_grad", "weight_grad"])
+    assert programs(ops.qkv_norm_rope, x, rand(QKV, D), torch.arange(M), frequencies, rand(HEADS * HEAD_DIM),
+                    rand(KV_HEADS * HEAD_DIM), EPS) == (["linear"], ["input_grad", "weight_grad"])
     target = torch.randint(0, VOCAB, (M,))
     # training: the gradient is made in the forward pass (+ the cross-entropy row kernel); backward only scales
     assert programs(ops.rms_lm_head_cross_entropy, *stats(x, gamma), rand(VOCAB, D), target) == (

@@ -6,7 +6,7 @@ GEMM tile holds, so this is a row kernel after the GEMM, one program per row::
 
     rstd_y = rsqrt(mean(y^2) + eps)                          (the row read once for the statistic)
     x      = residual + (y * rstd_y) * post_weight           (fp32, then stored; the row read again)
-    normed = x * norm_weight,   rstd = rsqrt(mean(x^2) + eps)
+    normed = x * norm_weight,   rstd = rsqrt(mean(x^2) + eps)       (only where a norm comes next)
 
 Backward, with ``g`` the gradient of ``x`` and ``c = y * rstd_y``: the residual's gradient is ``g`` itself, and the
 post-norm's is the RMSNorm backward::
@@ -37,7 +37,8 @@ POST_NORM_BACKWARD_ROWS = 16
 
 @triton.jit
 def _post_norm_residual_kernel(y_ptr, residual_ptr, post_weight_ptr, norm_weight_ptr, x_ptr, normed_ptr, rstd_ptr,
-                               rstd_y_ptr, n_cols, eps, BLOCK: tl.constexpr):
+                               rstd_y_ptr, n_cols, eps, BLOCK: tl.constexpr, NEXT_NORM: tl.constexpr):
+    """One row per program; without NEXT_NORM (OLMo 2: no norm before the next GEMM) no ``normed``, no ``rstd``."""
     row = tl.program_id(0).to(tl.int64)
     at = row * n_cols
     y_sumsq = tl.zeros([BLOCK], dtype=tl.float32)
@@ -53,12 +54,14 @@ def _post_norm_residual_kernel(y_ptr, residual_ptr, post_weight_ptr, norm_weight
         y = tl.load(y_ptr + at + cols, mask=mask, other=0.0).to(tl.float32)
         residual = tl.load(residual_ptr + at + cols, mask=mask, other=0.0).to(tl.float32)
         post_weight = tl.load(post_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        norm_weight = tl.load(norm_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         x = residual + y * rstd_y * post_weight
-        x_sumsq += x * x
         tl.store(x_ptr + at + cols, x.to(x_ptr.dtype.element_ty), mask=mask)
-        tl.store(normed_ptr + at + cols, (x * norm_weight).to(normed_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, 1.0 / tl.sqrt(tl.sum(x_sumsq, axis=0) / n_cols + eps))
+        if NEXT_NORM:
+            norm_weight = tl.load(norm_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            x_sumsq += x * x
+            tl.store(normed_ptr + at + cols, (x * norm_weight).to(normed_ptr.dtype.element_ty), mask=mask)
+    if NEXT_NORM:
+        tl.store(rstd_ptr + row, 1.0 / tl.sqrt(tl.sum(x_sumsq, axis=0) / n_cols + eps))
     tl.store(rstd_y_ptr + row, rstd_y)
 
 
@@ -92,28 +95,33 @@ def backward_warps(block: int) -> int:
 
 
 def post_norm_residual_ref(y: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
-                           norm_weight: torch.Tensor, eps: float):
+                           norm_weight: torch.Tensor | None, eps: float):
     """``(x, normed, rstd, rstd_y)`` of the module docstring: ``x`` and ``normed`` in ``y``'s dtype, the statistics
-    fp32 (fp64 for fp64 ``y``)."""
+    fp32 (fp64 for fp64 ``y``); ``normed`` and ``rstd`` None without a ``norm_weight`` (no norm next)."""
     cd = stats_dtype(y.dtype)
     yf = y.to(cd)
     rstd_y = torch.rsqrt(yf.square().mean(dim=-1) + eps)
     x = residual.to(cd) + yf * rstd_y[:, None] * post_weight.to(cd)
+    if norm_weight is None:
+        return x.to(y.dtype), None, None, rstd_y
     rstd = torch.rsqrt(x.square().mean(dim=-1) + eps)
     return x.to(y.dtype), (x * norm_weight.to(cd)).to(y.dtype), rstd, rstd_y
 
 
 @launcher
 def post_norm_residual_triton(y: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
-                              norm_weight: torch.Tensor, eps: float):
+                              norm_weight: torch.Tensor | None, eps: float):
     """:func:`post_norm_residual_ref` as one kernel launch (fp16/bf16/fp32)."""
     m, n = y.shape
-    x, normed = torch.empty_like(y), torch.empty_like(y)
-    rstd = torch.empty(m, dtype=torch.float32, device=y.device)
+    next_norm = norm_weight is not None
+    x = torch.empty_like(y)
+    normed = torch.empty_like(y) if next_norm else None
+    rstd = torch.empty(m, dtype=torch.float32, device=y.device) if next_norm else None
     rstd_y = torch.empty(m, dtype=torch.float32, device=y.device)
-    if m:
-        launch_kernel(_post_norm_residual_kernel, (m,), y, residual, post_weight, norm_weight, x, normed, rstd, rstd_y,
-                      n, eps, BLOCK=row_block(n))
+    if m:  # without a next norm its pointers are x's, never read or written
+        launch_kernel(_post_norm_residual_kernel, (m,), y, residual, post_weight,
+                      norm_weight if next_norm else post_weight, x, normed if next_norm else x,
+                      rstd if next_norm else rstd_y, rstd_y, n, eps, BLOCK=row_block(n), NEXT_NORM=next_norm)
     return x, normed, rstd, rstd_y
 
 

@@ -1,14 +1,19 @@
-"""F4's QK-norm and RoPE as a row kernel, for heads no epilogue sub-tile of the QKV GEMM holds whole (head_dim 256).
+"""F4's QK-norm and RoPE as a row kernel, where no epilogue sub-tile of the QKV GEMM holds a norm's columns whole.
 
-The QKV GEMM stores ``z = rstd * (normed @ W^T)`` (program ``rms_linear``, the ``preact`` the backward keeps);
-this kernel computes what the fused program ``rms_qkv_rope_qk_norm`` computes from ``z`` in its epilogue. On
-each Q/K head ``h`` (``head_dim`` columns, weight ``gamma`` = q_norm's or k_norm's), then on every pair ``j``::
+Two cases: heads wider than any sub-tile (Gemma 3's head_dim 256), and QK-norm over the whole Q and the whole K
+projection (OLMo 2), one norm group of ``heads * head_dim`` columns each. The QKV GEMM stores ``z`` (the
+``preact`` the backward keeps: ``rstd * (normed @ W^T)``, program ``rms_linear``, or OLMo 2's un-normed
+``x @ W^T``, program ``linear``); this kernel computes what the fused program ``rms_qkv_rope_qk_norm`` computes from
+``z`` in its epilogue. On each Q/K norm group ``h`` (``width`` columns, weight ``gamma`` = q_norm's or k_norm's),
+then on every pair ``j``::
 
-    rstd_h = rsqrt(sum(z_h^2) * (1 / head_dim) + eps),   y_h = z_h * (gamma * rstd_h)
+    rstd_h = rsqrt(sum(z_h^2) * (1 / width) + eps),   y_h = z_h * (gamma * rstd_h)
     qkv[m, 2j:2j+2] = rotate(y[m, 2j:2j+2], positions[m] * frequencies[j])
 
-V columns pass through (``y = z``) and rotate by their own frequencies (0 from ``rope_frequencies``), as in the
-program. One program per row; Q and K heads a few whole heads per step, V a column block per step.
+A group's width is its weight's length: ``head_dim`` per head, or the projection's columns (then Q and K have
+one group each, of different widths under GQA). V columns pass through (``y = z``) and rotate by their own
+frequencies (0 from ``rope_frequencies``), as in the program. One program per row; Q and K a few whole groups per
+step, V a column block per step.
 """
 from __future__ import annotations
 
@@ -17,19 +22,18 @@ import torch
 from codagen.backends import reference
 
 from .._checks import stats_dtype
-from ..layouts import kv_heads_of
 from ._launch import cos_sin, dispatcher, launch_kernel, launcher, next_power_of_2, portable_math, tl, triton
 from .rope import ROPE_MAX_BLOCK, _load_pairs, _store_pairs, rope_block
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_triton"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_triton", "norm_groups", "row_kernel_warps"]
 
 
 @triton.jit
 def _qk_norm_rope_heads(preact_ptr, qkv_ptr, frequencies_ptr, gamma_even, gamma_odd, n_heads, head_dim, position,
                         eps, HEADS: tl.constexpr, HEAD_BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
-    """A row's ``n_heads`` heads of one kind (Q or K), HEADS at a time as one ``[HEADS, 2 HEAD_BLOCK]`` tile,
-    loaded contiguously, pairs split in registers: each head's RMSNorm times ``gamma``, rotated, stored.
-    Masked lanes load 0 and store nothing."""
+    """A row's ``n_heads`` norm groups of one kind (Q or K; ``head_dim`` columns each: a head, or the whole
+    projection), HEADS at a time as one ``[HEADS, 2 HEAD_BLOCK]`` tile, loaded contiguously, pairs split in
+    registers: each group's RMSNorm times ``gamma``, rotated, stored. Masked lanes load 0 and store nothing."""
     head = tl.arange(0, HEADS)[:, None]
     col = tl.arange(0, 2 * HEAD_BLOCK)[None, :]
     pair = tl.arange(0, HEAD_BLOCK)[None, :]
@@ -67,35 +71,52 @@ def _rope_columns(preact_ptr, qkv_ptr, frequencies_ptr, n_cols, position, BLOCK:
 
 @triton.jit
 def _qk_norm_rope_kernel(preact_ptr, positions_ptr, frequencies_ptr, q_norm_weight_ptr, k_norm_weight_ptr, qkv_ptr,
-                         n_cols, head_dim, num_heads, num_kv_heads, eps, HEADS: tl.constexpr,
-                         HEAD_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
-    """One row per program: its Q heads, its K heads (:func:`_qk_norm_rope_heads`), then its V columns
-    (:func:`_rope_columns`). Both norm weights are loaded once, as pairs."""
+                         n_cols, q_width, k_width, q_groups, k_groups, eps, Q_HEADS: tl.constexpr,
+                         Q_BLOCK: tl.constexpr, K_HEADS: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                         PORTABLE: tl.constexpr):
+    """One row per program: its Q groups, its K groups (:func:`_qk_norm_rope_heads`; ``q_groups`` of ``q_width``
+    columns, ``k_groups`` of ``k_width``), then its V columns (:func:`_rope_columns`). Both norm weights are loaded
+    once, as pairs."""
     row = tl.program_id(0).to(tl.int64)
-    in_head_cols = tl.arange(0, 2 * HEAD_BLOCK) < head_dim
-    q_gamma_even, q_gamma_odd = _load_pairs(q_norm_weight_ptr, in_head_cols, HEAD_BLOCK)
-    k_gamma_even, k_gamma_odd = _load_pairs(k_norm_weight_ptr, in_head_cols, HEAD_BLOCK)
+    q_gamma_even, q_gamma_odd = _load_pairs(q_norm_weight_ptr, tl.arange(0, 2 * Q_BLOCK) < q_width, Q_BLOCK)
+    k_gamma_even, k_gamma_odd = _load_pairs(k_norm_weight_ptr, tl.arange(0, 2 * K_BLOCK) < k_width, K_BLOCK)
     position = tl.load(positions_ptr + row).to(tl.float32)
     preact_row, qkv_row = preact_ptr + row * n_cols, qkv_ptr + row * n_cols
-    q_cols = num_heads * head_dim
-    qk_cols = q_cols + num_kv_heads * head_dim
-    _qk_norm_rope_heads(preact_row, qkv_row, frequencies_ptr, q_gamma_even, q_gamma_odd, num_heads, head_dim,
-                        position, eps, HEADS, HEAD_BLOCK, PORTABLE)
+    q_cols = q_groups * q_width
+    qk_cols = q_cols + k_groups * k_width
+    _qk_norm_rope_heads(preact_row, qkv_row, frequencies_ptr, q_gamma_even, q_gamma_odd, q_groups, q_width,
+                        position, eps, Q_HEADS, Q_BLOCK, PORTABLE)
     _qk_norm_rope_heads(preact_row + q_cols, qkv_row + q_cols, frequencies_ptr + q_cols // 2, k_gamma_even,
-                        k_gamma_odd, num_kv_heads, head_dim, position, eps, HEADS, HEAD_BLOCK, PORTABLE)
+                        k_gamma_odd, k_groups, k_width, position, eps, K_HEADS, K_BLOCK, PORTABLE)
     _rope_columns(preact_row + qk_cols, qkv_row + qk_cols, frequencies_ptr + qk_cols // 2, n_cols - qk_cols,
                   position, BLOCK, PORTABLE)
+
+
+def norm_groups(n_cols: int, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                num_heads: int) -> tuple[int, int]:
+    """``(q_groups, k_groups)`` of a ``[Q | K | V]`` row of ``n_cols`` columns: ``num_heads`` Q groups of
+    ``len(q_norm_weight)`` columns, and as many K groups of ``len(k_norm_weight)`` as fill K's columns, V's being as
+    many (per head: the K heads; over the whole projection: 1 and 1)."""
+    return num_heads, (n_cols - num_heads * q_norm_weight.shape[0]) // (2 * k_norm_weight.shape[0])
+
+
+def row_kernel_warps(warps: int, widest_group: int) -> int:
+    """The warps of a row kernel that holds a norm group of ``widest_group`` columns in registers: at least
+    ``warps``, and one per 256 of its columns up to 16 (a whole projection's 4096 columns spread over 512 threads
+    keep the tile's arrays in registers)."""
+    return max(warps, min(16, next_power_of_2(widest_group) // 256))
 
 
 def qk_norm_rope_ref(preact: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor,
                      q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, num_heads: int,
                      eps: float) -> torch.Tensor:
-    """``qkv = rope(qk_norm(z))`` from ``preact = z`` [M, N], columns ``[Q heads | K heads | V heads]``.
+    """``qkv = rope(qk_norm(z))`` from ``preact = z`` [M, N], columns ``[Q groups | K groups | V]``.
 
-    On each Q/K head ``h`` (``head_dim = hd`` columns, weight ``gamma`` = ``q_norm_weight`` or
-    ``k_norm_weight``, pair order)::
+    ``num_heads`` Q norm groups of ``q_norm_weight``'s length (the Q heads, or 1 for a norm over the whole Q
+    projection), then as many K groups of ``k_norm_weight``'s length as :func:`norm_groups` finds. On each group
+    ``h`` (``w`` columns, weight ``gamma`` = ``q_norm_weight`` or ``k_norm_weight``, pair order)::
 
-        rstd_h = rsqrt(sum(z_h^2) * (1 / hd) + eps),   y_h = z_h * (gamma * rstd_h)
+        rstd_h = rsqrt(sum(z_h^2) * (1 / w) + eps),   y_h = z_h * (gamma * rstd_h)
 
     V: ``y = z``. Then pair ``j`` of row ``m`` rotates by ``positions[m] * frequencies[j]`` (V's pairs by theirs,
     0 from ``rope_frequencies``). Arithmetic in float32 (float64 for float64 ``preact``); ``qkv`` in
@@ -104,13 +125,16 @@ def qk_norm_rope_ref(preact: torch.Tensor, positions: torch.Tensor, frequencies:
     cd = stats_dtype(preact.dtype)
     z = preact.to(cd)
     m, n = z.shape
-    hd = q_norm_weight.shape[0]
-    num_kv_heads = kv_heads_of(n, hd, num_heads)
-    qk_cols = (num_heads + num_kv_heads) * hd
-    z_heads = z[:, :qk_cols].reshape(m, num_heads + num_kv_heads, hd)  # explicit: M may be 0
-    gamma = torch.cat((q_norm_weight.to(cd).expand(num_heads, hd), k_norm_weight.to(cd).expand(num_kv_heads, hd)))
-    rstd = torch.rsqrt(z_heads.square().sum(-1, keepdim=True) * (1.0 / hd) + eps)
-    y = torch.cat(((z_heads * (gamma * rstd)).reshape(m, qk_cols), z[:, qk_cols:]), dim=1)
+    q_groups, k_groups = norm_groups(n, q_norm_weight, k_norm_weight, num_heads)
+    parts = []
+    start = 0
+    for groups, gamma in ((q_groups, q_norm_weight), (k_groups, k_norm_weight)):
+        width = gamma.shape[0]
+        z_groups = z[:, start:start + groups * width].reshape(m, groups, width)  # explicit: M may be 0
+        rstd = torch.rsqrt(z_groups.square().sum(-1, keepdim=True) * (1.0 / width) + eps)
+        parts.append((z_groups * (gamma.to(cd) * rstd)).reshape(m, groups * width))
+        start += groups * width
+    y = torch.cat((*parts, z[:, start:]), dim=1)
     theta = positions.to(cd)[:, None] * frequencies.to(cd)[None, :]
     return reference.rope_ref(y, theta).to(preact.dtype)
 
@@ -120,19 +144,20 @@ def qk_norm_rope_triton(preact: torch.Tensor, positions: torch.Tensor, frequenci
                         q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, num_heads: int, eps: float, *,
                         launch: tuple[int, int] | None = None) -> torch.Tensor:
     """:func:`qk_norm_rope_ref` as one kernel launch (fp16/bf16/fp32). ``launch``: ``(columns per step,
-    warps)``, by default :data:`~codagen.ops.kernels.rope.ROPE_MAX_BLOCK` and 4 warps; a step holds as many
-    whole heads as fit (at least one)."""
+    warps)``, by default :data:`~codagen.ops.kernels.rope.ROPE_MAX_BLOCK` and 4 warps (more for wide norm groups:
+    :func:`row_kernel_warps`); a step holds as many whole groups as fit (at least one)."""
     m, n = preact.shape
-    hd = q_norm_weight.shape[0]
-    num_kv_heads = kv_heads_of(n, hd, num_heads)
+    q_width, k_width = q_norm_weight.shape[0], k_norm_weight.shape[0]
+    q_groups, k_groups = norm_groups(n, q_norm_weight, k_norm_weight, num_heads)
     preact = preact.contiguous()  # the kernel steps its rows by N
     qkv = torch.empty(m, n, dtype=preact.dtype, device=preact.device)
-    step, warps = launch or (ROPE_MAX_BLOCK, 4)
+    step, warps = launch or (ROPE_MAX_BLOCK, row_kernel_warps(4, max(q_width, k_width)))
     if m:
-        head_block = next_power_of_2(hd // 2)
+        q_block, k_block = next_power_of_2(q_width // 2), next_power_of_2(k_width // 2)
         launch_kernel(_qk_norm_rope_kernel, (m,), preact, positions, frequencies, q_norm_weight, k_norm_weight, qkv,
-                      n, hd, num_heads, num_kv_heads, eps, HEADS=max(1, step // (2 * head_block)),
-                      HEAD_BLOCK=head_block, BLOCK=rope_block(num_kv_heads * hd, step), PORTABLE=portable_math(),
+                      n, q_width, k_width, q_groups, k_groups, eps, Q_HEADS=max(1, step // (2 * q_block)),
+                      Q_BLOCK=q_block, K_HEADS=max(1, step // (2 * k_block)), K_BLOCK=k_block,
+                      BLOCK=rope_block(n - q_groups * q_width - k_groups * k_width, step), PORTABLE=portable_math(),
                       num_warps=warps)
     return qkv
 

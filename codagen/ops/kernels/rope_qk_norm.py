@@ -1,10 +1,12 @@
-"""B1 with QK-norm: the RoPE backward plus the per-head RMSNorm backward of the Q and K heads.
+"""B1 with QK-norm: the RoPE backward plus the RMSNorm backward of the Q and K norm groups.
 
-On each Q/K head ``h`` (``head_dim`` columns, weight ``gamma``), with ``g`` the gradient rotated back::
+A norm group is a head (``head_dim`` columns) or, for QK-norm over the whole projection (OLMo 2), all of Q or all
+of K (:func:`codagen.ops.kernels.qk_norm_rope.norm_groups`). On each Q/K group ``h`` (``w`` columns, weight
+``gamma``), with ``g`` the gradient rotated back::
 
     rho_h  = rsqrt(mean(z_h^2) + eps),   zhat_h = z_h * rho_h
     dz_h   = rho_h * (gamma * g_h - zhat_h * mean(zhat_h * gamma * g_h))
-    grad_gamma = sum over rows and heads of that kind of g_h * zhat_h
+    grad_gamma = sum over rows and groups of that kind of g_h * zhat_h
 
 V columns pass ``dz = g``; ``mean_z_dz[m] = sum_k z dz / width``. The weight gradients leave the kernel
 as per-row-block partials, summed by :func:`codagen.ops.kernels.finish.finish_col_sum_triton` (no atomics).
@@ -18,9 +20,9 @@ import torch
 from codagen.backends import reference
 
 from .._checks import stats_dtype
-from ..layouts import kv_heads_of
 from ._launch import cos_sin, dispatcher, launch_kernel, launcher, next_power_of_2, portable_math, tl, triton
 from .finish import finish_col_sum_triton
+from .qk_norm_rope import norm_groups, row_kernel_warps
 from .rope import _cat_columns, _load_pairs, _rope_backward_columns, _store_pairs, _three_blocks, rope_block
 
 __all__ = ["rope_qk_norm_backward", "rope_qk_norm_backward_ref", "rope_qk_norm_backward_triton", "QK_NORM_LAUNCH"]
@@ -78,23 +80,25 @@ def _qk_norm_heads_backward(grad_ptr, preact_ptr, grad_z_ptr, frequencies_ptr, g
 def _rope_qk_norm_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, k_stride, v_stride, preact_ptr,
                                   positions_ptr, frequencies_ptr, q_norm_weight_ptr, k_norm_weight_ptr,
                                   grad_z_ptr, mean_z_dz_ptr, partial_grad_norm_weight_ptr,
-                                  n_rows, n_pairs, head_dim, num_heads, num_kv_heads, eps, inv_width,
-                                  ROWS: tl.constexpr, HEADS: tl.constexpr, HEAD_BLOCK: tl.constexpr,
-                                  BLOCK: tl.constexpr, PORTABLE: tl.constexpr):
-    """ROWS rows per program; each row's Q heads, then K heads (:func:`_qk_norm_heads_backward`), then
+                                  n_rows, n_pairs, q_width, k_width, q_groups, k_groups, eps, inv_width,
+                                  ROWS: tl.constexpr, Q_HEADS: tl.constexpr, Q_BLOCK: tl.constexpr,
+                                  K_HEADS: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                                  PORTABLE: tl.constexpr):
+    """ROWS rows per program; each row's Q groups, then K groups (:func:`_qk_norm_heads_backward`), then
     its V columns BLOCK at a time (rotated back only). The gradient arrives as the q, k and v column
     blocks, read in place. Norm-weight gradients accumulate over the program's rows in registers and
     leave as one partial row per program (no atomics)."""
     block = tl.program_id(0)
-    in_head_cols = tl.arange(0, 2 * HEAD_BLOCK) < head_dim
-    q_gamma_even, q_gamma_odd = _load_pairs(q_norm_weight_ptr, in_head_cols, HEAD_BLOCK)
-    k_gamma_even, k_gamma_odd = _load_pairs(k_norm_weight_ptr, in_head_cols, HEAD_BLOCK)
-    grad_q_even = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
-    grad_q_odd = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
-    grad_k_even = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
-    grad_k_odd = tl.zeros([HEADS, HEAD_BLOCK], dtype=tl.float32)
-    q_cols = num_heads * head_dim
-    qk_cols = q_cols + num_kv_heads * head_dim
+    in_q_cols = tl.arange(0, 2 * Q_BLOCK) < q_width
+    in_k_cols = tl.arange(0, 2 * K_BLOCK) < k_width
+    q_gamma_even, q_gamma_odd = _load_pairs(q_norm_weight_ptr, in_q_cols, Q_BLOCK)
+    k_gamma_even, k_gamma_odd = _load_pairs(k_norm_weight_ptr, in_k_cols, K_BLOCK)
+    grad_q_even = tl.zeros([Q_HEADS, Q_BLOCK], dtype=tl.float32)
+    grad_q_odd = tl.zeros([Q_HEADS, Q_BLOCK], dtype=tl.float32)
+    grad_k_even = tl.zeros([K_HEADS, K_BLOCK], dtype=tl.float32)
+    grad_k_odd = tl.zeros([K_HEADS, K_BLOCK], dtype=tl.float32)
+    q_cols = q_groups * q_width
+    qk_cols = q_cols + k_groups * k_width
     for r in range(ROWS):
         row = block * ROWS + r
         row_ok = row < n_rows
@@ -103,11 +107,11 @@ def _rope_qk_norm_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, 
         position = tl.load(positions_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
         q_z_dz, q_even, q_odd = _qk_norm_heads_backward(
             grad_q_ptr + row.to(tl.int64) * q_stride, preact_row, grad_z_row, frequencies_ptr, q_gamma_even,
-            q_gamma_odd, num_heads, head_dim, position, row_ok, eps, HEADS, HEAD_BLOCK, PORTABLE)
+            q_gamma_odd, q_groups, q_width, position, row_ok, eps, Q_HEADS, Q_BLOCK, PORTABLE)
         k_z_dz, k_even, k_odd = _qk_norm_heads_backward(
             grad_k_ptr + row.to(tl.int64) * k_stride, preact_row + q_cols, grad_z_row + q_cols,
-            frequencies_ptr + q_cols // 2, k_gamma_even, k_gamma_odd, num_kv_heads, head_dim, position, row_ok,
-            eps, HEADS, HEAD_BLOCK, PORTABLE)
+            frequencies_ptr + q_cols // 2, k_gamma_even, k_gamma_odd, k_groups, k_width, position, row_ok,
+            eps, K_HEADS, K_BLOCK, PORTABLE)
         grad_q_even += q_even
         grad_q_odd += q_odd
         grad_k_even += k_even
@@ -116,26 +120,27 @@ def _rope_qk_norm_backward_kernel(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_stride, 
             grad_v_ptr + row.to(tl.int64) * v_stride, preact_row + qk_cols, grad_z_row + qk_cols,
             frequencies_ptr + qk_cols // 2, preact_row, tl.where(row_ok, 2 * n_pairs - qk_cols, 0), position, True,
             False, BLOCK, PORTABLE)
-        row_z_dz = tl.sum(tl.sum(q_z_dz + k_z_dz, axis=1), axis=0) + tl.sum(v_dz, axis=0)
+        row_z_dz = (tl.sum(tl.sum(q_z_dz, axis=1), axis=0) + tl.sum(tl.sum(k_z_dz, axis=1), axis=0)
+                    + tl.sum(v_dz, axis=0))
         tl.store(mean_z_dz_ptr + row, row_z_dz * inv_width, mask=row_ok)
-    # partial row of this program: [q_norm grad | k_norm grad], each head_dim wide
-    partial = partial_grad_norm_weight_ptr + block.to(tl.int64) * 2 * head_dim
-    _store_pairs(partial, tl.sum(grad_q_even, axis=0), tl.sum(grad_q_odd, axis=0), in_head_cols, HEAD_BLOCK)
-    _store_pairs(partial + head_dim, tl.sum(grad_k_even, axis=0), tl.sum(grad_k_odd, axis=0), in_head_cols,
-                 HEAD_BLOCK)
+    # partial row of this program: [q_norm grad | k_norm grad], q_width and k_width wide
+    partial = partial_grad_norm_weight_ptr + block.to(tl.int64) * (q_width + k_width)
+    _store_pairs(partial, tl.sum(grad_q_even, axis=0), tl.sum(grad_q_odd, axis=0), in_q_cols, Q_BLOCK)
+    _store_pairs(partial + q_width, tl.sum(grad_k_even, axis=0), tl.sum(grad_k_odd, axis=0), in_k_cols, K_BLOCK)
 
 
 def rope_qk_norm_backward_ref(grad_blocks: Sequence[torch.Tensor], preact: torch.Tensor, positions: torch.Tensor,
                               frequencies: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
                               num_heads: int, eps: float, width: int):
-    """B1 of ``qkv = rope(qk_norm(z))``, columns ``[Q heads | K heads | V heads]`` (``preact = z``).
+    """B1 of ``qkv = rope(qk_norm(z))``, columns ``[Q groups | K groups | V]`` (``preact = z``; the groups as in
+    :func:`codagen.ops.kernels.qk_norm_rope.qk_norm_rope_ref`: ``num_heads`` Q groups of ``q_norm_weight``'s length).
 
-    ``g = rotate(grad_qkv, -theta)`` is the gradient of the QK-norm output. On each Q/K head ``h``
-    (``head_dim = hd`` columns, weight ``gamma`` = ``q_norm_weight`` or ``k_norm_weight``, pair order)::
+    ``g = rotate(grad_qkv, -theta)`` is the gradient of the QK-norm output. On each Q/K group ``h``
+    (``w`` columns, weight ``gamma`` = ``q_norm_weight`` or ``k_norm_weight``, pair order)::
 
         rho_h  = rsqrt(mean(z_h^2) + eps),   zhat_h = z_h * rho_h
         dz_h   = rho_h * (gamma * g_h - zhat_h * mean(zhat_h * gamma * g_h))
-        grad_gamma = sum over rows and heads of that kind of g_h * zhat_h
+        grad_gamma = sum over rows and groups of that kind of g_h * zhat_h
 
     ``grad_blocks``: ``grad_qkv`` whole (``[grad_qkv]``) or as ``[grad_q, grad_k, grad_v]``.
     V columns: ``dz = g``. ``mean_z_dz[m] = sum_k z dz / width`` with the pre-QK-norm ``z`` (the input
@@ -145,24 +150,24 @@ def rope_qk_norm_backward_ref(grad_blocks: Sequence[torch.Tensor], preact: torch
     grad_qkv = _cat_columns(grad_blocks)
     cd = stats_dtype(grad_qkv.dtype)
     m, n = grad_qkv.shape
-    hd = q_norm_weight.shape[0]
-    num_kv_heads = kv_heads_of(n, hd, num_heads)
-    qk_cols = (num_heads + num_kv_heads) * hd
     theta = positions.to(cd)[:, None] * frequencies.to(cd)[None, :]
     g = reference.rope_ref(grad_qkv.to(cd), -theta)
     z = preact.to(cd)
-    heads = (m, num_heads + num_kv_heads, hd)  # explicit: M may be 0
-    z_heads, g_heads = z[:, :qk_cols].reshape(heads), g[:, :qk_cols].reshape(heads)
-    gamma = torch.cat((q_norm_weight.to(cd).expand(num_heads, hd), k_norm_weight.to(cd).expand(num_kv_heads, hd)))
-    rho = torch.rsqrt(z_heads.square().mean(-1, keepdim=True) + eps)
-    zhat = z_heads * rho
-    gamma_g = gamma * g_heads
-    dz_heads = rho * (gamma_g - zhat * (zhat * gamma_g).mean(-1, keepdim=True))
-    grad_z = torch.cat((dz_heads.reshape(m, qk_cols), g[:, qk_cols:]), dim=1)
+    parts, grad_gammas = [], []
+    start = 0
+    for groups, gamma in zip(norm_groups(n, q_norm_weight, k_norm_weight, num_heads), (q_norm_weight, k_norm_weight)):
+        w = gamma.shape[0]
+        shape = (m, groups, w)  # explicit: M may be 0
+        z_groups, g_groups = (t[:, start:start + groups * w].reshape(shape) for t in (z, g))
+        rho = torch.rsqrt(z_groups.square().mean(-1, keepdim=True) + eps)
+        zhat = z_groups * rho
+        gamma_g = gamma.to(cd) * g_groups
+        parts.append((rho * (gamma_g - zhat * (zhat * gamma_g).mean(-1, keepdim=True))).reshape(m, groups * w))
+        grad_gammas.append((g_groups * zhat).sum((0, 1)))
+        start += groups * w
+    grad_z = torch.cat((*parts, g[:, start:]), dim=1)
     mean_z_dz = (z * grad_z).sum(-1) / width
-    grad_gamma = g_heads * zhat
-    return (grad_z.to(grad_qkv.dtype), mean_z_dz, grad_gamma[:, :num_heads].sum((0, 1)),
-            grad_gamma[:, num_heads:].sum((0, 1)))
+    return (grad_z.to(grad_qkv.dtype), mean_z_dz, *grad_gammas)
 
 
 @launcher
@@ -171,12 +176,13 @@ def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: to
                                  num_heads: int, eps: float, width: int, *,
                                  launch: tuple[int, int, int] = QK_NORM_LAUNCH):
     """:func:`rope_qk_norm_backward_ref` as one kernel launch (fp16/bf16/fp32) + the finishing sum of the
-    per-program norm-weight gradient partials ``[cdiv(M, rows per program), 2 head_dim]``. ``launch``:
-    (rows per program, columns per step, warps), :data:`QK_NORM_LAUNCH` by default."""
+    per-program norm-weight gradient partials ``[cdiv(M, rows per program), q_width + k_width]``. ``launch``:
+    (rows per program, columns per step, warps), :data:`QK_NORM_LAUNCH` by default; the warps grow with wide norm
+    groups (:func:`~codagen.ops.kernels.qk_norm_rope.row_kernel_warps`)."""
     m, n = preact.shape
-    hd = q_norm_weight.shape[0]
-    num_kv_heads = kv_heads_of(n, hd, num_heads)
-    widths = (num_heads * hd, num_kv_heads * hd, num_kv_heads * hd)
+    q_width, k_width = q_norm_weight.shape[0], k_norm_weight.shape[0]
+    q_groups, k_groups = norm_groups(n, q_norm_weight, k_norm_weight, num_heads)
+    widths = (q_groups * q_width, k_groups * k_width, k_groups * k_width)
     if [b.shape[1] for b in grad_blocks] not in ([n], list(widths)):
         raise ValueError(f"grad_blocks: expected [grad_qkv] ({n} columns) or [grad_q, grad_k, grad_v] ({widths} "
                          f"columns), got widths {[b.shape[1] for b in grad_blocks]}")
@@ -186,17 +192,18 @@ def rope_qk_norm_backward_triton(grad_blocks: Sequence[torch.Tensor], preact: to
     mean_z_dz = torch.empty(m, dtype=torch.float32, device=preact.device)
     rows, step, warps = launch
     blocks = -(-m // rows)
-    partial = torch.empty(blocks, 2 * hd, dtype=torch.float32, device=preact.device)
+    partial = torch.empty(blocks, q_width + k_width, dtype=torch.float32, device=preact.device)
     if m:
-        head_block = next_power_of_2(hd // 2)
+        q_block, k_block = next_power_of_2(q_width // 2), next_power_of_2(k_width // 2)
         launch_kernel(_rope_qk_norm_backward_kernel, (blocks,),
             grad_q, grad_k, grad_v, *(g.stride(0) for g in grads), preact, positions, frequencies, q_norm_weight,
             k_norm_weight, grad_z, mean_z_dz, partial,
-            m, n // 2, hd, num_heads, num_kv_heads, eps, 1.0 / width,
-            ROWS=rows, HEADS=max(1, step // (2 * head_block)), HEAD_BLOCK=head_block,
-            BLOCK=rope_block(widths[2], step), PORTABLE=portable_math(), num_warps=warps)
+            m, n // 2, q_width, k_width, q_groups, k_groups, eps, 1.0 / width,
+            ROWS=rows, Q_HEADS=max(1, step // (2 * q_block)), Q_BLOCK=q_block, K_HEADS=max(1, step // (2 * k_block)),
+            K_BLOCK=k_block, BLOCK=rope_block(widths[2], step), PORTABLE=portable_math(),
+            num_warps=row_kernel_warps(warps, max(q_width, k_width)))
     grad_norm_weight = finish_col_sum_triton(partial, torch.float32)
-    return grad_z, mean_z_dz, grad_norm_weight[:hd], grad_norm_weight[hd:]
+    return grad_z, mean_z_dz, grad_norm_weight[:q_width], grad_norm_weight[q_width:]
 
 
 rope_qk_norm_backward = dispatcher(rope_qk_norm_backward_ref, rope_qk_norm_backward_triton, tensor_arg=1)
