@@ -80,8 +80,17 @@ def linear() -> Program:
 
 
 @functools.cache
-def input_grad() -> Program:
-    """B8: ``grad_input = grad_out @ weight`` (a: grad_out [M, out], b: weight [out, in])."""
+def input_grad(residual_grad: bool = False) -> Program:
+    """B8: ``grad_input = grad_out @ weight`` (a: grad_out [M, out], b: weight [out, in]).
+
+    ``residual_grad=True`` (program ``input_grad_residual``): ``grad_input = grad_out @ weight + grad_residual``, for
+    an input that is also the residual stream (OLMo 2's QKV and gate/up GEMMs read it with no norm between): the
+    residual path's gradient joins in the one store. It takes ``input_grad``'s tuned choices.
+    """
+    if residual_grad:
+        return Program("input_grad_residual", Gemm.input_grad(),
+                       (Store("grad_input", acc + TileInput("grad_residual")),), doc=input_grad.__doc__,
+                       tuning_stand_in=input_grad())
     return Program("input_grad", Gemm.input_grad(), (Store("grad_input", acc),), doc=input_grad.__doc__)
 
 

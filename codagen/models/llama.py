@@ -166,9 +166,8 @@ def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: to
     if blk.attn_norm is None:  # OLMo 2: x as it is, one QK-norm over each whole projection
         if blk.q_norm is None or blk.k_norm is None:
             raise NotImplementedError("decoder_stack: a block without attn_norm needs q_norm and k_norm (OLMo 2)")
-        q, k, v = ops.qkv_norm_rope(x, blk.qkv, positions, frequencies, blk.q_norm, blk.k_norm, eps,
-                                    split_sizes=split_sizes, low_rank=blk.qkv_low_rank)
-        return q, k, v, x
+        return ops.qkv_norm_rope(x, blk.qkv, positions, frequencies, blk.q_norm, blk.k_norm, eps,
+                                 split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank)
     if blk.q_norm is None and blk.k_norm is None:
         return ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
                                 split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank,
@@ -201,8 +200,9 @@ def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_n
         return ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down, next_norm, eps,
                                            gate_up_low_rank=blk.gate_up_low_rank, down_low_rank=blk.down_low_rank,
                                            **_activation(blk))
-    if blk.mlp_norm is None:
-        act = ops.gate_up_swiglu(x, blk.gate_up, low_rank=blk.gate_up_low_rank, **_activation(blk))
+    if blk.mlp_norm is None:  # x passes through the op, so that the residual path's gradient joins its backward's
+        act, x = ops.gate_up_swiglu(x, blk.gate_up, low_rank=blk.gate_up_low_rank, pass_residual=True,
+                                    **_activation(blk))
     else:
         act = ops.rms_gate_up_swiglu(x, normed, rstd, blk.mlp_norm, blk.gate_up, low_rank=blk.gate_up_low_rank,
                                      **_activation(blk))

@@ -156,13 +156,13 @@ def _gate_up_swiglu_op(x: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None,
 @custom_op("gate_up_swiglu_backward", fake=lambda x, gate_up_weight, weight_grad, input_grad, lora_a, lora_b, **_: (
     fake_grad(x, input_grad, x), fake_grad(gate_up_weight, weight_grad, x), fake_grad(lora_a, True, x),
     fake_grad(lora_b, True, x)))
-def _gate_up_swiglu_backward_op(grad_act: Tensor, preact: Tensor, x: Tensor, gate_up_weight: Tensor,
-                                weight_grad: bool, input_grad: bool, lora_a: Tensor | None, lora_b: Tensor | None,
-                                lora_u: Tensor | None, lora_scale: float,
+def _gate_up_swiglu_backward_op(grad_act: Tensor, grad_residual: Tensor | None, preact: Tensor, x: Tensor,
+                                gate_up_weight: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
+                                lora_b: Tensor | None, lora_u: Tensor | None, lora_scale: float,
                                 activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grad_preact, _ = kernels.swiglu_backward(grad_act, preact, x.shape[1], activation)
     grads = _linear_backward(grad_preact, x, gate_up_weight, (lora_a, lora_b, lora_u, lora_scale),
-                             weight_grad=weight_grad, input_grad=input_grad)
+                             weight_grad=weight_grad, input_grad=input_grad, grad_residual=grad_residual)
     return tuple(or_empty(g, x) for g in grads)
 
 
@@ -174,31 +174,35 @@ class _GateUpSwiglu(torch.autograd.Function):
         ctx.save_for_backward(preact, x, gate_up_weight, lora_a, lora_b, lora_u)
         ctx.lora_scale, ctx.activation = lora_scale, activation
         ctx.set_materialize_grads(False)
-        return act
+        return act, x.view_as(x)
 
     @staticmethod
     @named_gradients(forward)
-    def backward(ctx, needs, grad_act):
-        if grad_act is None:
-            return {}
+    def backward(ctx, needs, grad_act, grad_residual):
+        if grad_act is None:  # only the residual path carries a gradient (or none does)
+            return dict(x=grad_residual)
         preact, x, gate_up_weight, lora_a, lora_b, lora_u = ctx.saved_tensors
         grad_x, grad_weight, grad_lora_a, grad_lora_b = _gate_up_swiglu_backward_op(
-            grad_act.contiguous(), preact, x, gate_up_weight, needs["gate_up_weight"], needs["x"], lora_a, lora_b,
-            lora_u, ctx.lora_scale, ctx.activation)
+            grad_act.contiguous(), None if grad_residual is None else grad_residual.contiguous(), preact, x,
+            gate_up_weight, needs["gate_up_weight"], needs["x"], lora_a, lora_b, lora_u, ctx.lora_scale,
+            ctx.activation)
         present = lora_a is not None
         return dict(x=grad_x if needs["x"] else None, gate_up_weight=grad_weight if needs["gate_up_weight"] else None,
                     lora_a=grad_lora_a if present else None, lora_b=grad_lora_b if present else None)
 
 
-def gate_up_swiglu(x: Tensor, gate_up_weight: Tensor, *, low_rank: LowRank | None = None,
-                   activation: str = "silu") -> Tensor:
+def gate_up_swiglu(x: Tensor, gate_up_weight: Tensor, *, low_rank: LowRank | None = None, activation: str = "silu",
+                   pass_residual: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """F2 of an MLP with no norm before it (OLMo 2): ``act = swiglu(x @ gate_up_weight^T)``, rows interleaved
     ``g0, u0, ...``; ``activation`` and ``low_rank`` as in :func:`rms_gate_up_swiglu`.
 
     One GEMM (program ``gate_up_swiglu``, or ``gate_up_geglu``) storing ``preact = x @ W^T`` [M, 2F] (saved) and
     ``act`` [M, F]. Backward: the activation's elementwise backward (:func:`codagen.ops.kernels.swiglu_backward`),
-    then ``grad_x = grad_preact @ W`` and ``grad_W = grad_preact^T @ x``. Saved: ``preact``, ``x``; with autograd
-    off nothing, and ``preact`` is not stored.
+    then ``grad_x = grad_preact @ W`` and ``grad_W = grad_preact^T @ x``. ``pass_residual=True`` returns ``(act,
+    residual)``, ``x`` passed through: used as the MLP's residual, its gradient joins ``grad_x`` in the input
+    gradient GEMM's store (program ``input_grad_residual``), where autograd would add the two paths' ``[M, d]``
+    gradients in a separate kernel. Saved: ``preact``, ``x``; with autograd off nothing, and ``preact`` is not
+    stored.
     """
     activation = check.gated_activation("activation", activation)
     x = check.activation("x", x)
@@ -208,8 +212,10 @@ def gate_up_swiglu(x: Tensor, gate_up_weight: Tensor, *, low_rank: LowRank | Non
                                   like, even_rows=True)
     low_rank = check.low_rank("low_rank", low_rank, d, gate_up_weight.shape[0], like)
     if not torch.is_grad_enabled():
-        return _gate_up_swiglu_op(x, gate_up_weight, *low_rank_pair(x, low_rank), activation, False)[0]
-    return _GateUpSwiglu.apply(x, gate_up_weight, *lora_args(low_rank), activation)
+        act = _gate_up_swiglu_op(x, gate_up_weight, *low_rank_pair(x, low_rank), activation, False)[0]
+        return (act, x) if pass_residual else act
+    act, residual = _GateUpSwiglu.apply(x, gate_up_weight, *lora_args(low_rank), activation)
+    return (act, residual) if pass_residual else act
 
 
 # ==================================================================================================

@@ -261,16 +261,16 @@ def _qkv_norm_rope_op(x: Tensor, qkv_weight: Tensor, positions: Tensor, frequenc
            lora_a, lora_b, **_: (fake_grad(x, input_grad, x), fake_grad(qkv_weight, weight_grad, x),
                                  fake_grad(lora_a, True, x), fake_grad(lora_b, True, x),
                                  torch.empty_like(q_norm_weight), torch.empty_like(k_norm_weight)))
-def _qkv_norm_rope_backward_op(grad_blocks: list[Tensor], preact: Tensor, x: Tensor, qkv_weight: Tensor,
-                               positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
-                               eps: float, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
-                               lora_b: Tensor | None, lora_u: Tensor | None,
+def _qkv_norm_rope_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor | None, preact: Tensor, x: Tensor,
+                               qkv_weight: Tensor, positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor,
+                               k_norm_weight: Tensor, eps: float, weight_grad: bool, input_grad: bool,
+                               lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
                                lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     # B1: RoPE backward + the Q and K projections' RMSNorm backward (+ q_norm/k_norm weight gradients)
     grad_z, _, grad_q_norm_weight, grad_k_norm_weight = kernels.rope_qk_norm_backward(
         grad_blocks, preact, positions, frequencies, q_norm_weight, k_norm_weight, 1, eps, x.shape[1])
     grads = _linear_backward(grad_z, x, qkv_weight, (lora_a, lora_b, lora_u, lora_scale), weight_grad=weight_grad,
-                             input_grad=input_grad)  # B8, B9
+                             input_grad=input_grad, grad_residual=grad_residual)  # B8 (+ the residual's), B9
     return (*(or_empty(g, x) for g in grads), grad_q_norm_weight.to(q_norm_weight.dtype),
             grad_k_norm_weight.to(k_norm_weight.dtype))
 
@@ -286,17 +286,19 @@ class _QkvNormRope(torch.autograd.Function):
                               lora_b, lora_u)
         ctx.eps, ctx.split_sizes, ctx.lora_scale = eps, split_sizes, lora_scale
         ctx.set_materialize_grads(False)
-        return _split_outputs(qkv, split_sizes)
+        return *_split_outputs(qkv, split_sizes), x.view_as(x)
 
     @staticmethod
     @named_gradients(forward)
-    def backward(ctx, needs, *grad_outputs):
+    def backward(ctx, needs, *grads):
+        *grad_outputs, grad_residual = grads
         *saved, lora_a, lora_b, lora_u = ctx.saved_tensors  # preact first
         grad_blocks = _grad_blocks(tuple(grad_outputs), ctx.split_sizes, saved[0])
-        if grad_blocks is None:
-            return {}
+        if grad_blocks is None:  # only the residual path carries a gradient
+            return dict(x=grad_residual)
         grad_x, grad_weight, grad_lora_a, grad_lora_b, grad_q_norm, grad_k_norm = _qkv_norm_rope_backward_op(
-            grad_blocks, *saved, ctx.eps, needs["qkv_weight"], needs["x"], lora_a, lora_b, lora_u, ctx.lora_scale)
+            grad_blocks, _contiguous(grad_residual), *saved, ctx.eps, needs["qkv_weight"], needs["x"], lora_a, lora_b,
+            lora_u, ctx.lora_scale)
         present = lora_a is not None
         return dict(x=grad_x if needs["x"] else None, qkv_weight=grad_weight if needs["qkv_weight"] else None,
                     lora_a=grad_lora_a if present else None, lora_b=grad_lora_b if present else None,
@@ -305,14 +307,16 @@ class _QkvNormRope(torch.autograd.Function):
 
 def qkv_norm_rope(x: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor,
                   k_norm_weight: Tensor, eps: float, *, split_sizes: tuple[int, int, int] | None = None,
-                  low_rank: LowRank | None = None) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+                  pass_residual: bool = False, low_rank: LowRank | None = None) -> Tensor | tuple[Tensor, ...]:
     """OLMo 2's attention input: ``z = x @ qkv_weight^T`` (no norm before it), an RMSNorm over the whole Q projection
     and one over the whole K projection, then RoPE: ``q = rope(RMSNorm(z_q) * q_norm_weight)``, likewise ``k``,
     ``v = z_v``.
 
     ``q_norm_weight`` [q columns] and ``k_norm_weight`` [k columns] (each head's channels in the pair order of
     ``qkv_weight``'s Q/K rows: :func:`rope_pairs_from_half_split` per head converts Hugging Face's); V has as many
-    columns as K. ``positions``, ``frequencies``, ``split_sizes`` and ``low_rank`` as in :func:`rms_qkv_rope`.
+    columns as K. ``positions``, ``frequencies``, ``split_sizes``, ``low_rank`` and ``pass_residual`` as in
+    :func:`rms_qkv_rope`: with ``pass_residual=True`` the residual path's gradient joins ``grad_x`` in the input
+    gradient GEMM's store (program ``input_grad_residual``).
 
     Two launches: the GEMM stores ``z`` (the ``preact`` the backward keeps) and one row kernel normalizes and
     rotates it (:func:`codagen.ops.kernels.qk_norm_rope`; a norm over a whole projection needs the whole row, which
@@ -343,11 +347,10 @@ def qkv_norm_rope(x: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies:
     if not torch.is_grad_enabled():  # inference: no autograd node, no preact
         qkv, _ = _qkv_norm_rope_op(x, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, eps,
                                    *low_rank_pair(x, low_rank), False)
-        out = _split_outputs(qkv, split_sizes)
-    else:
-        out = _QkvNormRope.apply(x, qkv_weight, positions.detach(), frequencies.detach(), q_norm_weight,
-                                 k_norm_weight, eps, split_sizes, *lora_args(low_rank))
-    return out[0] if len(out) == 1 else out
+        return _outputs((*_split_outputs(qkv, split_sizes), x), pass_residual)
+    out = _QkvNormRope.apply(x, qkv_weight, positions.detach(), frequencies.detach(), q_norm_weight, k_norm_weight,
+                             eps, split_sizes, *lora_args(low_rank))
+    return _outputs(out, pass_residual)
 
 
 # ==================================================================================================

@@ -66,11 +66,15 @@ def out_proj_residual_rms_op(inp: Tensor, weight: Tensor, residual: Tensor, norm
     fake_grad(lora_b, True, inp)))
 def _linear_backward_op(grad_out: Tensor, inp: Tensor, weight: Tensor, weight_grad: bool, input_grad: bool,
                         lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
-                        lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """B8 + B9: ``grad_inp = grad_out @ W_eff`` (with ``input_grad``), ``grad_W = grad_out^T @ inp`` (with
-    ``weight_grad``) and the low-rank update's ``(grad_a, grad_b)`` (empty tensors where not computed)."""
+                        lora_scale: float,
+                        grad_residual: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """B8 + B9: ``grad_inp = grad_out @ W_eff [+ grad_residual]`` (with ``input_grad``; ``grad_residual``: the
+    gradient of the residual stream that ``inp`` also is, added in the GEMM's store), ``grad_W = grad_out^T @ inp``
+    (with ``weight_grad``) and the low-rank update's ``(grad_a, grad_b)`` (empty tensors where not computed)."""
     grad_b_u = low_rank_grad_operand(grad_out, lora_b, lora_scale)
-    grad_inp = run(library.input_grad(), grad_out, weight, grad_b_u, lora_a)["grad_input"] if input_grad else None
+    residual = {} if grad_residual is None else {"grad_residual": grad_residual}
+    grad_inp = (run(library.input_grad(grad_residual is not None), grad_out, weight, grad_b_u, lora_a,
+                    **residual)["grad_input"] if input_grad else None)
     grad_weight = execute(library.weight_grad(), grad_out, inp)["grad_weight"] if weight_grad else None
     grad_lora_a = grad_lora_b = None
     if lora_a is not None:
@@ -80,13 +84,15 @@ def _linear_backward_op(grad_out: Tensor, inp: Tensor, weight: Tensor, weight_gr
 
 
 def _linear_backward(grad: Tensor, inp: Tensor, weight: Tensor, lora: tuple, *, weight_grad: bool,
-                    input_grad: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+                    input_grad: bool, grad_residual: Tensor | None = None
+                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """``codagen::linear_backward`` with the gradients nobody needs skipped (a frozen weight's, or the
-    input's when it comes from frozen layers); ``lora = (lora_a, lora_b, lora_u, lora_scale)``. Returns
-    ``(grad_inp, grad_weight, grad_lora_a, grad_lora_b)`` with None for what is not computed."""
+    input's when it comes from frozen layers); ``lora = (lora_a, lora_b, lora_u, lora_scale)``; ``grad_residual``
+    joins ``grad_inp`` in its store. Returns ``(grad_inp, grad_weight, grad_lora_a, grad_lora_b)`` with None for
+    what is not computed."""
     lora_a, lora_b, lora_u, lora_scale = lora
     grad_inp, grad_weight, grad_lora_a, grad_lora_b = _linear_backward_op(
-        grad, inp, weight, weight_grad, input_grad, lora_a, lora_b, lora_u, lora_scale)
+        grad, inp, weight, weight_grad, input_grad, lora_a, lora_b, lora_u, lora_scale, grad_residual)
     present = lora_a is not None
     return (grad_inp if input_grad else None, grad_weight if weight_grad else None, grad_lora_a if present else None,
             grad_lora_b if present else None)

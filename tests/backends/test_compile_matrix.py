@@ -20,12 +20,13 @@ from codagen.backends.triton.targets import TARGETS  # noqa: E402
 from codagen.epilogue import library  # noqa: E402
 
 #: the library's programs, the QK-norm QKV program of a 128-wide head (Qwen3), the QKV program with a bias (Qwen2),
-#: the GeGLU MLP's (Gemma), the gate/up program without a norm before it (OLMo 2) and the LM-head programs with
-#: Gemma 2's final logit soft-cap, by name
+#: the GeGLU MLP's (Gemma), the gate/up program without a norm before it and the input gradient with the residual's
+#: (OLMo 2), and the LM-head programs with Gemma 2's final logit soft-cap, by name
 MATRIX = {**library.PROGRAMS, "rms_qkv_rope(128, qk_norm)": lambda: library.rms_qkv_rope(128, 1e-6),
           "rms_qkv_rope(bias)": lambda: library.rms_qkv_rope(bias=True),
           "rms_gate_up_swiglu(gelu_tanh)": lambda: library.rms_gate_up_swiglu(activation="gelu_tanh"),
           "rms_gate_up_swiglu(no pre-norm)": lambda: library.rms_gate_up_swiglu(pre_norm=False),
+          "input_grad(residual)": lambda: library.input_grad(residual_grad=True),
           "swiglu_backward(gelu_tanh)": lambda: library.swiglu_backward("gelu_tanh"),
           "rms_linear(softcap)": lambda: library.rms_linear(30.0),
           "rms_linear(softcap, inference)": lambda: library.rms_linear(30.0, save_preact=False),

@@ -241,7 +241,14 @@ def test_gradcheck_qkv_norm_rope():
         return ops.qkv_norm_rope(x, weight, positions, frequencies, q_norm, k_norm, 0.01, split_sizes=sizes,
                                  low_rank=ops.LowRank(lora_a, lora_b, 0.5))
 
+    def passed_through(x, weight, q_norm, k_norm, lora_a, lora_b):  # x also the residual: its gradient joins in
+        *qkv, residual = ops.qkv_norm_rope(x, weight, positions, frequencies, q_norm, k_norm, 0.01,
+                                           split_sizes=sizes, pass_residual=True,
+                                           low_rank=ops.LowRank(lora_a, lora_b, 0.5))
+        return (*qkv, residual.sin())
+
     assert gradcheck(f, (x, weight, q_norm, k_norm, lora_a, lora_b))
+    assert gradcheck(passed_through, (x, weight, q_norm, k_norm, lora_a, lora_b))
 
 
 def test_qkv_norm_rope_forward_values():
@@ -304,7 +311,13 @@ def test_gradcheck_gate_up_swiglu(activation):
     def f(x, weight, lora_a, lora_b):
         return ops.gate_up_swiglu(x, weight, low_rank=ops.LowRank(lora_a, lora_b, 0.5), activation=activation)
 
+    def passed_through(x, weight, lora_a, lora_b):  # x also the residual: its gradient joins the input gradient's
+        act, residual = ops.gate_up_swiglu(x, weight, low_rank=ops.LowRank(lora_a, lora_b, 0.5),
+                                           activation=activation, pass_residual=True)
+        return act, residual.sin()
+
     assert gradcheck(f, (x, weight, lora_a, lora_b))
+    assert gradcheck(passed_through, (x, weight, lora_a, lora_b))
     effective = weight + 0.5 * lora_b @ lora_a
     torch.testing.assert_close(f(x, weight, lora_a, lora_b),
                                GATE_ACTIVATIONS[activation](x @ effective[0::2].t()) * (x @ effective[1::2].t()))
@@ -476,6 +489,9 @@ def test_programs_per_op(monkeypatch):
         ["rms_gate_up_geglu"], ["rms_norm_backward", "weight_grad"])  # + the GeGLU backward row kernel
     # OLMo 2: no norm before the GEMMs; the norms over the whole projections and after the GEMMs are row kernels
     assert programs(ops.gate_up_swiglu, x, rand(2 * FFN, D)) == (["gate_up_swiglu"], ["input_grad", "weight_grad"])
+    # x passed through as the residual: its gradient joins in the input-gradient GEMM's store
+    assert programs(lambda *args: torch.cat(ops.gate_up_swiglu(*args, pass_residual=True), dim=1), x,
+                    rand(2 * FFN, D)) == (["gate_up_swiglu"], ["input_grad_residual", "weight_grad"])
     assert programs(ops.qkv_norm_rope, x, rand(QKV, D), torch.arange(M), frequencies, rand(HEADS * HEAD_DIM),
                     rand(KV_HEADS * HEAD_DIM), EPS) == (["linear"], ["input_grad", "weight_grad"])
     target = torch.randint(0, VOCAB, (M,))
