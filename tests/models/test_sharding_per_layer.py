@@ -129,12 +129,13 @@ def decoder_layer_units(layers: int, prefix: str = "") -> list[str]:
     ("gemma2", dict(head_dim=8, query_pre_attn_scalar=6, sliding_window=5,
                     layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0,
                     final_logit_softcapping=3.0)),
-    ("glm4", dict(head_dim=8, attention_bias=True))])
+    ("glm4", dict(head_dim=8, attention_bias=True)), ("olmo2", {})])
 def test_accelerate_placement_matches_one_unpatched_process(family, overrides):
     """A unit per decoder layer, the embeddings (untied), [final norm, LM head] and the root, as accelerate places
     them, on a patched Llama, Qwen3 (QK-norm), Llama with an O bias and tied embeddings, Phi-3 (fused projections),
     Granite (multipliers: the logits' one in the final norm's unit), Gemma 2 (x (1 + w) and sandwich norms inside the
-    layers' units, soft-caps) and GLM-4 (sandwich norms, partial interleaved RoPE)."""
+    layers' units, soft-caps), GLM-4 (sandwich norms, partial interleaved RoPE) and OLMo 2 (no norms before attention
+    and the MLP: a layer's unit starts with no statistics)."""
     model, batch = build(family, **overrides), lm_batch()
     want = reference(model, batch)
     got = run_distributed(2, _per_layer_training, model, batch)
