@@ -1,11 +1,11 @@
 """Binding tensors to a program: every check a backend relies on, with errors that name the argument.
 
-Backends call :func:`bind` first and may then assume: A and B are 2-D, contiguous, of one float
-dtype and on one device; every named input exists with the right shape, dtype class and device;
-accumulated outputs are given; for a low-rank GEMM, ``a2`` and ``b2`` (in ``tensors``) are contiguous
-2-D matrices of A's dtype and device with one inner size R >= 1; N is even when the program uses column
-pairs; the columns of every ``SegmentSum`` value split into whole groups (``N * w`` a multiple of its
-``size``).
+Backends call :func:`bind` first and may then assume: A and B are 2-D, contiguous, of one float dtype
+(:data:`OPERAND_DTYPES`; e4m3 ones without a low-rank pair) and on one device; every named input exists with the
+right shape, dtype class and device; accumulated outputs are given; for a low-rank GEMM, ``a2`` and ``b2`` (in
+``tensors``) are contiguous 2-D matrices of A's dtype and device with one inner size R >= 1; N is even when the
+program uses column pairs; the columns of every ``SegmentSum`` value split into whole groups (``N * w`` a multiple
+of its ``size``).
 
 Every check depends only on the program and each tensor's dtype, device, shape and strides, so a call
 signature that passed is remembered and a repeated one (every layer of every step) skips the checks.
@@ -20,9 +20,11 @@ import torch
 from . import library
 from .core import ColPartial, Program, ProgramError, RowPartial, Store, check_shape
 
-__all__ = ["BoundProgram", "bind", "OPERAND_DTYPES", "cdiv", "set_poison_outputs", "validations"]
+__all__ = ["BoundProgram", "bind", "OPERAND_DTYPES", "ACTIVATION_DTYPE", "cdiv", "set_poison_outputs", "validations"]
 
-OPERAND_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+OPERAND_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn)
+#: the dtype of ``"input"`` stores where it is not the operands' own: FP8 operands feed bf16 activations
+ACTIVATION_DTYPE = {torch.float8_e4m3fn: torch.bfloat16}
 
 
 #: Fill new outputs with NaN so that an element a kernel forgets to write shows up. A debugging aid:
@@ -61,8 +63,13 @@ class BoundProgram:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Dtype of the GEMM operands (``"input"`` stores use it)."""
+        """Dtype of the GEMM operands."""
         return self.a.dtype
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """Dtype of ``"input"`` stores: the operands', bf16 for e4m3 ones (:data:`ACTIVATION_DTYPE`)."""
+        return ACTIVATION_DTYPE.get(self.a.dtype, self.a.dtype)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -75,7 +82,7 @@ class BoundProgram:
 
     def store_dtype(self, store: Store) -> torch.dtype:
         if store.dtype == "input":
-            return self.dtype
+            return self.activation_dtype
         return getattr(torch, store.dtype)
 
     def output_shape(self, out, block_m: int, block_n: int) -> tuple[int, int]:
@@ -215,6 +222,8 @@ def _check(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str
                                f"columns, got {columns} columns (N = {n}, width {grouped.width!r})")
 
     if low_rank:
+        if a.dtype in ACTIVATION_DTYPE:
+            raise ProgramError(f"{program.name}: a low-rank operand pair with {a.dtype} operands is not supported")
         _check_low_rank(program, tensors["a2"], tensors["b2"], a, m, n)
     for name, t in tensors.items():
         if name in low_rank:

@@ -506,6 +506,13 @@ class Program:
         """The same program with the GEMM's low-rank operand pair (``Gemm.low_rank``)."""
         return _with_low_rank(self)
 
+    def with_rowwise_scales(self) -> Program:
+        """The same program on a rowwise-scaled GEMM (FP8's ``rowwise`` recipe: e4m3 operands, one dequantization
+        factor per row of the output and one per column): every use of ``acc`` becomes ``acc * a_scale[m] *
+        b_scale[n]`` (``a_scale`` [M], ``b_scale`` [N]), before any other epilogue work. Named ``<name>_rowwise``;
+        it has no tuned choices of its own yet."""
+        return _with_rowwise_scales(self)
+
     def renamed(self, names: Mapping[str, str]) -> Program:
         """The same program with inputs and outputs renamed by ``names`` (old -> new; absent ones kept)."""
         memo: dict[Expr, Expr] = {}
@@ -523,6 +530,30 @@ def _renamed(e: Expr, names: Mapping[str, str], memo: dict[Expr, Expr]) -> Expr:
                    if isinstance(getattr(e, f.name), Expr)}
         if e.is_input and e.name in names:
             changes["name"] = names[e.name]
+        memo[e] = dataclasses.replace(e, **changes) if changes else e
+    return memo[e]
+
+
+@functools.cache
+def _with_rowwise_scales(program: Program) -> Program:
+    from .primitives import Accumulator, ColVector, RowVector  # the primitives build on this module
+    if program.gemm.low_rank:
+        raise ProgramError(f"{program.name}: rowwise scales with a low-rank operand pair are not supported")
+    if {"a_scale", "b_scale"} & set(program.inputs):
+        raise ProgramError(f"{program.name}: 'a_scale' and 'b_scale' are the rowwise scales; the program already "
+                           f"takes an input of that name")
+    acc = Accumulator()
+    scaled = acc * RowVector("a_scale") * ColVector("b_scale")
+    memo: dict[Expr, Expr] = {acc: scaled}
+    outputs = tuple(dataclasses.replace(o, value=_substituted(o.value, memo)) for o in program.outputs)
+    return Program(f"{program.name}_rowwise", program.gemm, outputs, doc=program.doc)
+
+
+def _substituted(e: Expr, memo: dict[Expr, Expr]) -> Expr:
+    """``e`` with its subexpressions replaced as ``memo`` maps them (shared subexpressions stay shared)."""
+    if e not in memo:
+        changes = {f.name: _substituted(getattr(e, f.name), memo) for f in dataclasses.fields(e)
+                   if isinstance(getattr(e, f.name), Expr)}
         memo[e] = dataclasses.replace(e, **changes) if changes else e
     return memo[e]
 

@@ -2,7 +2,8 @@
 ``codagen.backends.triton.targets`` (NVIDIA sm_80 to sm_120, AMD gfx942 and gfx950) on this CPU-only machine, in the
 configurations the tuner offers there, within the target's shared memory, to the target's matrix instruction
 (wgmma on sm_90, tcgen05 on sm_100, mma.sync on sm_80/86/89/120, MFMA on AMD), with TMA copies only where the chip
-has TMA and no inline PTX on AMD.
+has TMA and no inline PTX on AMD; and rowwise-scaled programs on e4m3 operands, to the e4m3 instruction, on the
+targets that have one.
 
 Sampled to fit CI's time: per target, every program in its first candidate (the untuned choice, which must not
 spill on NVIDIA off sm_90: the cubin's stack bytes) and the whole pool of one program (a different one per target);
@@ -33,10 +34,16 @@ MATRIX = {**library.PROGRAMS, "rms_qkv_rope(128, qk_norm)": lambda: library.rms_
           "rms_lm_head_cross_entropy(softcap)": lambda: library.rms_lm_head_cross_entropy(30.0),
           "rms_lm_head_cross_entropy_backward(softcap)": lambda: library.rms_lm_head_cross_entropy_backward(30.0)}
 PROGRAMS = sorted(MATRIX)
+#: rowwise-scaled programs on e4m3 operands (FP8 training's GEMMs: forward, weight gradient, a fused epilogue), for
+#: the targets with an e4m3 matrix instruction (``Target.fp8_mma``)
+E4M3 = {"linear(rowwise)": lambda: library.linear().with_rowwise_scales(),
+        "weight_grad(rowwise)": lambda: library.weight_grad().with_rowwise_scales(),
+        "rms_gate_up_swiglu(rowwise)": lambda: library.rms_gate_up_swiglu().with_rowwise_scales()}
 
 
-def pool(name: str, target) -> list:
-    return [cfg for cfg in candidates(MATRIX[name](), target=target.name, operand_bytes=2,
+def pool(name: str, target, operand_bytes: int = 2) -> list:
+    program = (E4M3 if operand_bytes == 1 else MATRIX)[name]()
+    return [cfg for cfg in candidates(program, target=target.name, operand_bytes=operand_bytes,
                                       smem_limit=target.shared_memory, tma=target.tma, tma_epilogue=target.tma)
             if cfg.schedule == "persistent"]
 
@@ -47,20 +54,25 @@ def cases():
         for name in PROGRAMS:
             configs = pool(name, target) if name == whole else pool(name, target)[:1]
             for first, cfg in zip([True] + [False] * len(configs), configs):
-                yield pytest.param(target, name, cfg, first, id=f"{target.name}-{name}-{cfg.short().replace(' ', '_')}")
+                yield pytest.param(target, name, cfg, first, "bf16",
+                                   id=f"{target.name}-{name}-{cfg.short().replace(' ', '_')}")
+        for name in E4M3 if target.fp8_mma else ():
+            cfg = pool(name, target, operand_bytes=1)[0]
+            yield pytest.param(target, name, cfg, True, "fp8e4nv", id=f"{target.name}-{name}-e4m3")
 
 
-def report(target_name: str, name: str, cfg) -> dict:
+def report(target_name: str, name: str, cfg, dtype: str) -> dict:
     """One compile's facts, or its error (run in a worker process)."""
     target = TARGETS[target_name]
     try:
-        compiled = compile_persistent(MATRIX[name](), cfg, target)
+        compiled = compile_persistent((E4M3 if dtype == "fp8e4nv" else MATRIX)[name](), cfg, target, dtype)
     except Exception as error:  # noqa: BLE001 - reported by the test of this case
         return {"error": f"{type(error).__name__}: {str(error)[-2000:]}"}
     code = compiled.asm.get("ptx") or compiled.asm["amdgcn"]
     stack = cubin_resources(compiled.asm["cubin"])[1] if target.backend == "cuda" else 0
     return {"shared": compiled.metadata.shared, "mma": target.mma in code, "tma": "cp.async.bulk.tensor" in code,
-            "binary": "cubin" in compiled.asm or "hsaco" in compiled.asm, "stack": stack}
+            "binary": "cubin" in compiled.asm or "hsaco" in compiled.asm, "stack": stack,
+            "fp8_mma": target.fp8_mma is not None and target.fp8_mma in code}
 
 
 CASES = list(cases())
@@ -72,18 +84,20 @@ def reports():
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
-    jobs = [(case.values[0].name, case.values[1], case.values[2]) for case in CASES]
+    jobs = [(case.values[0].name, case.values[1], case.values[2], case.values[4]) for case in CASES]
     with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1),
                              mp_context=multiprocessing.get_context("spawn")) as workers:
         return dict(zip(jobs, workers.map(report, *zip(*jobs))))
 
 
-@pytest.mark.parametrize("target, name, cfg, first", CASES)
-def test_compiles(target, name, cfg, first, reports):
-    facts = reports[(target.name, name, cfg)]
+@pytest.mark.parametrize("target, name, cfg, first, dtype", CASES)
+def test_compiles(target, name, cfg, first, dtype, reports):
+    facts = reports[(target.name, name, cfg, dtype)]
     assert "error" not in facts, facts.get("error")
     assert facts["shared"] <= target.shared_memory, (facts["shared"], target.shared_memory)
     assert facts["mma"], f"{target.name}: no {target.mma} in the assembly"
+    if dtype == "fp8e4nv":
+        assert facts["fp8_mma"], f"{target.name}: no {target.fp8_mma} (the e4m3 instruction) in the assembly"
     assert facts["tma"] == target.tma
     assert facts["binary"]
     if first and target.name != "sm_90":  # the untuned choice: no spills (NVIDIA: from the cubin). On sm_90 the
@@ -98,8 +112,10 @@ def test_every_target_has_a_pool_for_every_program():
 
 
 def test_targets_choose_their_families():
-    """TMA and the ping-pong kernel where the chip has them; no tf32 precision or inline PTX on AMD."""
+    """TMA and the ping-pong kernel where the chip has them; no tf32 precision or inline PTX on AMD; e4m3 operands
+    where an e4m3 instruction exists (sm_80/86 have none, gfx942's FP8 is the FNUZ format)."""
     assert [t.name for t in TARGETS.values() if t.tma] == ["sm_90", "sm_100"]
+    assert [t.name for t in TARGETS.values() if t.fp8_mma] == ["sm_89", "sm_90", "sm_100", "sm_120", "gfx950"]
     assert [t.name for t in TARGETS.values() if t.pingpong] == ["sm_90"]
     for target in TARGETS.values():
         assert target.portable == (target.backend == "hip")

@@ -377,7 +377,8 @@ def test_execute_selects_triton_on_cpu():
 def test_float64_is_refused_clearly():
     program = library.linear()
     a, b = torch.randn(4, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
-    with pytest.raises(ProgramError, match="float16, bfloat16 or float32"):
+    with pytest.raises(ProgramError, match="float16, bfloat16, float32 or float8_e4m3fn operands, got a: "
+                                           "torch.float64"):
         TritonBackend().run(bind(program, a, b, {}))
 
 

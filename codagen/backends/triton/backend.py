@@ -34,7 +34,7 @@ from .tuning import TRITON_DTYPE, kernel_hash, tuning_key
 __all__ = ["TritonBackend", "program_source", "load_kernel", "tuning_key", "kernel_hash", "SUPPORTED_DTYPES"]
 
 #: operand dtypes the Triton backend multiplies (float64 stays with the reference backend)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 
 
 def _scratch_alloc(size: int, alignment: int, stream):
@@ -132,19 +132,28 @@ class TritonBackend:
         """(interpret?, the GPU's :class:`.targets.Target`, ``None`` when interpreted); raises on what this backend
         cannot run."""
         dev = bound.device
+        name, fp8 = bound.program.name, bound.dtype == torch.float8_e4m3fn
         if bound.dtype not in SUPPORTED_DTYPES:
-            raise ProgramError(f"{bound.program.name}: the triton backend multiplies float16, bfloat16 or float32 "
+            raise ProgramError(f"{name}: the triton backend multiplies float16, bfloat16, float32 or float8_e4m3fn "
                                f"operands, got a: {bound.dtype}; use backend='reference' for {bound.dtype}")
         if dev.type == "cpu":
+            if fp8:  # Triton 3.6's interpreter aborts on an e4m3 tl.dot (docs/notes/fp8-mainloop-compile.md)
+                raise ProgramError(f"{name}: float8_e4m3fn operands run compiled on a GPU, not in the Triton "
+                                   f"interpreter; use backend='reference' for CPU tensors")
             check_numpy()
             return True, None
         if dev.type != "cuda":
-            raise ProgramError(f"{bound.program.name}: the triton backend runs CUDA tensors (compiled) and CPU "
+            raise ProgramError(f"{name}: the triton backend runs CUDA tensors (compiled) and CPU "
                                f"tensors (interpreted), got device {dev}")
         try:
-            return False, targets.of_device(dev)
+            target = targets.of_device(dev)
         except RuntimeError as error:
-            raise ProgramError(f"{bound.program.name}: {error}") from None
+            raise ProgramError(f"{name}: {error}") from None
+        if fp8 and target.fp8_mma is None:
+            raise ProgramError(f"{name}: float8_e4m3fn operands need an e4m3 matrix instruction, which "
+                               f"{target.name} lacks (targets with one: "
+                               f"{[t.name for t in targets.TARGETS.values() if t.fp8_mma]})")
+        return False, target
 
     def _prepare(self, bound: BoundProgram, interpret: bool, target: Target | None) -> _Launch:
         program = bound.program

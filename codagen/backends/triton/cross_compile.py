@@ -35,19 +35,27 @@ _CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EPILOGUE_SPLIT", "SU
                "UPCAST_OPERANDS", "DOT_PRECISION", "FLATTEN", "PORTABLE", "PDL", "PREFETCH_K")
 
 
+#: Triton's names of the stores' dtypes; the activation dtype of operands whose "input" stores are another one
+_STORE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+_ACTIVATION = {"fp8e4nv": "bf16"}
+
+
 def signature(program: Program, dtype: str) -> dict[str, str]:
     """The persistent kernel's argument types (``dtype``: the operands' Triton type, ``"bf16"``): operands, the
-    epilogue's inputs (tiles in ``dtype``, index vectors int64, the rest fp32) and outputs, M, N, K, constexprs."""
+    epilogue's inputs (tiles in the activation dtype: ``dtype``, bf16 for ``"fp8e4nv"``; index vectors int64, the
+    rest fp32) and outputs (``"input"`` stores in the activation dtype, the others in their own), M, N, K,
+    constexprs."""
     sig = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}"}
     for name, e in program.inputs.items():
         if isinstance(e, RowVector) and e.index:
             sig[f"{name}_ptr"] = "*i64"
         elif isinstance(e, TileInput):
-            sig[f"{name}_ptr"] = f"*{dtype}"
+            sig[f"{name}_ptr"] = f"*{_ACTIVATION.get(dtype, dtype)}"
         else:
             sig[f"{name}_ptr"] = "*fp32"
     for o in program.outputs:
-        sig[f"{o.name}_ptr"] = (f"*{dtype}" if o.dtype == "input" else "*fp32") if isinstance(o, Store) else "*fp32"
+        sig[f"{o.name}_ptr"] = ((f"*{_ACTIVATION.get(dtype, dtype)}" if o.dtype == "input" else f"*{_STORE[o.dtype]}")
+                                if isinstance(o, Store) else "*fp32")
     sig.update(M="i32", N="i32", K="i32")
     sig.update({name: "constexpr" for name in _CONSTEXPRS})
     return sig

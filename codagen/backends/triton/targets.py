@@ -5,8 +5,8 @@ TMA descriptors (the Hopper and Blackwell copy engine: the TMA mainloop and epil
 kernel runs there (sm_90 only: Triton 3.6 applies ``warp_specialize`` elsewhere differently or not at all), the
 shared memory (LDS on AMD) one program may take, whether inline PTX exists (the device math's fast ``sigmoid`` and
 ``cos``/``sin``; elsewhere :mod:`.device_math`'s portable formulas, as in the interpreter), the ``tl.dot`` input
-precisions it accepts, and the instruction family its matrix multiplies compile to (what the compile matrix checks
-in the assembly: ``tests/backends/test_compile_matrix.py``).
+precisions it accepts, and the instruction families its matrix multiplies compile to, bf16 and e4m3 (what the compile
+matrix checks in the assembly: ``tests/backends/test_compile_matrix.py``).
 
 Supported: NVIDIA sm_80 (A100), sm_86 / sm_89 (RTX 30 / 40, L40), sm_90 (H100, H200), sm_100 (B200), sm_120
 (RTX 50); AMD gfx942 (MI300) and gfx950 (MI350). Measured: sm_90 only; the others are compiled in CI
@@ -36,6 +36,7 @@ class Target:
     dot_precisions: tuple[str, ...]  # tl.dot input_precision values accepted
     mma: str              # what a bf16 tl.dot compiles to, as it appears in the assembly
     pool: str             # the configurations' family in .configs: "sm90", "blackwell" (TMA), "ampere", "cdna"
+    fp8_mma: str | None = None  # in the assembly of an e4m3 tl.dot, beside mma (None: no e4m3 instruction: refused)
 
     @property
     def portable(self) -> bool:
@@ -49,26 +50,26 @@ class Target:
 
 
 def _nvidia(name: str, arch: int, shared_memory: int, mma: str, pool: str, tma: bool = False,
-            pingpong: bool = False) -> Target:
+            pingpong: bool = False, fp8_mma: str | None = None) -> Target:
     return Target(name, "cuda", arch, 32, shared_memory, tma=tma, pingpong=pingpong, ptx=True,
-                  dot_precisions=("tf32", "tf32x3", "ieee"), mma=mma, pool=pool)
+                  dot_precisions=("tf32", "tf32x3", "ieee"), mma=mma, pool=pool, fp8_mma=fp8_mma)
 
 
-def _amd(arch: str, lds: int) -> Target:
+def _amd(arch: str, lds: int, fp8_mma: str | None = None) -> Target:
     """AMD CDNA: wave64, no TMA, no inline PTX, no tf32."""
     return Target(arch, "hip", arch, 64, lds, tma=False, pingpong=False, ptx=False,
-                  dot_precisions=("ieee", "bf16x3", "bf16x6"), mma="v_mfma", pool="cdna")
+                  dot_precisions=("ieee", "bf16x3", "bf16x6"), mma="v_mfma", pool="cdna", fp8_mma=fp8_mma)
 
 
 TARGETS = {t.name: t for t in (
     _nvidia("sm_80", 80, 166912, "mma.sync", "ampere"),
     _nvidia("sm_86", 86, 101376, "mma.sync", "ampere"),
-    _nvidia("sm_89", 89, 101376, "mma.sync", "ampere"),
-    _nvidia("sm_90", 90, 232448, "wgmma", "sm90", tma=True, pingpong=True),
-    _nvidia("sm_100", 100, 232448, "tcgen05", "blackwell", tma=True),
-    _nvidia("sm_120", 120, 101376, "mma.sync", "ampere"),
-    _amd("gfx942", 65536),
-    _amd("gfx950", 163840),
+    _nvidia("sm_89", 89, 101376, "mma.sync", "ampere", fp8_mma="row.col.f32.e4m3.e4m3"),
+    _nvidia("sm_90", 90, 232448, "wgmma", "sm90", tma=True, pingpong=True, fp8_mma="f32.e4m3.e4m3"),
+    _nvidia("sm_100", 100, 232448, "tcgen05", "blackwell", tma=True, fp8_mma="kind::f8f6f4"),
+    _nvidia("sm_120", 120, 101376, "mma.sync", "ampere", fp8_mma="row.col.f32.e4m3.e4m3"),
+    _amd("gfx942", 65536),  # its FP8 is FNUZ: an e4m3 (OCP) tl.dot compiles to fp16 MFMA
+    _amd("gfx950", 163840, fp8_mma="_f8f6f4"),
 )}
 
 

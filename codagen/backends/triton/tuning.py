@@ -19,7 +19,7 @@ __all__ = ["library_versions", "program_key", "source_hash", "kernel_hash", "tun
 
 #: short names of dtypes in keys and cached file names
 TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-                torch.int32: "i32", torch.int64: "i64"}
+                torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 
 _HERE = Path(__file__).parent
 
