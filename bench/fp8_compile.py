@@ -3,8 +3,9 @@
     PYTHONPATH=. python bench/fp8_compile.py [--out FILE]
 
 Rowwise-scaled FP8 (torchao's ``rowwise`` recipe) multiplies e4m3 operands into an fp32 accumulator and scales it
-by one factor per row of A and one per column of B before anything else. As an epilogue program that is
-``acc * a_scale[m] * b_scale[n]``, stored in bf16. This compiles that program's persistent kernel
+by one factor per row of A and one per column of B before anything else: the epilogue program
+``Program.with_rowwise_scales()`` of ``linear``, ``input_grad`` and ``weight_grad``, ``acc * a_scale[m] *
+b_scale[n]`` stored in bf16. This compiles that program's persistent kernel
 (``codagen.backends.triton.cross_compile.compile_persistent``, the generator the bf16 programs use, operands typed
 ``fp8e4nv``) for sm_90 in the three layouts the training GEMMs take: ``linear`` (x @ W^T), ``input_grad`` (grad @ W)
 and ``weight_grad`` (grad^T @ x). The configurations are the Hopper pool's (``configs.SM90``), each at its own
@@ -22,17 +23,15 @@ import re
 from codagen.backends.triton import configs
 from codagen.backends.triton.cross_compile import compile_persistent, cubin_resources
 from codagen.backends.triton.targets import TARGETS
-from codagen.epilogue.core import Gemm, Program, Store
-from codagen.epilogue.ir import Accumulator, ColVector, RowVector
+from codagen.epilogue import library
+from codagen.epilogue.core import Program
 
 LAYOUTS = ("linear", "input_grad", "weight_grad")
 
 
 def rowwise_scaled(layout: str) -> Program:
-    """``out = (a @ b) * a_scale[m] * b_scale[n]`` in bf16, for the GEMM of ``layout``."""
-    value = Accumulator() * RowVector("a_scale") * ColVector("b_scale")
-    return Program(f"fp8_rowwise_{layout}", getattr(Gemm, layout)(), (Store("out", value, dtype="bfloat16"),),
-                   doc="The rowwise-scaled e4m3 GEMM (bench/fp8_compile.py).")
+    """``out = (a @ b) * a_scale[m] * b_scale[n]``, bf16 with e4m3 operands, for the GEMM of ``layout``."""
+    return getattr(library, layout)().with_rowwise_scales()
 
 
 def report(program: Program, cfg) -> dict:
