@@ -536,14 +536,15 @@ def _renamed(e: Expr, names: Mapping[str, str], memo: dict[Expr, Expr]) -> Expr:
 
 @functools.cache
 def _with_rowwise_scales(program: Program) -> Program:
-    from .primitives import Accumulator, ColVector, RowVector  # the primitives build on this module
+    # the primitives build on this module: their classes by their registered names
+    accumulator, row_vector, col_vector = (PRIMITIVES[name] for name in ("Accumulator", "RowVector", "ColVector"))
     if program.gemm.low_rank:
         raise ProgramError(f"{program.name}: rowwise scales with a low-rank operand pair are not supported")
     if {"a_scale", "b_scale"} & set(program.inputs):
         raise ProgramError(f"{program.name}: 'a_scale' and 'b_scale' are the rowwise scales; the program already "
                            f"takes an input of that name")
-    acc = Accumulator()
-    scaled = acc * RowVector("a_scale") * ColVector("b_scale")
+    acc = accumulator()
+    scaled = acc * row_vector("a_scale") * col_vector("b_scale")
     memo: dict[Expr, Expr] = {acc: scaled}
     outputs = tuple(dataclasses.replace(o, value=_substituted(o.value, memo)) for o in program.outputs)
     return Program(f"{program.name}_rowwise", program.gemm, outputs, doc=program.doc)
