@@ -1,5 +1,6 @@
 """Rowwise-scaled e4m3 GEMMs (``Program.with_rowwise_scales``): the programs, the reference backend against float64
-math of the quantized operands, the refusals, and on the GPU the Triton kernel against ``torch._scaled_mm``.
+math of the quantized operands, the refusals, and on the GPU the Triton kernel against ``torch._scaled_mm`` and the
+rowwise quantize kernel against its twin (under the interpreter it runs in ``tests/ops/test_kernels.py``).
 
 The Triton 3.6 interpreter cannot run an e4m3 ``tl.dot``, so the Triton kernel is tested on the GPU only
 (``docs/notes/fp8-mainloop-compile.md``); its sm_90 compile is in ``test_compile_matrix.py``."""
@@ -10,22 +11,14 @@ import torch
 
 import codagen
 from codagen.epilogue import ProgramError, library
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-
-
-def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)`` with ``t ~ q * scale[:, None]``: each row's amax onto e4m3's largest value (torchao's rowwise
-    recipe), ``scale`` fp32 [rows]."""
-    scale = t.float().abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX
-    return (t.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+from codagen.ops import kernels
 
 
 def operands(m: int, n: int, k: int, device="cpu"):
+    """e4m3 ``x`` [M, K] and ``w`` [N, K] with their rowwise scales (:mod:`codagen.ops.kernels.quantize`)."""
     torch.manual_seed(0)
     x, w = torch.randn(m, k, device=device), 0.1 * torch.randn(n, k, device=device)
-    (xq, x_scale), (wq, w_scale) = quantize_rowwise(x), quantize_rowwise(w)
+    (xq, x_scale), (wq, w_scale) = kernels.quantize_rowwise(x), kernels.quantize_rowwise(w)
     return xq, x_scale, wq, w_scale
 
 
@@ -107,3 +100,14 @@ def test_gpu_rowwise_fp8_gemm_keeps_the_numerics_rule_against_scaled_mm(m, n, k)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     ours, theirs = (got.double() - want).abs().max().item(), (peer.double() - want).abs().max().item()
     assert ours <= 2 * theirs + 1e-6, (ours, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_quantize_rowwise_is_its_twin_bitwise(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(300, 5000) * 10.0 ** torch.empty(300, 1).uniform_(-3, 3)).to(dtype)
+    got_q, got_scale = kernels.quantize_rowwise_triton(x.cuda())
+    want_q, want_scale = kernels.quantize_rowwise_ref(x)
+    assert torch.equal(got_q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got_scale.cpu(), want_scale)

@@ -216,6 +216,25 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             assert int(got_length) == int(want_length) == length + seq  # advanced once, by the last program
             for name, a, b in (("q", got_q, want_q), ("keys", keys, want_keys), ("values", values, want_values)):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+    # rowwise e4m3 quantization, bitwise: rows of scales from 1e-3 to 1e3, a zero row, a row whose small values
+    # scale to subnormals, and rows of amax 448 (scale 1) holding exact ties (17 and 19 between codes 2 apart, and
+    # 0.5 and 1.5 times 2^-9 between subnormal codes), across one column step and three (5000 columns)
+    ties = torch.tensor([448.0, 17.0, -19.0, 0.5 * 2 ** -9, 1.5 * 2 ** -9, -2.5 * 2 ** -9, 2 ** -6, 240.0])
+    for n in (300, 5000):
+        rows = [torch.randn(n) * 10.0 ** torch.empty(1).uniform_(-3, 3) for _ in range(5)]
+        rows += [torch.zeros(n), torch.cat((torch.tensor([1000.0]), 1e-3 * torch.randn(n - 1))),
+                 torch.cat((ties, torch.zeros(n - ties.numel())))]
+        x_rows = torch.stack(rows)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            x = x_rows.to(dtype)
+            with unittest.mock.patch.object(torch, "empty", poisoned_empty):
+                got_q, got_scale = k.quantize_rowwise_triton(x)
+            want_q, want_scale = k.quantize_rowwise_ref(x)
+            assert got_q.dtype == torch.float8_e4m3fn and got_scale.dtype == torch.float32
+            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (n, dtype)
+            assert torch.equal(got_scale, want_scale), (n, dtype)
+        tie_codes = got_q[-1, :ties.numel()].float().tolist()
+        assert tie_codes == [448.0, 16.0, -20.0, 0.0, 2 ** -8, -2 ** -8, 2 ** -6, 240.0], tie_codes
     assert not arrivals.counters(torch.device("cpu"), 1).any()  # left at zero for the next launch
     print("kernels ok")
 """)
