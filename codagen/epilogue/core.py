@@ -515,23 +515,12 @@ class Program:
 
     def renamed(self, names: Mapping[str, str]) -> Program:
         """The same program with inputs and outputs renamed by ``names`` (old -> new; absent ones kept)."""
-        memo: dict[Expr, Expr] = {}
-        outputs = tuple(dataclasses.replace(o, name=names.get(o.name, o.name), value=_renamed(o.value, names, memo))
+        memo = {e: dataclasses.replace(e, name=names[e.name]) for e in self.inputs.values() if e.name in names}
+        outputs = tuple(dataclasses.replace(o, name=names.get(o.name, o.name), value=_substituted(o.value, memo))
                         for o in self.outputs)
         stand_in = self.tuning_stand_in
         return Program(self.name, self.gemm, outputs, doc=self.doc,
                        tuning_stand_in=None if stand_in is None else stand_in.renamed(names))
-
-
-def _renamed(e: Expr, names: Mapping[str, str], memo: dict[Expr, Expr]) -> Expr:
-    """``e`` with every named input renamed by ``names`` (shared subexpressions stay shared)."""
-    if e not in memo:
-        changes = {f.name: _renamed(getattr(e, f.name), names, memo) for f in dataclasses.fields(e)
-                   if isinstance(getattr(e, f.name), Expr)}
-        if e.is_input and e.name in names:
-            changes["name"] = names[e.name]
-        memo[e] = dataclasses.replace(e, **changes) if changes else e
-    return memo[e]
 
 
 @functools.cache
@@ -551,7 +540,8 @@ def _with_rowwise_scales(program: Program) -> Program:
 
 
 def _substituted(e: Expr, memo: dict[Expr, Expr]) -> Expr:
-    """``e`` with its subexpressions replaced as ``memo`` maps them (shared subexpressions stay shared)."""
+    """``e`` with the subexpressions ``memo`` maps replaced (renamed inputs, a scaled accumulator), and every
+    expression above them rebuilt; shared subexpressions stay shared."""
     if e not in memo:
         changes = {f.name: _substituted(getattr(e, f.name), memo) for f in dataclasses.fields(e)
                    if isinstance(getattr(e, f.name), Expr)}
