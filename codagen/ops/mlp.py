@@ -35,7 +35,7 @@ from ._fused import (
     stats_like,
 )
 from .low_rank import LowRank
-from .residual import _linear_backward, out_proj_residual_rms_op
+from .residual import _linear_backward_op, out_proj_residual_rms_op
 
 __all__ = ["rms_gate_up_swiglu", "gate_up_swiglu", "swiglu_mlp_residual_rms"]
 
@@ -161,9 +161,8 @@ def _gate_up_swiglu_backward_op(grad_act: Tensor, grad_residual: Tensor | None, 
                                 lora_b: Tensor | None, lora_u: Tensor | None, lora_scale: float,
                                 activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grad_preact, _ = kernels.swiglu_backward(grad_act, preact, x.shape[1], activation)
-    grads = _linear_backward(grad_preact, x, gate_up_weight, (lora_a, lora_b, lora_u, lora_scale),
-                             weight_grad=weight_grad, input_grad=input_grad, grad_residual=grad_residual)
-    return tuple(or_empty(g, x) for g in grads)
+    return _linear_backward_op(grad_preact, x, gate_up_weight, weight_grad, input_grad, lora_a, lora_b, lora_u,
+                               lora_scale, grad_residual)
 
 
 class _GateUpSwiglu(torch.autograd.Function):

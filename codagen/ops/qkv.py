@@ -33,7 +33,7 @@ from ._fused import (
 )
 from .layouts import kv_heads_of
 from .low_rank import LowRank
-from .residual import _linear_backward
+from .residual import _linear_backward_op
 
 __all__ = ["rms_qkv_rope", "qkv_norm_rope", "qk_norm_in_epilogue", "QK_NORM_SUB_TILE_16BIT",
            "QK_NORM_SUB_TILE_32BIT"]
@@ -269,10 +269,9 @@ def _qkv_norm_rope_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor 
     # B1: RoPE backward + the Q and K projections' RMSNorm backward (+ q_norm/k_norm weight gradients)
     grad_z, _, grad_q_norm_weight, grad_k_norm_weight = kernels.rope_qk_norm_backward(
         grad_blocks, preact, positions, frequencies, q_norm_weight, k_norm_weight, 1, eps, x.shape[1])
-    grads = _linear_backward(grad_z, x, qkv_weight, (lora_a, lora_b, lora_u, lora_scale), weight_grad=weight_grad,
-                             input_grad=input_grad, grad_residual=grad_residual)  # B8 (+ the residual's), B9
-    return (*(or_empty(g, x) for g in grads), grad_q_norm_weight.to(q_norm_weight.dtype),
-            grad_k_norm_weight.to(k_norm_weight.dtype))
+    grads = _linear_backward_op(grad_z, x, qkv_weight, weight_grad, input_grad, lora_a, lora_b, lora_u, lora_scale,
+                                grad_residual)  # B8 (+ the residual's), B9
+    return *grads, grad_q_norm_weight.to(q_norm_weight.dtype), grad_k_norm_weight.to(k_norm_weight.dtype)
 
 
 class _QkvNormRope(torch.autograd.Function):
