@@ -20,14 +20,17 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import MockTensor, create_function_from_signature
 
+from codagen.epilogue.bind import ACTIVATION_DTYPE
 from codagen.epilogue.ir import Program, RowVector, Store, TileInput
 
 from .configs import KernelConfig
 from .modules import load_kernel
 from .targets import Target, compile_target
+from .tuning import TRITON_DTYPE
 
 __all__ = ["signature", "compile_persistent", "Pointer", "compile_row_kernel", "cubin_resources"]
 
@@ -35,9 +38,9 @@ _CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EPILOGUE_SPLIT", "SU
                "UPCAST_OPERANDS", "DOT_PRECISION", "FLATTEN", "PORTABLE", "PDL", "PREFETCH_K")
 
 
-#: Triton's names of the stores' dtypes; the activation dtype of operands whose "input" stores are another one
-_STORE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-_ACTIVATION = {"fp8e4nv": "bf16"}
+#: the activation dtype of operands whose "input" stores and tiles are another one (bind.ACTIVATION_DTYPE), by
+#: Triton's names
+_ACTIVATION = {TRITON_DTYPE[operand]: TRITON_DTYPE[activation] for operand, activation in ACTIVATION_DTYPE.items()}
 
 
 def signature(program: Program, dtype: str) -> dict[str, str]:
@@ -46,16 +49,19 @@ def signature(program: Program, dtype: str) -> dict[str, str]:
     rest fp32) and outputs (``"input"`` stores in the activation dtype, the others in their own), M, N, K,
     constexprs."""
     sig = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}"}
+    activation = _ACTIVATION.get(dtype, dtype)
     for name, e in program.inputs.items():
         if isinstance(e, RowVector) and e.index:
             sig[f"{name}_ptr"] = "*i64"
         elif isinstance(e, TileInput):
-            sig[f"{name}_ptr"] = f"*{_ACTIVATION.get(dtype, dtype)}"
+            sig[f"{name}_ptr"] = f"*{activation}"
         else:
             sig[f"{name}_ptr"] = "*fp32"
     for o in program.outputs:
-        sig[f"{o.name}_ptr"] = ((f"*{_ACTIVATION.get(dtype, dtype)}" if o.dtype == "input" else f"*{_STORE[o.dtype]}")
-                                if isinstance(o, Store) else "*fp32")
+        if not isinstance(o, Store):
+            sig[f"{o.name}_ptr"] = "*fp32"  # partials
+        else:
+            sig[f"{o.name}_ptr"] = f"*{activation if o.dtype == 'input' else TRITON_DTYPE[getattr(torch, o.dtype)]}"
     sig.update(M="i32", N="i32", K="i32")
     sig.update({name: "constexpr" for name in _CONSTEXPRS})
     return sig
