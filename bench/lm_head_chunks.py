@@ -11,7 +11,8 @@ FLOPs: ``rows / 4`` FLOPs per byte of that traffic, against the ~200 at which an
 compute-bound. At Gemma-3-1B (vocabulary 262144, d 1152) a 512 MiB chunk holds 1024 rows: 16 chunks at 16384 tokens,
 38 GB of accumulator traffic. Larger chunks cut that traffic and cost their logits buffer in peak memory.
 
-Times the op's forward + backward (the loss, ``grad_x``, the norm weight's and ``grad_W``) at each chunk budget,
+Times the op's forward + backward (the loss, ``grad_x``, the norm weight's and ``grad_W``) at each chunk budget, with
+the final norm's statistics from ``ops.rms_norm_stats`` (in a model the last block's epilogue makes them),
 against ``torch.compile`` of the unchunked head (RMSNorm, the logits GEMM, cross-entropy in fp32), with each run's
 peak memory above its inputs. Prints a table; ``--out`` gets the JSON (GPU, versions, shapes, medians).
 """
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dry_run:
         device, dtype, timer = torch.device("cpu"), torch.float32, wall_ms
-        configs = {name: SMOKE_MODELS[name] for name in SMOKE_MODELS}
+        configs = dict(SMOKE_MODELS)
         tokens, budgets = 64, [1024, 4096, 16384]  # bytes: several chunks, then one
     else:
         device, dtype, timer = torch.device("cuda"), torch.bfloat16, median_ms

@@ -118,7 +118,7 @@ def post_norm_residual_triton(y: torch.Tensor, residual: torch.Tensor, post_weig
     normed = torch.empty_like(y) if next_norm else None
     rstd = torch.empty(m, dtype=torch.float32, device=y.device) if next_norm else None
     rstd_y = torch.empty(m, dtype=torch.float32, device=y.device)
-    if m:  # without a next norm its pointers are x's, never read or written
+    if m:  # without a next norm, its three pointers are stand-ins the kernel never reads or writes
         launch_kernel(_post_norm_residual_kernel, (m,), y, residual, post_weight,
                       norm_weight if next_norm else post_weight, x, normed if next_norm else x,
                       rstd if next_norm else rstd_y, rstd_y, n, eps, BLOCK=row_block(n), NEXT_NORM=next_norm)
