@@ -185,6 +185,21 @@ def test_olmo_layers_have_no_pre_norm_and_whole_projection_qk_norms(family):
     assert layer.self_attn.q_norm.weight.shape == (4 * 8,) and layer.self_attn.k_norm.weight.shape == (2 * 8,)
 
 
+def test_olmo_qk_norms_that_do_not_span_the_projections_are_refused():
+    """Without a norm before attention the QKV op needs both QK-norms, each over its whole projection."""
+    model = tiny("olmo2")
+    attn = model.model.layers[1].self_attn
+    attn.q_norm = type(attn.q_norm)(8, eps=1e-5)  # one head's width
+    with pytest.raises(NotImplementedError, match=r"QK-norm weights of shapes other than the Q and K projections' "
+                                                  r"\(\(32,\), \(16,\)\) \(layer 1\)"):
+        patch(model)
+    model = tiny("olmo2")
+    model.model.layers[0].self_attn.k_norm = None
+    with pytest.raises(NotImplementedError, match=r"no norm before attention without a q_norm and a k_norm "
+                                                  r"\(layer 0\)"):
+        patch(model)
+
+
 def test_fused_parameters_take_the_llama_layout_only():
     with pytest.raises(NotImplementedError, match="the phi3 family"):
         sharding.fuse_parameters(tiny("phi3"))
