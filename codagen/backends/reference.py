@@ -12,7 +12,8 @@ from collections.abc import Mapping
 import torch
 
 from codagen.epilogue.bind import BoundProgram, cdiv
-from codagen.epilogue.ir import ColPartial, Expr, Program, RowPartial, Store
+from codagen.epilogue.core import quantize_groups_ref
+from codagen.epilogue.ir import ColPartial, Expr, Program, QuantizedStore, RowPartial, Store
 from codagen.epilogue.primitives.geglu import geglu_ref
 from codagen.epilogue.primitives.geglu_backward import geglu_backward_ref
 from codagen.epilogue.primitives.rope import rope_ref
@@ -75,6 +76,10 @@ class ReferenceBackend:
             if isinstance(out, Store):
                 target = outs[out.name]
                 target.copy_(target.to(value.dtype) + value if out.accumulate else value)
+            elif isinstance(out, QuantizedStore):
+                q, scale = quantize_groups_ref(value, out.group)
+                outs[out.name].copy_(q)
+                outs[out.scale].copy_(scale)
             elif isinstance(out, RowPartial):
                 outs[out.name].copy_(self._row_partial(value, out.reduction, out.value.width.columns(self.block_n)))
             elif isinstance(out, ColPartial):
@@ -86,6 +91,16 @@ class ReferenceBackend:
         cd = bound.compute_dtype
         a = bound.a if bound.program.gemm.a_layout == "mk" else bound.a.t()
         b = bound.b.t() if bound.program.gemm.b_layout == "nk" else bound.b
+        group = bound.program.gemm.k_scale_group
+        if group is not None:  # each operand times its scales, repeated over their K groups
+            gemm = bound.program.gemm
+            a_scale = _k_groups_expanded(bound.tensors["a_scale"], 1 if gemm.a_layout == "mk" else 0, group, bound.k)
+            b_scale = bound.tensors["b_scale"]
+            if gemm.b_scale_block:  # one scale per group x group block: repeated over the block's N indices too
+                b_scale = _k_groups_expanded(b_scale, 0 if gemm.b_layout == "nk" else 1, group, bound.n)
+            b_scale = _k_groups_expanded(b_scale, 1 if gemm.b_layout == "nk" else 0, group, bound.k)
+            a = a.to(cd) * (a_scale if gemm.a_layout == "mk" else a_scale.t()).to(cd)
+            b = b.to(cd) * (b_scale.t() if gemm.b_layout == "nk" else b_scale).to(cd)
         acc = a.to(cd) @ b.to(cd)
         if bound.program.gemm.low_rank:
             a2, b2 = bound.tensors["a2"], bound.tensors["b2"]
@@ -110,3 +125,8 @@ class ReferenceBackend:
         padded = value.new_zeros((tiles * self.block_m, cols))
         padded[:m] = value
         return padded.view(tiles, self.block_m, cols).sum(1)
+
+
+def _k_groups_expanded(scale: torch.Tensor, k_dim: int, group: int, k: int) -> torch.Tensor:
+    """K-group scales (K/G along ``k_dim``) repeated over each group's K indices: the operand's own layout."""
+    return scale.repeat_interleave(group, dim=k_dim).narrow(k_dim, 0, k)

@@ -3,9 +3,10 @@
 Backends call :func:`bind` first and may then assume: A and B are 2-D, contiguous, of one float dtype
 (:data:`OPERAND_DTYPES`; e4m3 ones without a low-rank pair) and on one device; every named input exists with the
 right shape, dtype class and device; accumulated outputs are given; for a low-rank GEMM, ``a2`` and ``b2`` (in
-``tensors``) are contiguous 2-D matrices of A's dtype and device with one inner size R >= 1; N is even when the
-program uses column pairs; the columns of every ``SegmentSum`` value split into whole groups (``N * w`` a multiple
-of its ``size``).
+``tensors``) are contiguous 2-D matrices of A's dtype and device with one inner size R >= 1; for K-group scales,
+``a_scale`` and ``b_scale`` are contiguous fp32 matrices in their operands' layouts with ``cdiv(K, G)`` groups, and
+the operands are e4m3; N is even when the program uses column pairs; the columns of every ``SegmentSum`` value and
+``QuantizedStore`` split into whole groups (``N * w`` a multiple of its group).
 
 Every check depends only on the program and each tensor's dtype, device, shape and strides, so a call
 signature that passed is remembered and a repeated one (every layer of every step) skips the checks.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import library
-from .core import ColPartial, Program, ProgramError, RowPartial, Store, check_shape
+from .core import ColPartial, Program, ProgramError, QuantizedStore, RowPartial, Store, check_shape
 
 __all__ = ["BoundProgram", "bind", "OPERAND_DTYPES", "ACTIVATION_DTYPE", "cdiv", "set_poison_outputs", "validations"]
 
@@ -95,12 +96,17 @@ class BoundProgram:
         raise TypeError(out)
 
     def output_specs(self, block_m: int, block_n: int) -> tuple[tuple[str, tuple[int, int] | None, torch.dtype], ...]:
-        """``(name, shape, dtype)`` of each output for tiles of ``block_m x block_n``; shape ``None`` for an
+        """``(name, shape, dtype)`` of each output tensor for tiles of ``block_m x block_n``; shape ``None`` for an
         accumulated output (the caller's tensor). The same for every call of one signature: backends keep it."""
         specs = []
         for out in self.program.outputs:
             if isinstance(out, Store) and out.accumulate:
                 specs.append((out.name, None, self.tensors[out.name].dtype))
+                continue
+            if isinstance(out, QuantizedStore):
+                columns = out.width.columns(self.n)
+                specs += [(out.name, (self.m, columns), torch.float8_e4m3fn),
+                          (out.scale, (self.m, columns // out.group), torch.float32)]
                 continue
             dtype = self.store_dtype(out) if isinstance(out, Store) else self.compute_dtype
             specs.append((out.name, self.output_shape(out, block_m, block_n), dtype))
@@ -205,7 +211,8 @@ def _check(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str
 
     inputs = program.inputs
     low_rank = ("a2", "b2") if gemm.low_rank else ()
-    wanted = set(inputs) | set(program.accumulated_outputs()) | set(low_rank)
+    operand_tensors = gemm.operand_tensors
+    wanted = set(inputs) | set(program.accumulated_outputs()) | set(operand_tensors)
     unexpected = sorted(set(tensors) - wanted)
     if unexpected:
         raise ProgramError(f"{program.name}: unexpected tensor(s) {unexpected}; it takes {sorted(wanted)}")
@@ -218,15 +225,19 @@ def _check(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str
     for grouped in program.column_groups():
         columns, size = grouped.width.columns(n), grouped.column_group
         if columns % size:
-            raise ProgramError(f"{program.name}: segment_sum(size={size}) needs whole groups of {size} "
+            what = (f"the quantized store {grouped.name!r} (scales per {size} columns)"
+                    if isinstance(grouped, QuantizedStore) else f"segment_sum(size={size})")
+            raise ProgramError(f"{program.name}: {what} needs whole groups of {size} "
                                f"columns, got {columns} columns (N = {n}, width {grouped.width!r})")
 
     if low_rank:
         if a.dtype in ACTIVATION_DTYPE:
             raise ProgramError(f"{program.name}: a low-rank operand pair with {a.dtype} operands is not supported")
         _check_low_rank(program, tensors["a2"], tensors["b2"], a, m, n)
+    if gemm.k_scale_group is not None:
+        _check_k_group_scales(program, tensors["a_scale"], tensors["b_scale"], a, m, n, k)
     for name, t in tensors.items():
-        if name in low_rank:
+        if name in operand_tensors:
             continue
         _tensor(name, t, "program input")
         if t.device != a.device:
@@ -242,6 +253,27 @@ def _check(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str
         if t.dim() > 0:
             _check_contiguous(name, t)
     return BoundProgram(program, a, b, m, n, k, dict(tensors))
+
+
+def _check_k_group_scales(program: Program, a_scale, b_scale, a: torch.Tensor, m: int, n: int, k: int) -> None:
+    """K-group scales (``Gemm.k_scale_group``): e4m3 operands, fp32 scales in their operand's layout with K in
+    ``cdiv(K, G)`` groups (and N in ``cdiv(N, G)`` blocks for ``b_scale_block``)."""
+    gemm = program.gemm
+    group = gemm.k_scale_group
+    if a.dtype != torch.float8_e4m3fn:
+        raise ProgramError(f"{program.name}: K-group scales (k_scale_group={group}) scale float8_e4m3fn operands, "
+                           f"got {a.dtype}")
+    groups = cdiv(k, group)
+    a_shape, b_shape = gemm.shapes(m, cdiv(n, group) if gemm.b_scale_block else n, groups)
+    a_desc, b_desc = gemm.shapes("M", f"cdiv(N, {group})" if gemm.b_scale_block else "N", f"cdiv(K, {group})")
+    for name, t, shape, desc in (("a_scale", a_scale, a_shape, a_desc), ("b_scale", b_scale, b_shape, b_desc)):
+        _tensor(name, t, "K-group scales")
+        if t.dtype != torch.float32:
+            raise ProgramError(f"{name}: expected float32 K-group scales, got {t.dtype}")
+        if t.device != a.device:
+            raise ProgramError(f"{name}: expected device {a.device} (that of a), got {t.device}")
+        check_shape(name, t, shape, f"[{', '.join(desc)}] (K = {k})")
+        _check_contiguous(name, t)
 
 
 def _check_low_rank(program: Program, a2, b2, a: torch.Tensor, m: int, n: int) -> None:

@@ -18,8 +18,9 @@ from typing import NamedTuple, Union
 import torch
 
 __all__ = [
-    "Width", "Gemm", "Expr", "Store", "RowPartial", "ColPartial", "Output", "Program", "ProgramError",
-    "STORE_DTYPES", "PRIMITIVES", "primitive", "as_expr", "broadcast", "need_tile", "check_name", "check_shape",
+    "Width", "Gemm", "Expr", "Store", "QuantizedStore", "RowPartial", "ColPartial", "Output", "Program",
+    "ProgramError", "STORE_DTYPES", "E4M3_MAX", "AMAX_FLOOR", "quantize_groups_ref", "PRIMITIVES", "primitive",
+    "as_expr", "broadcast", "need_tile", "check_name", "check_shape",
     "Example",
 ]
 
@@ -62,10 +63,21 @@ class Gemm:
     ``low_rank=True`` adds a second operand pair of small inner size R in the same layouts (A2 is
     [M, R] or [R, M], B2 [N, R] or [R, N]): after its K loop the mainloop runs a short loop over R, so
     a rank-R weight update ``W + B2 A2``-style (LoRA) joins the accumulator before the epilogue.
+
+    ``k_scale_group=G`` scales both operands per aligned group of G along K (FP8's blockwise scaling):
+    ``acc = sum over groups g of (A[:, g] @ B[g, :]) * a_scale[m, g] * b_scale[n, g]``, each group's product
+    scaled in fp32 as the K loop passes it. The scales (fp32) have their operand's layout with K divided into
+    ``cdiv(K, G)`` groups: ``a_scale`` [M, K/G] ("mk") or [K/G, M] ("km"), one per row and group (1 x G, what a
+    :class:`QuantizedStore` of group G writes); ``b_scale`` [N, K/G] ("nk") or [K/G, N] ("kn"), or with
+    ``b_scale_block=True`` one per G x G block of B, [N/G, K/G] or [K/G, N/G] (a weight's scales, DeepSeek-V3's
+    recipe: one scale serves the forward's ``x @ W^T`` and the input gradient's ``dY @ W``, and it is a scalar per
+    K tile, where per-column scales cost a register per accumulator column).
     """
     a_layout: str = "mk"
     b_layout: str = "nk"
     low_rank: bool = False
+    k_scale_group: int | None = None
+    b_scale_block: bool = False
 
     def __post_init__(self):
         if self.a_layout not in ("mk", "km"):
@@ -74,6 +86,15 @@ class Gemm:
             raise ProgramError(f"Gemm.b_layout must be 'nk' or 'kn', got {self.b_layout!r}")
         if not isinstance(self.low_rank, bool):
             raise ProgramError(f"Gemm.low_rank must be a bool, got {self.low_rank!r}")
+        group = self.k_scale_group
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 16
+                                  or group & (group - 1)):
+            raise ProgramError(f"Gemm.k_scale_group must be None or a power of two >= 16 (whole K tiles of the "
+                               f"mainloop), got {group!r}")
+        if group is not None and self.low_rank:
+            raise ProgramError("Gemm: K-group scales with a low-rank operand pair are not supported")
+        if self.b_scale_block and group is None:
+            raise ProgramError("Gemm.b_scale_block needs k_scale_group (the block is k_scale_group x k_scale_group)")
 
     @staticmethod
     def linear() -> Gemm:
@@ -88,10 +109,19 @@ class Gemm:
         return Gemm("km", "kn")
 
     def shapes(self, m: int | str = "M", n: int | str = "N", k: int | str = "K"):
-        """Expected shapes of A and B (of A2 and B2 with ``k = R``)."""
+        """Expected shapes of A and B (of A2 and B2 with ``k = R``; of a_scale and b_scale with ``k = K/G``)."""
         a = (m, k) if self.a_layout == "mk" else (k, m)
         b = (n, k) if self.b_layout == "nk" else (k, n)
         return a, b
+
+    @property
+    def operand_tensors(self) -> tuple[str, ...]:
+        """The GEMM's named tensors besides A and B: the low-rank pair, or the K-group scales."""
+        if self.low_rank:
+            return ("a2", "b2")
+        if self.k_scale_group is not None:
+            return ("a_scale", "b_scale")
+        return ()
 
     def __repr__(self) -> str:
         def term(a_name: str, b_name: str, k: str) -> str:
@@ -99,6 +129,11 @@ class Gemm:
             b = f"{b_name}[N, {k}]^T" if self.b_layout == "nk" else f"{b_name}[{k}, N]"
             return f"{a} @ {b}"
         low_rank = f" + {term('a2', 'b2', 'R')}" if self.low_rank else ""
+        if self.k_scale_group is not None:
+            group = self.k_scale_group
+            b_scale = f"b_scale[n / {group}, g]" if self.b_scale_block else "b_scale[n, g]"
+            return (f"acc[M, N] = sum_g {term('a', 'b', f'g:{group}')} * a_scale[m, g] * {b_scale}  "
+                    f"(K in groups g of {group})")
         return f"acc[M, N] = {term('a', 'b', 'K')}{low_rank}"
 
 
@@ -306,6 +341,11 @@ class Store:
         if self.dtype not in STORE_DTYPES:
             raise ProgramError(f"Store {self.name!r}: dtype must be one of {STORE_DTYPES}, got {self.dtype!r}")
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tensors this output writes."""
+        return (self.name,)
+
     def describe(self, value: str) -> str:
         arrow = "+=" if self.accumulate else "<-"
         dtype = "" if self.accumulate else f"  ({self.dtype})"
@@ -336,6 +376,10 @@ class RowPartial:
             raise ProgramError(f"RowPartial {self.name!r}: reduction must be 'sum' or 'logsumexp', "
                                f"got {self.reduction!r}")
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,)
+
     def describe(self, value: str) -> str:
         return f"{self.name}[m, tile_n] <- {self.reduction}_n({value})  (float32 partial)"
 
@@ -357,6 +401,10 @@ class ColPartial:
         if self.value.kind != "tile":
             raise ProgramError(f"ColPartial {self.name!r} needs a tile value, got {self.value} ({self.value.kind})")
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,)
+
     def describe(self, value: str) -> str:
         return f"{self.name}[tile_m, n] <- sum_m({value})  (float32 partial)"
 
@@ -364,7 +412,75 @@ class ColPartial:
         return self.describe(str(self.value))
 
 
-Output = Store | RowPartial | ColPartial
+#: e4m3's largest finite value, and the floor of a group's amax (an all-zero group gets a finite scale)
+E4M3_MAX, AMAX_FLOOR = 448.0, 1e-12
+
+
+def quantize_groups_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of :class:`QuantizedStore` for ``x`` [M, C] (``C % group == 0``): ``q`` float8_e4m3fn
+    [M, C], ``scale`` fp32 [M, C / group]. The divisions run in float64, so both are correctly rounded to fp32
+    (as a kernel's ``div_rn`` is); the product ``x * (448 / amax)`` is rounded to ``x``'s dtype (fp32 in the
+    epilogue) before the cast."""
+    columns = x.shape[1]
+    groups = x.unflatten(1, (columns // group, group))
+    amax = groups.abs().amax(dim=2).clamp(min=AMAX_FLOOR).double()
+    inv_scale, scale = (E4M3_MAX / amax).to(x.dtype), (amax / E4M3_MAX).float()
+    q = (groups * inv_scale[:, :, None]).clamp(-E4M3_MAX, E4M3_MAX).flatten(1).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+@dataclass(frozen=True)
+class QuantizedStore:
+    """Write a tile value to output ``name`` [M, N*w] in e4m3, with one dequantization factor per row and aligned
+    group of ``group`` columns in output ``scale`` [M, N*w / group] (fp32, default name ``<name>_scale``)::
+
+        amax        = max(max over the group's columns of |v[m, n]|, 1e-12)
+        scale[m, g] = amax / 448,   name[m, n] = e4m3(clamp(v[m, n] * (448 / amax), -448, 448))
+
+    rounded to nearest even, both divisions correctly rounded (:func:`quantize_groups_ref`). Each group's
+    largest element lands on 448, e4m3's largest finite value. A group lies inside one tile (:attr:`column_group`,
+    as a ``SegmentSum``'s does), so the store needs nothing from other tiles: its output is the 1 x ``group``
+    blockwise-scaled operand of a GEMM with ``Gemm(k_scale_group=group)``. One scale per whole row would need the
+    row's amax before any element is rounded, which a tile does not have (``docs/notes/fp8-quantizing-epilogue.md``).
+    """
+    name: str
+    value: Expr
+    scale: str = ""
+    group: int = 128
+
+    def __post_init__(self):
+        check_name(self.name, "QuantizedStore")
+        if not self.scale:
+            object.__setattr__(self, "scale", f"{self.name}_scale")
+        check_name(self.scale, "QuantizedStore scale")
+        if self.value.kind != "tile":
+            raise ProgramError(f"QuantizedStore {self.name!r} needs a tile value, got {self.value} ({self.value.kind})")
+        group = self.group
+        if isinstance(group, bool) or not isinstance(group, int) or group < 16 or group & (group - 1):
+            raise ProgramError(f"QuantizedStore {self.name!r}: group must be a power of two >= 16, got {group!r}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, self.scale)
+
+    @property
+    def width(self) -> Width:
+        return self.value.width
+
+    @property
+    def column_group(self) -> int:
+        return self.group
+
+    def describe(self, value: str) -> str:
+        cols = "n" if self.value.width == Width.FULL else f"n:{self.value.width!r}"
+        return (f"{self.name}[m, {cols}], {self.scale}[m, n / {self.group}] <- e4m3 of {value}, "
+                f"scaled per {self.group} columns")
+
+    def __str__(self) -> str:
+        return self.describe(str(self.value))
+
+
+Output = Store | QuantizedStore | RowPartial | ColPartial
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,7 +518,7 @@ class Program:
         object.__setattr__(self, "outputs", tuple(self.outputs))
         if not self.outputs:
             raise ProgramError(f"program {self.name!r} has no outputs")
-        names = [o.name for o in self.outputs]
+        names = [name for o in self.outputs for name in o.names]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ProgramError(f"program {self.name!r}: output names repeat: {sorted(dup)}")
@@ -412,6 +528,9 @@ class Program:
             raise ProgramError(f"program {self.name!r}: names used for both an input and an output: {sorted(clash)}")
         if {"a", "b", "a2", "b2"} & (set(inputs) | set(names)):
             raise ProgramError(f"program {self.name!r}: 'a', 'b', 'a2' and 'b2' are reserved for the GEMM operands")
+        if set(self.gemm.operand_tensors) & (set(inputs) | set(names)):
+            raise ProgramError(f"program {self.name!r}: {list(self.gemm.operand_tensors)} are the GEMM's K-group "
+                               f"scales; an input or output takes one of those names")
 
     # -- structure (computed once: a program is immutable, and kernels launch it many times) ---------
     def expressions(self) -> tuple[Expr, ...]:
@@ -453,12 +572,14 @@ class Program:
         return self._has_pairs
 
     @functools.cached_property
-    def _column_groups(self) -> tuple[Expr, ...]:
-        return tuple(e for e in self.expressions() if e.column_group is not None)
+    def _column_groups(self) -> tuple[Expr | QuantizedStore, ...]:
+        return (tuple(e for e in self.expressions() if e.column_group is not None)
+                + tuple(o for o in self.outputs if isinstance(o, QuantizedStore)))
 
-    def column_groups(self) -> tuple[Expr, ...]:
-        """The expressions whose columns group (``e.column_group`` adjacent columns, e.g. a
-        ``SegmentSum``'s): each needs tile widths that are multiples of its group, and ``N * w`` one."""
+    def column_groups(self) -> tuple[Expr | QuantizedStore, ...]:
+        """The expressions and outputs whose columns group (``column_group`` adjacent columns: a ``SegmentSum``'s,
+        a ``QuantizedStore``'s scale groups): each needs tile widths that are multiples of its group, and
+        ``N * w`` one."""
         return self._column_groups
 
     @functools.cached_property
@@ -513,10 +634,19 @@ class Program:
         it has no tuned choices of its own yet."""
         return _with_rowwise_scales(self)
 
+    def with_blockwise_scales(self, group: int = 128, b_block: bool = False) -> Program:
+        """The same program on a GEMM whose operands are scaled per aligned group of ``group`` along K (FP8's
+        blockwise recipe, ``Gemm.k_scale_group``; ``b_block``: B's scales per ``group x group`` block,
+        ``Gemm.b_scale_block``): the epilogue sees the dequantized product. Named ``<name>_blockwise``; it has no
+        tuned choices of its own yet."""
+        return _with_blockwise_scales(self, group, b_block)
+
     def renamed(self, names: Mapping[str, str]) -> Program:
         """The same program with inputs and outputs renamed by ``names`` (old -> new; absent ones kept)."""
         memo = {e: dataclasses.replace(e, name=names[e.name]) for e in self.inputs.values() if e.name in names}
-        outputs = tuple(dataclasses.replace(o, name=names.get(o.name, o.name), value=_substituted(o.value, memo))
+        outputs = tuple(dataclasses.replace(o, name=names.get(o.name, o.name), value=_substituted(o.value, memo),
+                                            **({"scale": names.get(o.scale, o.scale)} if isinstance(o, QuantizedStore)
+                                               else {}))
                         for o in self.outputs)
         stand_in = self.tuning_stand_in
         return Program(self.name, self.gemm, outputs, doc=self.doc,
@@ -529,6 +659,8 @@ def _with_rowwise_scales(program: Program) -> Program:
     accumulator, row_vector, col_vector = (PRIMITIVES[name] for name in ("Accumulator", "RowVector", "ColVector"))
     if program.gemm.low_rank:
         raise ProgramError(f"{program.name}: rowwise scales with a low-rank operand pair are not supported")
+    if program.gemm.k_scale_group is not None:
+        raise ProgramError(f"{program.name}: the GEMM has K-group scales already; rowwise scales are the other recipe")
     if {"a_scale", "b_scale"} & set(program.inputs):
         raise ProgramError(f"{program.name}: 'a_scale' and 'b_scale' are the rowwise scales; the program already "
                            f"takes an input of that name")
@@ -537,6 +669,18 @@ def _with_rowwise_scales(program: Program) -> Program:
     memo: dict[Expr, Expr] = {acc: scaled}
     outputs = tuple(dataclasses.replace(o, value=_substituted(o.value, memo)) for o in program.outputs)
     return Program(f"{program.name}_rowwise", program.gemm, outputs, doc=program.doc)
+
+
+@functools.cache
+def _with_blockwise_scales(program: Program, group: int, b_block: bool) -> Program:
+    gemm = program.gemm
+    if gemm.k_scale_group is not None:
+        raise ProgramError(f"{program.name}: the GEMM has K-group scales already")
+    if {"a_scale", "b_scale"} & set(program.inputs):
+        raise ProgramError(f"{program.name}: the program scales its accumulator rowwise already ('a_scale' and "
+                           f"'b_scale' are its inputs)")
+    scaled = Gemm(gemm.a_layout, gemm.b_layout, gemm.low_rank, k_scale_group=group, b_scale_block=b_block)
+    return Program(f"{program.name}_blockwise", scaled, program.outputs, doc=program.doc)
 
 
 def _substituted(e: Expr, memo: dict[Expr, Expr]) -> Expr:
@@ -551,7 +695,7 @@ def _substituted(e: Expr, memo: dict[Expr, Expr]) -> Expr:
 
 @functools.cache
 def _with_low_rank(program: Program) -> Program:
-    gemm = Gemm(program.gemm.a_layout, program.gemm.b_layout, low_rank=True)
+    gemm = dataclasses.replace(program.gemm, low_rank=True)
     stand_in = program.tuning_stand_in
     return Program(program.name, gemm, program.outputs, doc=program.doc,
                    tuning_stand_in=None if stand_in is None else stand_in.with_low_rank())

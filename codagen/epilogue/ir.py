@@ -30,7 +30,9 @@ segmented reductions  ``SegmentSum``: per row, the sum over each aligned group o
 partial reductions    ``RowPartial`` along N: one fp32 per (row, N-tile), sum or logsumexp;
                       ``ColPartial`` along M: one fp32 per (M-tile, column), sum
 stores                ``Store`` main/extra outputs, each with its dtype; ``accumulate=True`` adds
-                      into a caller-given tensor (gradient accumulation)
+                      into a caller-given tensor (gradient accumulation); ``QuantizedStore`` e4m3
+                      with one fp32 scale per row and aligned group of columns (FP8 operands of a
+                      GEMM with ``Gemm(k_scale_group=...)``)
 ====================  ==============================================================================
 
 This module is the IR as it is imported: the frame and every registered primitive. Reductions are
@@ -49,6 +51,7 @@ from .core import (
     Output,
     Program,
     ProgramError,
+    QuantizedStore,
     RowPartial,
     Store,
     Width,
@@ -58,5 +61,6 @@ from .primitives.unary import UNARY_OPS
 
 globals().update(PRIMITIVES)  # Accumulator, RowVector, ... and any primitive module added
 
-__all__ = ["Width", "Gemm", "Expr", "Store", "RowPartial", "ColPartial", "Output", "Program", "ProgramError",
+__all__ = ["Width", "Gemm", "Expr", "Store", "QuantizedStore", "RowPartial", "ColPartial", "Output", "Program",
+           "ProgramError",
            "UNARY_OPS", "BINARY_OPS", "STORE_DTYPES", "PRIMITIVES", *primitives.__all__]

@@ -218,8 +218,8 @@ _KERNEL_SCRIPT = textwrap.dedent("""
                 torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
     # rowwise e4m3 quantization, bitwise: rows of scales from 1e-3 to 1e3, a zero row, a row whose small values
     # scale to subnormals, and rows of amax 448 (scale 1) holding exact ties (17 and 19 between codes 2 apart, and
-    # 0.5 and 1.5 times 2^-9 between subnormal codes), across one column step and three (5000 columns)
-    ties = torch.tensor([448.0, 17.0, -19.0, 0.5 * 2 ** -9, 1.5 * 2 ** -9, -2.5 * 2 ** -9, 2 ** -6, 240.0])
+    # 0.5 and 1.5 times 2^-9 between subnormal codes) and a -0.0, across one column step and three (5000 columns)
+    ties = torch.tensor([448.0, 17.0, -19.0, 0.5 * 2 ** -9, 1.5 * 2 ** -9, -2.5 * 2 ** -9, 2 ** -6, 240.0, -0.0])
     for n in (300, 5000):
         rows = [torch.randn(n) * 10.0 ** torch.empty(1).uniform_(-3, 3) for _ in range(5)]
         rows += [torch.zeros(n), torch.cat((torch.tensor([1000.0]), 1e-3 * torch.randn(n - 1))),
@@ -234,7 +234,8 @@ _KERNEL_SCRIPT = textwrap.dedent("""
             assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (n, dtype)
             assert torch.equal(got_scale, want_scale), (n, dtype)
         tie_codes = got_q[-1, :ties.numel()].float().tolist()
-        assert tie_codes == [448.0, 16.0, -20.0, 0.0, 2 ** -8, -2 ** -8, 2 ** -6, 240.0], tie_codes
+        assert tie_codes == [448.0, 16.0, -20.0, 0.0, 2 ** -8, -2 ** -8, 2 ** -6, 240.0, 0.0], tie_codes
+        assert got_q[-1, ties.numel() - 1].view(torch.uint8) == 0x80  # -0.0 keeps its sign, as torch's cast does
     assert not arrivals.counters(torch.device("cpu"), 1).any()  # left at zero for the next launch
     print("kernels ok")
 """)

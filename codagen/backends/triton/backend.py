@@ -137,9 +137,6 @@ class TritonBackend:
             raise ProgramError(f"{name}: the triton backend multiplies float16, bfloat16, float32 or float8_e4m3fn "
                                f"operands, got a: {bound.dtype}; use backend='reference' for {bound.dtype}")
         if dev.type == "cpu":
-            if fp8:  # Triton 3.6's interpreter aborts on an e4m3 tl.dot (docs/notes/fp8-mainloop-compile.md)
-                raise ProgramError(f"{name}: float8_e4m3fn operands run compiled on a GPU, not in the Triton "
-                                   f"interpreter; use backend='reference' for CPU tensors")
             check_numpy()
             return True, None
         if dev.type != "cuda":
@@ -175,7 +172,7 @@ class TritonBackend:
         fp32 = bound.dtype == torch.float32
         return _Launch(kernel=kernel, dtypes=dtypes, arch=arch, args=[], m=m, n=n, k=k, tma_mainloop=tma_mainloop,
                        tma_epilogue_ok=tma_epilogue_ok,
-                       upcast=interpret and bound.dtype == torch.bfloat16,
+                       upcast=interpret and bound.dtype in (torch.bfloat16, torch.float8_e4m3fn),
                        precision="ieee" if interpret else target.dot_precision(fp32),
                        interpret=interpret, portable=interpret or target.portable,
                        pdl=not interpret and target.ptx
@@ -453,10 +450,9 @@ class TritonBackend:
 
 def _persistent_arguments(bound: BoundProgram, launch: _Launch, outs: dict) -> list:
     """The persistent kernel's positional arguments: operands, the low-rank pair, inputs, outputs, sizes."""
-    program = bound.program
-    low_rank = program.gemm.low_rank
-    args = [bound.a, bound.b] + ([bound.tensors["a2"], bound.tensors["b2"]] if low_rank else [])
-    return args + _epilogue_tensors(bound, outs) + [launch.m, launch.n, launch.k] + ([bound.r] if low_rank else [])
+    gemm = bound.program.gemm
+    args = [bound.a, bound.b] + [bound.tensors[name] for name in gemm.operand_tensors]
+    return args + _epilogue_tensors(bound, outs) + [launch.m, launch.n, launch.k] + ([bound.r] if gemm.low_rank else [])
 
 
 def _split_k_arguments(bound: BoundProgram, launch: _Launch, cfg: KernelConfig, outs: dict) -> list:
@@ -464,7 +460,8 @@ def _split_k_arguments(bound: BoundProgram, launch: _Launch, cfg: KernelConfig, 
     partial tiles, an arrival counter per output tile (its last range sums the partials: :mod:`.arrivals`),
     inputs, outputs, sizes."""
     partial = torch.empty(cfg.split_k * launch.m, launch.n, dtype=torch.float32, device=bound.device)
-    return ([bound.a, bound.b, partial, arrivals.counters(bound.device, _tiles(launch, cfg))]
+    operand_tensors = [bound.tensors[name] for name in bound.program.gemm.operand_tensors]
+    return ([bound.a, bound.b, *operand_tensors, partial, arrivals.counters(bound.device, _tiles(launch, cfg))]
             + _epilogue_tensors(bound, outs) + [launch.m, launch.n, launch.k])
 
 
@@ -484,8 +481,19 @@ def _common_meta(launch: _Launch, cfg: KernelConfig) -> dict:
 
 
 def _epilogue_tensors(bound: BoundProgram, outs: dict) -> list:
-    """What every kernel's epilogue takes, in order: the program's inputs, then its outputs."""
-    return [bound.tensors[name] for name in bound.program.inputs] + [outs[o.name] for o in bound.program.outputs]
+    """What every kernel's epilogue takes, in order: the program's inputs, then its outputs' tensors."""
+    return [bound.tensors[name] for name in bound.program.inputs] + [_as_bits(outs[name]) for o in bound.program.outputs
+                                                                      for name in o.names]
+
+
+def _as_bits(out):
+    """An e4m3 output (a quantized store's codes) as its bits, a uint8 pointer on every target (sm_80 has no e4m3
+    type); ``out`` may be a dtype standing in for a tensor (:meth:`TritonBackend._compile_ahead`)."""
+    if out is torch.float8_e4m3fn:
+        return torch.uint8
+    if isinstance(out, torch.Tensor) and out.dtype == torch.float8_e4m3fn:
+        return out.view(torch.uint8)
+    return out
 
 
 def _tuning_relatives(bound: BoundProgram) -> list[BoundProgram]:

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from codagen.epilogue.ir import Program, ProgramError, Store
+from codagen.epilogue.ir import Program, ProgramError, QuantizedStore, Store
 
 from . import pingpong
 from .gluon_support import pingpong_available
@@ -117,17 +117,78 @@ _INTERPRETER_MAX_BLOCK_N = 256
 
 def interpreter_config(program: Program) -> KernelConfig:
     """:data:`INTERPRETER_CONFIG`, its tile widened to the narrowest power of two that holds whole groups
-    of every ``SegmentSum`` (QK-norm heads); ``ProgramError`` when none up to 256 columns does."""
+    of every ``SegmentSum`` (QK-norm heads) and ``QuantizedStore``; ``ProgramError`` when none up to 256 columns
+    does."""
     block_n = INTERPRETER_CONFIG.block_n
     segments = program.column_groups()
     while any(int(block_n * s.width.value) % s.column_group for s in segments):
         if block_n >= _INTERPRETER_MAX_BLOCK_N:
-            sizes = sorted({s.column_group for s in segments})
-            raise ProgramError(f"{program.name}: segment_sum over groups of {sizes} columns (the QK-norm head_dim) "
-                               f"needs a power-of-two tile width up to {_INTERPRETER_MAX_BLOCK_N} that is a multiple "
-                               f"of it")
+            raise ProgramError(f"{program.name}: {_groups_described(segments)} needs a power-of-two tile width up "
+                               f"to {_INTERPRETER_MAX_BLOCK_N} that is a multiple of it")
         block_n *= 2
-    return dataclasses.replace(INTERPRETER_CONFIG, block_n=block_n)
+    return _k_tiles_in_groups(program, (dataclasses.replace(INTERPRETER_CONFIG, block_n=block_n),))[0]
+
+
+def _groups_described(grouped) -> str:
+    """What groups a program's columns, for an error: segment sums (QK-norm heads) and quantized stores' scales."""
+    sizes = sorted({g.column_group for g in grouped if not isinstance(g, QuantizedStore)})
+    stores = [g for g in grouped if isinstance(g, QuantizedStore)]
+    parts = [f"segment_sum over groups of {sizes} columns (the QK-norm head_dim)"] if sizes else []
+    parts += [f"the quantized store {g.name!r} (scales per {g.group} columns)" for g in stores]
+    return " and ".join(parts)
+
+
+def _k_tiles_in_groups(program: Program, pool) -> tuple[KernelConfig, ...]:
+    """``pool`` for a GEMM with K-group scales (``Gemm.k_scale_group`` G; unchanged without them).
+
+    - BLOCK_K is twice the pool's, at most G: the pools are laid out for 16-bit operands, and twice as many e4m3
+      elements keep a stage's bytes; a K tile lies in one group, so it has one scale per operand row. With
+      ``b_scale_block`` BLOCK_N is at most G, so the tile's columns share one block's scale.
+    - Each K tile's product lands in registers of its own before it is scaled into ``acc``: two accumulators
+      (:func:`_halved_accumulators` keeps the configurations with room for them). Per-column scales of B hold a
+      register per accumulator column too, and with them sm_90's 4-stage 128x128 kernels spill where 3-stage ones
+      do not (``docs/notes/fp8-quantizing-epilogue.md``): at most 3 stages."""
+    gemm = program.gemm
+    group = gemm.k_scale_group
+    if group is None:
+        return tuple(pool)
+    changed = []
+    for cfg in pool:
+        block_n = min(cfg.block_n, group) if gemm.b_scale_block else cfg.block_n
+        split = max(1, cfg.epilogue_split * block_n // cfg.block_n)
+        stages = cfg.num_stages if gemm.b_scale_block else min(cfg.num_stages, 3)
+        changed.append(dataclasses.replace(cfg, block_k=min(group, 2 * cfg.block_k), block_n=block_n,
+                                           epilogue_split=split, num_stages=stages))
+    return tuple(dict.fromkeys(changed))
+
+
+def _quantized_groups_in_sub_tiles(program: Program, pool) -> tuple[KernelConfig, ...]:
+    """``pool`` with each EPILOGUE_SPLIT lowered until the sub-tile holds whole groups of every quantized store (its
+    scale groups, of 128 columns by default, are wider than the 32- and 64-column sub-tiles the pools favour); the
+    configurations whose tile is narrower than a group drop out (all of ``pool`` for a program without one)."""
+    stores = [o for o in program.outputs if isinstance(o, QuantizedStore)]
+    if not stores:
+        return tuple(pool)
+    widened = []
+    for cfg in pool:
+        split = cfg.epilogue_split
+        while split > 1 and not _holds_segments(dataclasses.replace(cfg, epilogue_split=split), stores):
+            split //= 2
+        widened.append(dataclasses.replace(cfg, epilogue_split=split))
+    return tuple(dict.fromkeys(widened))
+
+
+def _halved_accumulators(program: Program, pool) -> tuple[KernelConfig, ...]:
+    """The configurations of ``pool`` with at most half of :data:`_MAX_ACC_REGS` accumulator registers per thread,
+    for a program that holds a second tile as large as the accumulator (all of ``pool`` if none has that room, or
+    for other programs): a K-grouped mainloop's per-tile product, or a quantized store's scaled codes beside the
+    value it stores (with the full accumulator the sm_90 and sm_100 kernels of a quantizing residual spill:
+    ``docs/notes/fp8-quantizing-epilogue.md``)."""
+    if program.gemm.k_scale_group is None and not any(isinstance(o, QuantizedStore) for o in program.outputs):
+        return tuple(pool)
+    fitting = tuple(cfg for cfg in pool if cfg.block_m * cfg.block_n / (32 * cfg.num_warps) <= _MAX_ACC_REGS // 2)
+    return fitting or tuple(pool)
+
 
 # Hopper (TMA mainloop). The first viable one is the untuned default.
 _SM90 = (
@@ -251,6 +312,7 @@ def candidates(program: Program, *, target: str, operand_bytes: int, smem_limit:
         pool = _BLACKWELL if chip.pool == "blackwell" else _SM90
     else:
         pool = {"cdna": _CDNA, "ampere": _AMPERE}.get(chip.pool, _SM80)
+    pool = _halved_accumulators(program, _quantized_groups_in_sub_tiles(program, _k_tiles_in_groups(program, pool)))
     segments = program.column_groups()
     if small_m:  # the decode tiles alone, unless none holds whole segments (heads wider than 128 columns)
         fitting = tuple(cfg for cfg in small_m_order(m, n, num_sms) if _holds_segments(cfg, segments)
@@ -265,11 +327,10 @@ def candidates(program: Program, *, target: str, operand_bytes: int, smem_limit:
     if segments:
         fitting = tuple(cfg for cfg in pool if _holds_segments(cfg, segments))
         if not fitting:
-            sizes = sorted({s.column_group for s in segments})
             hint = ("; in float32 the sub-tiles are narrower: run the model in bfloat16 or float16 (or under "
                     "autocast)" if operand_bytes == 4 else "")
             raise ProgramError(
-                f"{program.name}: segment_sum over groups of {sizes} columns (the QK-norm head_dim) needs an "
+                f"{program.name}: {_groups_described(segments)} needs an "
                 f"epilogue sub-tile width (BLOCK_N / EPILOGUE_SPLIT) that is a multiple of it; the configurations "
                 f"for these operands have sub-tile widths {sorted({cfg.sub_n for cfg in pool})}{hint}")
         pool = fitting

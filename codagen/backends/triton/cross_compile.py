@@ -25,7 +25,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import MockTensor, create_function_from_signature
 
 from codagen.epilogue.bind import ACTIVATION_DTYPE
-from codagen.epilogue.ir import Program, RowVector, Store, TileInput
+from codagen.epilogue.ir import Program, QuantizedStore, RowVector, Store, TileInput
 
 from .configs import KernelConfig
 from .modules import load_kernel
@@ -47,8 +47,11 @@ def signature(program: Program, dtype: str) -> dict[str, str]:
     """The persistent kernel's argument types (``dtype``: the operands' Triton type, ``"bf16"``): operands, the
     epilogue's inputs (tiles in the activation dtype: ``dtype``, bf16 for ``"fp8e4nv"``; index vectors int64, the
     rest fp32) and outputs (``"input"`` stores in the activation dtype, the others in their own), M, N, K,
-    constexprs."""
+    constexprs. A quantized store's e4m3 codes are passed as their bits (uint8); its scales and K-group scales are
+    fp32."""
     sig = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}"}
+    sig.update({f"{name}_ptr": f"*{dtype}" if name in ("a2", "b2") else "*fp32"
+                for name in program.gemm.operand_tensors})
     activation = _ACTIVATION.get(dtype, dtype)
     for name, e in program.inputs.items():
         if isinstance(e, RowVector) and e.index:
@@ -58,7 +61,9 @@ def signature(program: Program, dtype: str) -> dict[str, str]:
         else:
             sig[f"{name}_ptr"] = "*fp32"
     for o in program.outputs:
-        if not isinstance(o, Store):
+        if isinstance(o, QuantizedStore):
+            sig[f"{o.name}_ptr"], sig[f"{o.scale}_ptr"] = "*u8", "*fp32"  # the codes as their bits
+        elif not isinstance(o, Store):
             sig[f"{o.name}_ptr"] = "*fp32"  # partials
         else:
             sig[f"{o.name}_ptr"] = f"*{activation if o.dtype == 'input' else TRITON_DTYPE[getattr(torch, o.dtype)]}"

@@ -42,17 +42,23 @@ def source_hash(*parts: str) -> str:
 _kernel_hashes: dict[str, str] = {}
 
 
+#: the shared modules a generated kernel may import, in the order they join its hash
+_KERNEL_MODULES = ("device_math", "arrivals", "e4m3")
+
+
 def kernel_hash(program: Program) -> str:
     """Hash of the code a tuned choice is measured on: the generated ``tl`` kernel (without its version
-    line), the device math and arrival counters it imports and, for a program the ping-pong schedule takes,
-    the generated Gluon kernel and the ping-pong runtime (:mod:`.pingpong.runtime`). A choice stays valid
-    until one of them changes, whatever else changes in the generators."""
+    line), the shared modules it imports (:data:`_KERNEL_MODULES`: the device math and arrival counters, the e4m3
+    coder of a quantizing program) and, for a program the ping-pong schedule takes, the generated Gluon kernel and
+    the ping-pong runtime (:mod:`.pingpong.runtime`). A choice stays valid until one of them changes, whatever else
+    changes in the generators."""
     key = program_key(program)
     if key not in _kernel_hashes:
         def code_lines(source: str) -> list[str]:
             return [line for line in source.splitlines() if "generator version" not in line]
-        parts = code_lines(persistent.generate(program)) + [_code_of(_HERE / name)
-                                                            for name in ("device_math.py", "arrivals.py")]
+        source = persistent.generate(program)
+        parts = code_lines(source) + [_code_of(_HERE / f"{module}.py") for module in _KERNEL_MODULES
+                                      if f"from codagen.backends.triton.{module} import" in source]
         if pingpong.RUNTIME and pingpong.refusal(program) is None:  # the ping-pong kernels exist on this Triton
             parts += code_lines(pingpong.generate(program)) + [_code_of(_HERE / "pingpong" / "runtime.py")]
         _kernel_hashes[key] = source_hash(*parts)

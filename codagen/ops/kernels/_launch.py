@@ -25,6 +25,7 @@ try:  # the package must import without Triton (or without a GPU)
     from codagen.backends.triton.ahead import launch_kernel
     from codagen.backends.triton.arrivals import last_to_arrive
     from codagen.backends.triton.device_math import cos_sin, sigmoid
+    from codagen.backends.triton.e4m3 import e4m3_code
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     class _NoTriton:
         """``triton`` where it is not installed: ``@triton.jit`` keeps the kernel a plain function, which
@@ -34,15 +35,16 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
         def jit(fn=None, **_options):
             return fn if fn is not None else (lambda kernel: kernel)
 
-    triton, tl, cos_sin, sigmoid, launch_kernel, dependent_launch = _NoTriton(), None, None, None, None, None
+    triton, tl, cos_sin, sigmoid, e4m3_code, launch_kernel, dependent_launch = (_NoTriton(), None, None, None, None,
+                                                                                None, None)
     arrivals, last_to_arrive = None, None
     TRITON_AVAILABLE = False
 else:
     TRITON_AVAILABLE = True
 
-__all__ = ["triton", "tl", "cos_sin", "sigmoid", "launch_kernel", "dependent_launch", "arrivals", "last_to_arrive",
-           "launcher", "dispatcher", "use_triton", "interpreting", "portable_math", "row_block", "next_power_of_2",
-           "cdiv"]
+__all__ = ["triton", "tl", "cos_sin", "sigmoid", "e4m3_code", "launch_kernel", "dependent_launch", "arrivals",
+           "last_to_arrive", "launcher", "dispatcher", "use_triton", "interpreting", "portable_math", "row_block",
+           "next_power_of_2", "cdiv"]
 
 #: widest block of a row kernel that loops over its row
 MAX_BLOCK = 2048

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import textwrap
 
-from codagen.epilogue.ir import ColPartial, Expr, Program, RowPartial, Store, Width
+from codagen.epilogue.ir import ColPartial, Expr, Program, QuantizedStore, RowPartial, Store, Width
 
 from ..emitter import Emitter, comment
 from ..names import kernel_program
@@ -205,6 +205,9 @@ class PersistentEmitter(Emitter):
             self.emit("else:")
             self.emit(f"    tl.store({out.name}_ptr + {self.tile_offsets(w)}, {cast}, mask={self.tile_ok(w)})")
             return []
+        if isinstance(out, QuantizedStore):
+            self.quantized_store(out, v)
+            return []
         if isinstance(out, ColPartial):
             self.emit(f"# {out}: rows past M excluded")
             self.emit(f"{out.name}_part = tl.sum(tl.where({self.tile_ok(w)}, {v}, 0.0), axis=0)")
@@ -225,10 +228,32 @@ class PersistentEmitter(Emitter):
         return [f"{out.name}_max", f"{out.name}_sumexp"]
 
 
+    def quantized_store(self, out: QuantizedStore, v: str) -> None:
+        """e4m3 codes and one scale per row and group (:class:`QuantizedStore`): the group's amax over its valid
+        columns, broadcast back onto the group so that the value is scaled, coded (``e4m3_code``, bit arithmetic)
+        and stored as uint8 bits in its own layout; only the amax goes through the [rows, groups, group] shape."""
+        w, group, name = out.width, out.group, out.name
+        cols, groups = _TILE_COLS[w], f"({_TILE_COLS[w]} // {group})"
+        self.emit(f"# {out}: columns past N excluded from the amax")
+        self.emit(f"tl.static_assert({cols} % {group} == 0, \"quantized store {name!r}: the epilogue sub-tile "
+                  f"(BLOCK_N / EPILOGUE_SPLIT columns, times the value's width) must hold whole groups of {group} "
+                  f"columns\")")
+        self.emit(f"{name}_amax = tl.maximum(tl.max(tl.reshape(tl.where({self.tile_ok(w)}, tl.abs({v}), 0.0), "
+                  f"(BLOCK_M, {groups}, {group})), axis=2), 1e-12)  # AMAX_FLOOR")
+        self.emit(f"{name}_inv_scale = tl.reshape(tl.broadcast_to(tl.math.div_rn(448.0, {name}_amax)[:, :, None], "
+                  f"(BLOCK_M, {groups}, {group})), (BLOCK_M, {cols}))  # E4M3_MAX / amax on each column")
+        self.emit(f"{name}_code = e4m3_code(tl.minimum(tl.maximum({v} * {name}_inv_scale, -448.0), 448.0))")
+        self.emit(f"tl.store({name}_ptr + {self.tile_offsets(w)}, {name}_code.to(tl.uint8), mask={self.tile_ok(w)})")
+        scale_cols, scale_width = f"{out.scale}_cols", f"({_MATRIX_COLS[w]} // {group})"
+        self.emit(f"{scale_cols} = {_TILE_OFFSET[w]} // {group} + tl.arange(0, {groups})")
+        self.emit(f"tl.store({out.scale}_ptr + rows_64[:, None] * {scale_width} + {scale_cols}[None, :], "
+                  f"tl.math.div_rn({name}_amax, 448.0), mask=row_ok[:, None] & ({scale_cols} < {scale_width})[None, :])")
+
+
 def _signature_names(program: Program) -> tuple[list[str], list[str], list[str]]:
     """(input pointer names, output pointer names, descriptor names) in argument order."""
     inputs = [f"{name}_ptr" for name in program.inputs]
-    outputs = [f"{o.name}_ptr" for o in program.outputs]
+    outputs = [f"{name}_ptr" for o in program.outputs for name in o.names]
     descs = [f"{name}_desc" for name, e in program.inputs.items() if e.kind == "tile"]
     descs += [f"{o.name}_desc" for o in program.outputs if isinstance(o, Store)]
     return inputs, outputs, descs
@@ -257,6 +282,8 @@ def _mainloop(program: Program) -> tuple[str, str]:
 if TMA_MAINLOOP:
     {a_desc}
     {b_desc}"""
+    if gemm.k_scale_group is not None:  # the scale matrices' K extent
+        setup = f"k_groups = tl.cdiv(K, {gemm.k_scale_group})\n{setup}"
     body = f"""\
 if TMA_MAINLOOP:  # TMA boxes; out-of-bounds rows/columns/k are zero-filled by the copy engine
     {a_tma}
@@ -269,8 +296,38 @@ else:
 if UPCAST_OPERANDS:  # the Triton 3.6 interpreter's bf16 dot is wrong: multiply in fp32 there
     a = a.to(tl.float32)
     b = b.to(tl.float32)
-acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)"""
+{_k_group_product(program) if gemm.k_scale_group is not None else "acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)"}"""
     return setup, body
+
+
+def _k_group_product(program: Program) -> str:
+    """The K tile's product scaled by its group's scales (``Gemm.k_scale_group``), added to ``acc`` in fp32: one
+    group holds whole K tiles (``G % BLOCK_K == 0``: the configurations cut BLOCK_K to it), so a tile has one scale
+    per row of A, and one per column of B or, with ``b_scale_block`` (BLOCK_N cut to at most G), one for all."""
+    gemm = program.gemm
+    group = gemm.k_scale_group
+    a_scale = ("a_scale_ptr + rows_a * k_groups + k_group" if gemm.a_layout == "mk"
+               else "a_scale_ptr + k_group * M + rows_a")
+    lines = [f'tl.static_assert({group} % BLOCK_K == 0, "K-group scales: a group of {group} must hold whole K tiles")',
+             f"k_group = off_k // {group}",
+             f"a_scale_k = tl.load({a_scale}, mask=row_ok_a, other=0.0)"]
+    if gemm.b_scale_block:  # the tile's columns lie in one block (G % BLOCK_N == 0): one scale per K tile
+        b_scale = (f"b_scale_ptr + (off_n // {group}) * k_groups + k_group" if gemm.b_layout == "nk"
+                   else f"b_scale_ptr + k_group * tl.cdiv(N, {group}) + off_n // {group}")
+        lines += [f'tl.static_assert({group} % BLOCK_N == 0, "block scales of B: a {group} x {group} block must '
+                  f'hold the tile\'s columns")',
+                  f"b_scale_k = tl.load({b_scale})",
+                  "acc += tl.dot(a, b, input_precision=DOT_PRECISION) * (a_scale_k[:, None] * b_scale_k)"]
+    else:
+        b_scale = ("b_scale_ptr + cols_b * k_groups + k_group" if gemm.b_layout == "nk"
+                   else "b_scale_ptr + k_group * N + cols_b")
+        lines += [f"b_scale_k = tl.load({b_scale}, mask=col_ok_b, other=0.0)",
+                  "acc += tl.dot(a, b, input_precision=DOT_PRECISION) * (a_scale_k[:, None] * b_scale_k[None, :])"]
+    return "\n".join(lines)
+
+
+#: the e4m3 coder, imported by the kernels of programs with a quantized store (it keys their tuning: ``tuning.kernel_hash``)
+_E4M3_IMPORT = "from codagen.backends.triton.e4m3 import e4m3_code  # shared with the row kernels\n"
 
 
 #: an output tile's start in both GEMM kernels: its offsets, the operand rows and columns it reads, the accumulator
@@ -428,7 +485,8 @@ def generate(program: Program, header: str = "") -> str:
     low_rank = program.gemm.low_rank
     low_rank_loop = ind(_low_rank_loop(program), 8) if low_rank else ""
     kernel_args = ",\n        ".join(filter(None, [
-        "a_ptr, b_ptr" + (", a2_ptr, b2_ptr" if low_rank else ""), ", ".join(inputs), ", ".join(outputs),
+        ", ".join(["a_ptr", "b_ptr"] + [f"{t}_ptr" for t in program.gemm.operand_tensors]), ", ".join(inputs),
+        ", ".join(outputs),
         "M, N, K" + (", R" if low_rank else ""),
         "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr"
         + (", BLOCK_R: tl.constexpr" if low_rank else ""),
@@ -447,7 +505,7 @@ import triton.language as tl
 
 from codagen.backends.triton.arrivals import last_to_arrive  # shared with the row kernels
 from codagen.backends.triton.device_math import cos_sin, sigmoid  # shared with the row kernels
-
+{_E4M3_IMPORT if any(isinstance(o, QuantizedStore) for o in program.outputs) else ""}
 
 {runtime.SOURCE}
 
@@ -504,7 +562,7 @@ def _split_k_kernel(program: Program, setup: str, kbody: str, inputs: list[str],
 
 @triton.jit
 def {name}_split_k_kernel(
-        a_ptr, b_ptr, partial_ptr, arrivals_ptr, {pointer_params}, M, N, K,
+        a_ptr, b_ptr, {"".join(f"{t}_ptr, " for t in program.gemm.operand_tensors)}partial_ptr, arrivals_ptr, {pointer_params}, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr,
         UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, PORTABLE: tl.constexpr,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from codagen.epilogue.ir import Program, Store, Width
+from codagen.epilogue.ir import Program, QuantizedStore, Store, Width
 
 from ..names import kernel_names
 
@@ -31,6 +31,10 @@ def supports(program: Program) -> str | None:
     """Why the ping-pong generator cannot take ``program`` (None if it can)."""
     if program.gemm.a_layout != "mk":
         return "A must be [M, K] (the weight-gradient layout has no epilogue worth overlapping)"
+    if program.gemm.k_scale_group is not None:
+        return "its mainloop takes 16-bit operands, not K-group-scaled e4m3 ones"
+    if any(isinstance(o, QuantizedStore) for o in program.outputs):
+        return "quantized stores (e4m3 with group scales) are written by the persistent kernel only"
     for e in program.expressions():
         if (reason := e.pingpong_refusal()) is not None:
             return reason
