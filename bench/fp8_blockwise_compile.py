@@ -8,8 +8,8 @@ Two kernels of FP8 training without a separate cast kernel (``docs/notes/fp8-qua
   product scaled into the fp32 accumulator. Cases: the forward and the input gradient with 128 x 128 weight blocks
   (``b_block``), the weight gradient with 1 x 128 groups on both operands, and the forward with per-column weight
   scales, the form the weight blocks replace.
-- **A quantizing epilogue**: the residual add storing its sum in bf16 and in e4m3 with 1 x 128 scales
-  (``QuantizedStore``), with the next norm's statistics, on bf16 operands.
+- **A quantizing epilogue**: the residual add storing its sum in bf16 and in e4m3 with scales per 128 columns or per
+  128 rows (``QuantizedStore``, along N or M), with the next norm's statistics, on bf16 operands.
 
 Each is compiled (``cross_compile.compile_persistent``) for every target with an e4m3 instruction, in the
 configurations the tuner offers there (``configs.candidates``), and on sm_90 also in the raw Hopper pool's shapes the
@@ -36,11 +36,12 @@ from codagen.epilogue.ir import Accumulator, Gemm, Program, QuantizedStore, RowP
 FP8_TARGETS = [name for name, target in TARGETS.items() if target.fp8_mma]
 
 
-def residual_quantized() -> Program:
-    """``x = acc + residual`` stored in bf16 and as e4m3 with 1 x 128 scales, with the sum of squares per tile."""
+def residual_quantized(along: str = "n") -> Program:
+    """``x = acc + residual`` stored in bf16 and as e4m3 with scales per 128 columns (``along="n"``) or 128 rows
+    (``"m"``), with the sum of squares per tile."""
     x = Accumulator() + TileInput("residual")
-    return Program("residual_quantized", Gemm.linear(), (Store("out", x), QuantizedStore("out_e4m3", x),
-                                                         RowPartial("partial_sumsq", Unary("square", x))))
+    return Program(f"residual_quantized_{along}", Gemm.linear(), (
+        Store("out", x), QuantizedStore("out_e4m3", x, along=along), RowPartial("partial_sumsq", Unary("square", x))))
 
 
 #: case name -> (program, operand dtype)
@@ -51,6 +52,7 @@ CASES = {
     "weight_grad, 1x128 on both": (lambda: library.weight_grad().with_blockwise_scales(128), "fp8e4nv"),
     "linear, per-column weight scales": (lambda: library.linear().with_blockwise_scales(128), "fp8e4nv"),
     "residual + quantized store (bf16 operands)": (residual_quantized, "bf16"),
+    "residual + quantized store along M (bf16)": (lambda: residual_quantized("m"), "bf16"),
 }
 
 #: sm_90 shapes outside the candidates: the Hopper pool's 128 x 256 and 4-stage tiles at e4m3's BLOCK_K 128

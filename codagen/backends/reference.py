@@ -12,7 +12,6 @@ from collections.abc import Mapping
 import torch
 
 from codagen.epilogue.bind import BoundProgram, cdiv
-from codagen.epilogue.core import quantize_groups_ref
 from codagen.epilogue.ir import ColPartial, Expr, Program, QuantizedStore, RowPartial, Store
 from codagen.epilogue.primitives.geglu import geglu_ref
 from codagen.epilogue.primitives.geglu_backward import geglu_backward_ref
@@ -77,7 +76,7 @@ class ReferenceBackend:
                 target = outs[out.name]
                 target.copy_(target.to(value.dtype) + value if out.accumulate else value)
             elif isinstance(out, QuantizedStore):
-                q, scale = quantize_groups_ref(value, out.group)
+                q, scale = out.quantized(value)
                 outs[out.name].copy_(q)
                 outs[out.scale].copy_(scale)
             elif isinstance(out, RowPartial):

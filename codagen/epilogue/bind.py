@@ -105,8 +105,8 @@ class BoundProgram:
                 continue
             if isinstance(out, QuantizedStore):
                 columns = out.width.columns(self.n)
-                specs += [(out.name, (self.m, columns), torch.float8_e4m3fn),
-                          (out.scale, (self.m, columns // out.group), torch.float32)]
+                scale = (self.m, columns // out.group) if out.along == "n" else (cdiv(self.m, out.group), columns)
+                specs += [(out.name, (self.m, columns), torch.float8_e4m3fn), (out.scale, scale, torch.float32)]
                 continue
             dtype = self.store_dtype(out) if isinstance(out, Store) else self.compute_dtype
             specs.append((out.name, self.output_shape(out, block_m, block_n), dtype))

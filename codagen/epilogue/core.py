@@ -417,36 +417,47 @@ E4M3_MAX, AMAX_FLOOR = 448.0, 1e-12
 
 
 def quantize_groups_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)`` of :class:`QuantizedStore` for ``x`` [M, C] (``C % group == 0``): ``q`` float8_e4m3fn
-    [M, C], ``scale`` fp32 [M, C / group]. The divisions run in float64, so both are correctly rounded to fp32
-    (as a kernel's ``div_rn`` is); the product ``x * (448 / amax)`` is rounded to ``x``'s dtype (fp32 in the
-    epilogue) before the cast."""
-    columns = x.shape[1]
-    groups = x.unflatten(1, (columns // group, group))
+    """``(q, scale)`` of :class:`QuantizedStore` for ``x`` [M, C], groups along its columns: ``q`` float8_e4m3fn
+    [M, C], ``scale`` fp32 [M, cdiv(C, group)] (a last, partial group takes the columns there are). The divisions run
+    in float64, so both are correctly rounded to fp32 (as a kernel's ``div_rn`` is); the product ``x * (448 /
+    amax)`` is rounded to ``x``'s dtype (fp32 in the epilogue) before the cast."""
+    m, columns = x.shape
+    groups_count = -(-columns // group)
+    padded = x.new_zeros(m, groups_count * group)  # zeros leave every amax as it is
+    padded[:, :columns] = x
+    groups = padded.unflatten(1, (groups_count, group))
     amax = groups.abs().amax(dim=2).clamp(min=AMAX_FLOOR).double()
     inv_scale, scale = (E4M3_MAX / amax).to(x.dtype), (amax / E4M3_MAX).float()
-    q = (groups * inv_scale[:, :, None]).clamp(-E4M3_MAX, E4M3_MAX).flatten(1).to(torch.float8_e4m3fn)
-    return q, scale
+    q = (groups * inv_scale[:, :, None]).clamp(-E4M3_MAX, E4M3_MAX).flatten(1)[:, :columns]
+    return q.to(torch.float8_e4m3fn), scale
 
 
 @dataclass(frozen=True)
 class QuantizedStore:
-    """Write a tile value to output ``name`` [M, N*w] in e4m3, with one dequantization factor per row and aligned
-    group of ``group`` columns in output ``scale`` [M, N*w / group] (fp32, default name ``<name>_scale``)::
+    """Write a tile value to output ``name`` [M, N*w] in e4m3, with one dequantization factor per aligned group of
+    ``group`` elements in output ``scale`` (fp32, default name ``<name>_scale``)::
 
-        amax        = max(max over the group's columns of |v[m, n]|, 1e-12)
-        scale[m, g] = amax / 448,   name[m, n] = e4m3(clamp(v[m, n] * (448 / amax), -448, 448))
+        amax        = max(max over the group of |v[m, n]|, 1e-12)
+        scale[g]    = amax / 448,   name[m, n] = e4m3(clamp(v[m, n] * (448 / amax), -448, 448))
 
     rounded to nearest even, both divisions correctly rounded (:func:`quantize_groups_ref`). Each group's
-    largest element lands on 448, e4m3's largest finite value. A group lies inside one tile (:attr:`column_group`,
-    as a ``SegmentSum``'s does), so the store needs nothing from other tiles: its output is the 1 x ``group``
-    blockwise-scaled operand of a GEMM with ``Gemm(k_scale_group=group)``. One scale per whole row would need the
-    row's amax before any element is rounded, which a tile does not have (``docs/notes/fp8-quantizing-epilogue.md``).
+    largest element lands on 448, e4m3's largest finite value.
+
+    ``along="n"``: a group is ``group`` columns of one row, ``scale`` [M, N*w / group], and ``N * w`` a multiple of
+    the group; the activation operand of the next GEMM, whose K is these columns. ``along="m"``: a group is
+    ``group`` rows of one column, ``scale`` [cdiv(M, group), N*w] (a last, partial group takes the rows there are);
+    an operand of a weight gradient, whose K is these rows (the tokens).
+
+    A group lies inside one tile (:attr:`column_group` or :attr:`row_group`), so the store needs nothing from other
+    tiles: its output is the ``group``-blockwise-scaled operand of a GEMM with ``Gemm(k_scale_group=group)``. One
+    scale per whole row would need the row's amax before any element is rounded, which a tile does not have
+    (``docs/notes/fp8-quantizing-epilogue.md``).
     """
     name: str
     value: Expr
     scale: str = ""
     group: int = 128
+    along: str = "n"
 
     def __post_init__(self):
         check_name(self.name, "QuantizedStore")
@@ -458,6 +469,9 @@ class QuantizedStore:
         group = self.group
         if isinstance(group, bool) or not isinstance(group, int) or group < 16 or group & (group - 1):
             raise ProgramError(f"QuantizedStore {self.name!r}: group must be a power of two >= 16, got {group!r}")
+        if self.along not in ("n", "m"):
+            raise ProgramError(f"QuantizedStore {self.name!r}: along must be 'n' (groups of columns) or 'm' (groups "
+                               f"of rows), got {self.along!r}")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -468,13 +482,27 @@ class QuantizedStore:
         return self.value.width
 
     @property
-    def column_group(self) -> int:
-        return self.group
+    def column_group(self) -> int | None:
+        """Columns that lie in one tile together: the group along N (None along M)."""
+        return self.group if self.along == "n" else None
+
+    @property
+    def row_group(self) -> int | None:
+        """Rows that lie in one tile together: the group along M (None along N)."""
+        return self.group if self.along == "m" else None
+
+    def quantized(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes, scale)`` of the store for its whole value [M, N*w] (the reference backend's)."""
+        if self.along == "n":
+            return quantize_groups_ref(value, self.group)
+        codes, scale = quantize_groups_ref(value.t(), self.group)
+        return codes.t(), scale.t()
 
     def describe(self, value: str) -> str:
         cols = "n" if self.value.width == Width.FULL else f"n:{self.value.width!r}"
-        return (f"{self.name}[m, {cols}], {self.scale}[m, n / {self.group}] <- e4m3 of {value}, "
-                f"scaled per {self.group} columns")
+        scale = f"[m, n / {self.group}]" if self.along == "n" else f"[m / {self.group}, {cols}]"
+        unit = "columns" if self.along == "n" else "rows"
+        return (f"{self.name}[m, {cols}], {self.scale}{scale} <- e4m3 of {value}, scaled per {self.group} {unit}")
 
     def __str__(self) -> str:
         return self.describe(str(self.value))
@@ -574,7 +602,12 @@ class Program:
     @functools.cached_property
     def _column_groups(self) -> tuple[Expr | QuantizedStore, ...]:
         return (tuple(e for e in self.expressions() if e.column_group is not None)
-                + tuple(o for o in self.outputs if isinstance(o, QuantizedStore)))
+                + tuple(o for o in self.outputs if isinstance(o, QuantizedStore) and o.column_group is not None))
+
+    def row_groups(self) -> tuple[QuantizedStore, ...]:
+        """The outputs whose rows group (a ``QuantizedStore`` along M): each needs tiles of a multiple of its group
+        of rows."""
+        return tuple(o for o in self.outputs if isinstance(o, QuantizedStore) and o.row_group is not None)
 
     def column_groups(self) -> tuple[Expr | QuantizedStore, ...]:
         """The expressions and outputs whose columns group (``column_group`` adjacent columns: a ``SegmentSum``'s,

@@ -31,19 +31,20 @@ from codagen.epilogue.ir import (  # noqa: E402
 )
 
 
-def residual_quantized() -> Program:
-    """The residual add with its next norm's statistics and the sum also stored in e4m3 with 1 x 128 scales (a
-    quantizing epilogue: ``QuantizedStore``)."""
+def residual_quantized(along: str = "n") -> Program:
+    """The residual add with its next norm's statistics and the sum also stored in e4m3 with scales per 128 columns
+    (``along="n"``) or 128 rows (``"m"``): a quantizing epilogue, ``QuantizedStore``."""
     x = Accumulator() + TileInput("residual")
-    return Program("residual_quantized", Gemm.linear(), (Store("out", x), QuantizedStore("out_e4m3", x),
-                                                         RowPartial("partial_sumsq", Unary("square", x))))
+    return Program(f"residual_quantized_{along}", Gemm.linear(), (
+        Store("out", x), QuantizedStore("out_e4m3", x, along=along), RowPartial("partial_sumsq", Unary("square", x))))
 
 
 #: the library's programs, a quantizing residual program, the QK-norm QKV program of a 128-wide head (Qwen3), the QKV
 #: program with a bias (Qwen2), the GeGLU MLP's (Gemma), the gate/up program without a norm before it and the input
 #: gradient with the residual's (OLMo 2), and the LM-head programs with Gemma 2's final logit soft-cap, by name
 MATRIX = {**library.PROGRAMS, "rms_qkv_rope(128, qk_norm)": lambda: library.rms_qkv_rope(128, 1e-6),
-          "residual_quantized(128)": residual_quantized,
+          "residual_quantized(128 columns)": residual_quantized,
+          "residual_quantized(128 rows)": lambda: residual_quantized("m"),
           "rms_qkv_rope(bias)": lambda: library.rms_qkv_rope(bias=True),
           "rms_gate_up_swiglu(gelu_tanh)": lambda: library.rms_gate_up_swiglu(activation="gelu_tanh"),
           "rms_gate_up_swiglu(no pre-norm)": lambda: library.rms_gate_up_swiglu(pre_norm=False),
@@ -126,11 +127,11 @@ def test_compiles(target, name, cfg, first, dtype, reports):
         assert facts["fp8_mma"], f"{target.name}: no {target.fp8_mma} (the e4m3 instruction) in the assembly"
     assert facts["tma"] == target.tma
     assert facts["binary"]
-    blockwise = "blockwise" in name
-    if first and (target.name == "sm_90") == blockwise:  # the untuned choice: no spills (NVIDIA: from the cubin).
+    fp8 = "blockwise" in name or "quantized" in name
+    if first and (target.name == "sm_90") == fp8:  # the untuned choice: no spills (NVIDIA: from the cubin).
         # On sm_90 the shipped tuning chooses for bf16; its pool's first entry spills in the backwards (docs/triton.md,
-        # "Targets"). The blockwise e4m3 kernels are built for sm_90, where their first choice must not spill; on
-        # sm_89, sm_100 and sm_120 some spill (docs/notes/fp8-quantizing-epilogue.md)
+        # "Targets"). The FP8 kernels (blockwise GEMMs, quantizing epilogues) are built for sm_90, where their first
+        # choice must not spill; on sm_89, sm_100 and sm_120 some spill (docs/notes/fp8-quantizing-epilogue.md)
         assert facts["stack"] == 0, f"{target.name} {name} {cfg.short()}: {facts['stack']} stack bytes per thread"
 
 

@@ -234,20 +234,26 @@ def test_bind_checks_the_k_group_scales():
 # The quantizing epilogue (QuantizedStore): e4m3 with one scale per row and group of columns
 # --------------------------------------------------------------------------------------------------
 def quantizing_program(group: int) -> Program:
-    """A residual add whose sum is stored in bf16 and in e4m3 (the next GEMM's operand), and a SwiGLU's half-width
-    output quantized too (the down projection's operand)."""
+    """A residual add whose sum is stored in bf16 and in e4m3 twice: groups of columns (the next GEMM's operand) and
+    groups of rows (a weight gradient's operand); and a SwiGLU's half-width output quantized too (the down
+    projection's operand)."""
     acc = Accumulator()
     x = acc + TileInput("residual")
     return Program("quantizing", Gemm.linear(), (Store("out", x), QuantizedStore("out_e4m3", x, group=group),
+                                                 QuantizedStore("out_e4m3_rows", x, group=group, along="m"),
                                                  QuantizedStore("act_e4m3", SwiGLU(acc), scale="act_scale",
                                                                 group=group // 2)))
 
 
 def test_quantized_store_is_two_outputs_and_refuses_bad_groups():
     program = quantizing_program(64)
-    assert [name for o in program.outputs for name in o.names] == ["out", "out_e4m3", "out_e4m3_scale", "act_e4m3",
-                                                                  "act_scale"]
+    assert [name for o in program.outputs for name in o.names] == ["out", "out_e4m3", "out_e4m3_scale", "out_e4m3_rows",
+                                                                  "out_e4m3_rows_scale", "act_e4m3", "act_scale"]
     assert "out_e4m3[m, n], out_e4m3_scale[m, n / 64] <- e4m3 of t0, scaled per 64 columns" in str(program)
+    assert "out_e4m3_rows[m, n], out_e4m3_rows_scale[m / 64, n] <- e4m3 of t0, scaled per 64 rows" in str(program)
+    assert [o.name for o in program.row_groups()] == ["out_e4m3_rows"]
+    with pytest.raises(ProgramError, match="along must be 'n' .* or 'm' .*, got 'k'"):
+        QuantizedStore("q", Accumulator(), along="k")
     with pytest.raises(ProgramError, match="group must be a power of two >= 16, got 48"):
         QuantizedStore("q", Accumulator(), group=48)
     with pytest.raises(ProgramError, match=r"output names repeat: \['q_scale'\]"):
@@ -276,9 +282,9 @@ def test_reference_quantized_store_matches_quantize_groups_and_dequantizes_withi
 
 def check_quantized_store_against_the_reference(group: int, m: int, n: int, device: str) -> None:
     """Integer-valued operands make the Triton kernel's and the reference backend's accumulators exact, so the
-    residual sum's codes and scales agree bit for bit: ties, the group's amax, masked rows (M not a multiple of the
-    tile) and N not a multiple of the tile. The half-width SwiGLU output (the kernel's own sigmoid) is within one e4m3
-    step of the reference's code."""
+    residual sum's codes and scales, in groups of columns and of rows, agree bit for bit: ties, the group's amax,
+    masked rows (M not a multiple of the tile, a last partial group of rows) and N not a multiple of the tile. The
+    half-width SwiGLU output (the kernel's own sigmoid) is within one e4m3 step of the reference's code."""
     program = quantizing_program(group)
     k, dtype = 64, torch.float32 if device == "cpu" else torch.bfloat16
     a = torch.randint(-3, 4, (m, k), device=device).to(dtype)
@@ -287,10 +293,24 @@ def check_quantized_store_against_the_reference(group: int, m: int, n: int, devi
     got, want = (codagen.execute(program, a, b, backend=backend, residual=residual)
                  for backend in ("triton", "reference"))
     assert got["out_e4m3"].dtype == got["act_e4m3"].dtype == torch.float8_e4m3fn
-    assert torch.equal(got["out_e4m3"].view(torch.uint8), want["out_e4m3"].view(torch.uint8))
-    assert torch.equal(got["out_e4m3_scale"], want["out_e4m3_scale"])
+    for codes in ("out_e4m3", "out_e4m3_rows"):
+        assert torch.equal(got[codes].view(torch.uint8), want[codes].view(torch.uint8)), codes
+        assert torch.equal(got[f"{codes}_scale"], want[f"{codes}_scale"]), codes
     torch.testing.assert_close(got["act_scale"], want["act_scale"], rtol=1e-5, atol=0)
     torch.testing.assert_close(got["act_e4m3"].float(), want["act_e4m3"].float(), rtol=2 ** -3, atol=2 ** -9)
+
+
+def test_reference_quantized_store_along_m_is_the_groups_of_the_transpose():
+    """Groups of rows: one scale per column and 32 rows, the last group partial (M = 70)."""
+    m, n, k = 70, 64, 48
+    a, b, residual = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+    out = codagen.execute(quantizing_program(32), a, b, backend="reference", residual=residual)
+    x = a @ b.t() + residual
+    q, scale = quantize_groups_ref(x.t().contiguous(), 32)
+    assert out["out_e4m3_rows_scale"].shape == (3, n)
+    assert torch.equal(out["out_e4m3_rows"].view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    assert torch.equal(out["out_e4m3_rows_scale"], scale.t())
+    assert (out["out_e4m3_rows"][64:].float().abs().amax(0) == 448).all()  # the partial group's amax lands on 448
 
 
 @pytest.mark.parametrize("group, m, n", [(32, 37, 128), (64, 70, 192), (128, 33, 256)])
@@ -344,5 +364,31 @@ def test_a_quantizing_epilogue_feeds_a_blockwise_gemm():
     torch.testing.assert_close(results["triton"], results["reference"], rtol=2 ** -7, atol=1e-5)
     h_exact = x_in.double() @ w_in.double().t() + residual.double()
     exact = h_exact @ weight.double().t()
+    relative = (results["triton"] - exact).norm() / exact.norm()
+    assert relative < 0.05, relative  # two e4m3 roundings (3 mantissa bits each)
+
+
+def test_quantizing_epilogues_feed_a_weight_gradient():
+    """The weight gradient's chain, in the interpreter: two bf16-operand GEMMs store their outputs (the activation
+    X [tokens, in] and the output gradient dY [tokens, out]) in e4m3 with one scale per column and 128 tokens; the
+    blockwise weight gradient dY^T @ X reads both with their scales along its K, the tokens (200: a partial last
+    group). The result is the reference backend's chain, and within e4m3's precision of the unquantized product."""
+    pytest.importorskip("triton")
+    tokens, d_in, d_out = 200, 128, 64
+    quantized = {}
+    for name, width in (("x", d_in), ("grad", d_out)):
+        acc = Accumulator()
+        quantized[name] = (Program(f"{name}_rows", Gemm.linear(), (QuantizedStore(name, acc, along="m"),)),
+                           torch.randn(tokens, 32).half(), (torch.randn(width, 32) / 4).half())
+    weight_grad = library.weight_grad().with_blockwise_scales(128)
+    results = {}
+    for backend in ("triton", "reference"):
+        out = {name: codagen.execute(program, a, b, backend=backend) for name, (program, a, b) in quantized.items()}
+        results[backend] = codagen.execute(weight_grad, out["grad"]["grad"], out["x"]["x"], backend=backend,
+                                           a_scale=out["grad"]["grad_scale"], b_scale=out["x"]["x_scale"]
+                                           )["grad_weight"].double()
+    torch.testing.assert_close(results["triton"], results["reference"], rtol=2 ** -7, atol=1e-5)
+    x, grad = ((a.double() @ b.double().t()) for _, a, b in (quantized["x"], quantized["grad"]))
+    exact = grad.t() @ x
     relative = (results["triton"] - exact).norm() / exact.norm()
     assert relative < 0.05, relative  # two e4m3 roundings (3 mantissa bits each)

@@ -117,8 +117,8 @@ _INTERPRETER_MAX_BLOCK_N = 256
 
 def interpreter_config(program: Program) -> KernelConfig:
     """:data:`INTERPRETER_CONFIG`, its tile widened to the narrowest power of two that holds whole groups
-    of every ``SegmentSum`` (QK-norm heads) and ``QuantizedStore``; ``ProgramError`` when none up to 256 columns
-    does."""
+    of every ``SegmentSum`` (QK-norm heads) and ``QuantizedStore`` along N (``ProgramError`` when none up to 256
+    columns does), and its rows to the groups of a ``QuantizedStore`` along M."""
     block_n = INTERPRETER_CONFIG.block_n
     segments = program.column_groups()
     while any(int(block_n * s.width.value) % s.column_group for s in segments):
@@ -126,7 +126,8 @@ def interpreter_config(program: Program) -> KernelConfig:
             raise ProgramError(f"{program.name}: {_groups_described(segments)} needs a power-of-two tile width up "
                                f"to {_INTERPRETER_MAX_BLOCK_N} that is a multiple of it")
         block_n *= 2
-    return _k_tiles_in_groups(program, (dataclasses.replace(INTERPRETER_CONFIG, block_n=block_n),))[0]
+    block_m = max([INTERPRETER_CONFIG.block_m] + [g.row_group for g in program.row_groups()])
+    return _k_tiles_in_groups(program, (dataclasses.replace(INTERPRETER_CONFIG, block_m=block_m, block_n=block_n),))[0]
 
 
 def _groups_described(grouped) -> str:
@@ -163,10 +164,10 @@ def _k_tiles_in_groups(program: Program, pool) -> tuple[KernelConfig, ...]:
 
 
 def _quantized_groups_in_sub_tiles(program: Program, pool) -> tuple[KernelConfig, ...]:
-    """``pool`` with each EPILOGUE_SPLIT lowered until the sub-tile holds whole groups of every quantized store (its
-    scale groups, of 128 columns by default, are wider than the 32- and 64-column sub-tiles the pools favour); the
-    configurations whose tile is narrower than a group drop out (all of ``pool`` for a program without one)."""
-    stores = [o for o in program.outputs if isinstance(o, QuantizedStore)]
+    """``pool`` with each EPILOGUE_SPLIT lowered until the sub-tile holds whole groups of every quantized store along
+    N (its scale groups, of 128 columns by default, are wider than the 32- and 64-column sub-tiles the pools favour);
+    ``pool`` as it is for a program without one."""
+    stores = [o for o in program.outputs if isinstance(o, QuantizedStore) and o.along == "n"]
     if not stores:
         return tuple(pool)
     widened = []
@@ -316,6 +317,7 @@ def candidates(program: Program, *, target: str, operand_bytes: int, smem_limit:
     segments = program.column_groups()
     if small_m:  # the decode tiles alone, unless none holds whole segments (heads wider than 128 columns)
         fitting = tuple(cfg for cfg in small_m_order(m, n, num_sms) if _holds_segments(cfg, segments)
+                        and all(cfg.block_m % g.row_group == 0 for g in program.row_groups())
                         and (cfg.split_k == 1 or not program.gemm.low_rank))  # the low-rank loop: unsplit only
         pool = fitting or pool
     pingpong_pool = ()
@@ -333,6 +335,15 @@ def candidates(program: Program, *, target: str, operand_bytes: int, smem_limit:
                 f"{program.name}: {_groups_described(segments)} needs an "
                 f"epilogue sub-tile width (BLOCK_N / EPILOGUE_SPLIT) that is a multiple of it; the configurations "
                 f"for these operands have sub-tile widths {sorted({cfg.sub_n for cfg in pool})}{hint}")
+        pool = fitting
+    row_groups = program.row_groups()
+    if row_groups:  # a quantized store along M: whole groups of rows per tile, a hard constraint as well
+        fitting = tuple(cfg for cfg in pool if all(cfg.block_m % g.row_group == 0 for g in row_groups))
+        if not fitting:
+            raise ProgramError(
+                f"{program.name}: the quantized store(s) {[g.name for g in row_groups]} (scales per "
+                f"{sorted({g.row_group for g in row_groups})} rows) need tiles of a multiple of that many rows; the "
+                f"configurations for these operands have {sorted({cfg.block_m for cfg in pool})} rows")
         pool = fitting
     keep = []
     for cfg in pool:

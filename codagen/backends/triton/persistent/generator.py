@@ -229,25 +229,46 @@ class PersistentEmitter(Emitter):
 
 
     def quantized_store(self, out: QuantizedStore, v: str) -> None:
-        """e4m3 codes and one scale per row and group (:class:`QuantizedStore`): the group's amax over its valid
-        columns, broadcast back onto the group so that the value is scaled, coded (``e4m3_code``, bit arithmetic)
-        and stored as uint8 bits in its own layout; only the amax goes through the [rows, groups, group] shape."""
+        """e4m3 codes and one scale per group (:class:`QuantizedStore`): the group's amax over its valid elements,
+        broadcast back onto the group so that the value is scaled, coded (``e4m3_code``, bit arithmetic) and stored
+        as uint8 bits in its own layout; only the amax goes through the grouped shape ([rows, groups, group] along
+        N, [groups, group, columns] along M)."""
         w, group, name = out.width, out.group, out.name
-        cols, groups = _TILE_COLS[w], f"({_TILE_COLS[w]} // {group})"
-        self.emit(f"# {out}: columns past N excluded from the amax")
-        self.emit(f"tl.static_assert({cols} % {group} == 0, \"quantized store {name!r}: the epilogue sub-tile "
-                  f"(BLOCK_N / EPILOGUE_SPLIT columns, times the value's width) must hold whole groups of {group} "
-                  f"columns\")")
-        self.emit(f"{name}_amax = tl.maximum(tl.max(tl.reshape(tl.where({self.tile_ok(w)}, tl.abs({v}), 0.0), "
-                  f"(BLOCK_M, {groups}, {group})), axis=2), 1e-12)  # AMAX_FLOOR")
-        self.emit(f"{name}_inv_scale = tl.reshape(tl.broadcast_to(tl.math.div_rn(448.0, {name}_amax)[:, :, None], "
-                  f"(BLOCK_M, {groups}, {group})), (BLOCK_M, {cols}))  # E4M3_MAX / amax on each column")
+        cols = _TILE_COLS[w]
+        along_n = out.along == "n"
+        self.emit(f"# {out}: elements past M and N excluded from the amax")
+        if along_n:
+            groups = f"({cols} // {group})"
+            self.emit(f"tl.static_assert({cols} % {group} == 0, \"quantized store {name!r}: the epilogue sub-tile "
+                      f"(BLOCK_N / EPILOGUE_SPLIT columns, times the value's width) must hold whole groups of "
+                      f"{group} columns\")")
+            grouped, reduced_axis, spread = f"(BLOCK_M, {groups}, {group})", 2, "[:, :, None]"
+        else:
+            groups = f"(BLOCK_M // {group})"
+            self.emit(f"tl.static_assert(BLOCK_M % {group} == 0, \"quantized store {name!r}: a tile of BLOCK_M rows "
+                      f"must hold whole groups of {group} rows\")")
+            grouped, reduced_axis, spread = f"({groups}, {group}, {cols})", 1, "[:, None, :]"
+        # along N a group is one row's columns (those past N excluded); along M one column's rows (those past M
+        # excluded; a column past N is neither stored nor its scale)
+        valid = self.tile_ok(w) if along_n else "row_ok[:, None]"
+        self.emit(f"{name}_amax = tl.maximum(tl.max(tl.reshape(tl.where({valid}, tl.abs({v}), 0.0), "
+                  f"{grouped}), axis={reduced_axis}), 1e-12)  # AMAX_FLOOR")
+        self.emit(f"{name}_inv_scale = tl.reshape(tl.broadcast_to(tl.math.div_rn(448.0, {name}_amax){spread}, "
+                  f"{grouped}), (BLOCK_M, {cols}))  # E4M3_MAX / amax on each element")
         self.emit(f"{name}_code = e4m3_code(tl.minimum(tl.maximum({v} * {name}_inv_scale, -448.0), 448.0))")
         self.emit(f"tl.store({name}_ptr + {self.tile_offsets(w)}, {name}_code.to(tl.uint8), mask={self.tile_ok(w)})")
-        scale_cols, scale_width = f"{out.scale}_cols", f"({_MATRIX_COLS[w]} // {group})"
-        self.emit(f"{scale_cols} = {_TILE_OFFSET[w]} // {group} + tl.arange(0, {groups})")
-        self.emit(f"tl.store({out.scale}_ptr + rows_64[:, None] * {scale_width} + {scale_cols}[None, :], "
-                  f"tl.math.div_rn({name}_amax, 448.0), mask=row_ok[:, None] & ({scale_cols} < {scale_width})[None, :])")
+        scale_value = f"tl.math.div_rn({name}_amax, 448.0)"
+        if along_n:
+            scale_cols, scale_width = f"{out.scale}_cols", f"({_MATRIX_COLS[w]} // {group})"
+            self.emit(f"{scale_cols} = {_TILE_OFFSET[w]} // {group} + tl.arange(0, {groups})")
+            self.emit(f"tl.store({out.scale}_ptr + rows_64[:, None] * {scale_width} + {scale_cols}[None, :], "
+                      f"{scale_value}, mask=row_ok[:, None] & ({scale_cols} < {scale_width})[None, :])")
+        else:  # scale [cdiv(M, group), N*w]: the tile's row groups, its columns
+            scale_rows = f"{out.scale}_rows"
+            self.emit(f"{scale_rows} = off_m // {group} + tl.arange(0, {groups})")
+            self.emit(f"tl.store({out.scale}_ptr + {scale_rows}.to(tl.int64)[:, None] * {_MATRIX_COLS[w]} + "
+                      f"{self.cols(w)}[None, :], {scale_value}, mask=({scale_rows} < tl.cdiv(M, {group}))[:, None] & "
+                      f"{self.col_ok(w)}[None, :])")
 
 
 def _signature_names(program: Program) -> tuple[list[str], list[str], list[str]]:
