@@ -416,19 +416,20 @@ class ColPartial:
 E4M3_MAX, AMAX_FLOOR = 448.0, 1e-12
 
 
-def quantize_groups_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)`` of :class:`QuantizedStore` for ``x`` [M, C], groups along its columns: ``q`` float8_e4m3fn
-    [M, C], ``scale`` fp32 [M, cdiv(C, group)] (a last, partial group takes the columns there are). The divisions run
-    in float64, so both are correctly rounded to fp32 (as a kernel's ``div_rn`` is); the product ``x * (448 /
-    amax)`` is rounded to ``x``'s dtype (fp32 in the epilogue) before the cast."""
-    m, columns = x.shape
-    groups_count = -(-columns // group)
-    padded = x.new_zeros(m, groups_count * group)  # zeros leave every amax as it is
-    padded[:, :columns] = x
-    groups = padded.unflatten(1, (groups_count, group))
-    amax = groups.abs().amax(dim=2).clamp(min=AMAX_FLOOR).double()
+def quantize_groups_ref(x: torch.Tensor, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of ``x`` [M, K] in groups of ``rows x columns`` elements (a :class:`QuantizedStore`'s along N
+    are ``1 x group``, along M ``group x 1``): ``q`` float8_e4m3fn [M, K], ``scale`` fp32 [cdiv(M, rows), cdiv(K,
+    columns)]; a last, partial group takes the elements there are. The divisions run in float64, so both are
+    correctly rounded to fp32 (as a kernel's ``div_rn`` is); the product ``x * (448 / amax)`` is rounded to ``x``'s
+    dtype (fp32 in the epilogue) before the cast."""
+    m, k = x.shape
+    row_groups, column_groups = -(-m // rows), -(-k // columns)
+    padded = x.new_zeros(row_groups * rows, column_groups * columns)  # zeros leave every amax as it is
+    padded[:m, :k] = x
+    groups = padded.view(row_groups, rows, column_groups, columns)
+    amax = groups.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR).double()
     inv_scale, scale = (E4M3_MAX / amax).to(x.dtype), (amax / E4M3_MAX).float()
-    q = (groups * inv_scale[:, :, None]).clamp(-E4M3_MAX, E4M3_MAX).flatten(1)[:, :columns]
+    q = (groups * inv_scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view_as(padded)[:m, :k]
     return q.to(torch.float8_e4m3fn), scale
 
 
@@ -493,10 +494,7 @@ class QuantizedStore:
 
     def quantized(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes, scale)`` of the store for its whole value [M, N*w] (the reference backend's)."""
-        if self.along == "n":
-            return quantize_groups_ref(value, self.group)
-        codes, scale = quantize_groups_ref(value.t(), self.group)
-        return codes.t(), scale.t()
+        return quantize_groups_ref(value, *((1, self.group) if self.along == "n" else (self.group, 1)))
 
     def describe(self, value: str) -> str:
         cols = "n" if self.value.width == Width.FULL else f"n:{self.value.width!r}"

@@ -7,6 +7,7 @@ Producers of the residual stream return ``(x, normed, rstd)``; ``normed = x * no
 """
 from .cross_entropy import rms_lm_head_cross_entropy
 from .embedding import embedding
+from .fp8_linear import fp8_linear
 from .layouts import (
     interleave_gate_up,
     rope_frequencies,
@@ -24,4 +25,4 @@ from .residual import out_proj_residual_rms, rms_norm_stats
 __all__ = ["rms_norm_stats", "out_proj_residual_rms", "rms_qkv_rope", "rms_gate_up_swiglu", "swiglu_mlp_residual_rms",
            "rms_linear", "rms_lm_head_cross_entropy", "embedding", "LowRank", "interleave_gate_up", "split_gate_up",
            "rope_pairs_from_half_split", "rope_half_split_from_pairs", "rope_frequencies",
-           "linear_post_norm_residual_rms", "qkv_norm_rope", "gate_up_swiglu"]
+           "linear_post_norm_residual_rms", "qkv_norm_rope", "gate_up_swiglu", "fp8_linear"]

@@ -270,7 +270,7 @@ def test_reference_quantized_store_matches_quantize_groups_and_dequantizes_withi
     a, b, residual = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
     out = codagen.execute(program, a, b, backend="reference", residual=residual)
     x = a @ b.t() + residual
-    q, scale = quantize_groups_ref(x, 32)
+    q, scale = quantize_groups_ref(x, 1, 32)
     assert torch.equal(out["out_e4m3"].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(out["out_e4m3_scale"], scale)
     dequantized = out["out_e4m3"].double().unflatten(1, (4, 32)) * out["out_e4m3_scale"].double()[:, :, None]
@@ -306,7 +306,7 @@ def test_reference_quantized_store_along_m_is_the_groups_of_the_transpose():
     a, b, residual = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
     out = codagen.execute(quantizing_program(32), a, b, backend="reference", residual=residual)
     x = a @ b.t() + residual
-    q, scale = quantize_groups_ref(x.t().contiguous(), 32)
+    q, scale = quantize_groups_ref(x.t().contiguous(), 1, 32)
     assert out["out_e4m3_rows_scale"].shape == (3, n)
     assert torch.equal(out["out_e4m3_rows"].view(torch.uint8), q.t().contiguous().view(torch.uint8))
     assert torch.equal(out["out_e4m3_rows_scale"], scale.t())

@@ -236,6 +236,19 @@ _KERNEL_SCRIPT = textwrap.dedent("""
         tie_codes = got_q[-1, :ties.numel()].float().tolist()
         assert tie_codes == [448.0, 16.0, -20.0, 0.0, 2 ** -8, -2 ** -8, 2 ** -6, 240.0, 0.0], tie_codes
         assert got_q[-1, ties.numel() - 1].view(torch.uint8) == 0x80  # -0.0 keeps its sign, as torch's cast does
+    # e4m3 in groups (the blockwise recipe), bitwise: of 32 and 128 columns, rows and square blocks, rows of scales
+    # from 1e-3 to 1e3, partial last groups (257 x 130), a zero row
+    for along in k.GROUPINGS:
+        for group in (32, 128):
+            x_groups = torch.randn(257, 130) * 10.0 ** torch.empty(257, 1).uniform_(-3, 3)
+            x_groups[5] = 0.0
+            for dtype in (torch.float32, torch.bfloat16):
+                x = x_groups.to(dtype)
+                with unittest.mock.patch.object(torch, "empty", poisoned_empty):
+                    got_q, got_scale = k.quantize_groups_triton(x, group, along)
+                want_q, want_scale = k.quantize_groups_ref(x, group, along)
+                assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (along, group, dtype)
+                assert torch.equal(got_scale, want_scale), (along, group, dtype)
     assert not arrivals.counters(torch.device("cpu"), 1).any()  # left at zero for the next launch
     print("kernels ok")
 """)

@@ -69,6 +69,7 @@ OPS = {
     "rms_lm_head_cross_entropy": (ops.rms_lm_head_cross_entropy, lambda: dict(
         _normed_inputs(), lm_head_weight=torch.randn(VOCAB, D), target=torch.randint(0, VOCAB, (M,)))),
     "embedding": (ops.embedding, lambda: dict(ids=torch.randint(0, VOCAB, (2, 3)), weight=torch.randn(VOCAB, D))),
+    "fp8_linear": (ops.fp8_linear, lambda: dict(x=torch.randn(M, D), weight=torch.randn(FFN, D))),
     "interleave_gate_up": (ops.interleave_gate_up, lambda: dict(gate_weight=torch.randn(FFN, D),
                                                                 up_weight=torch.randn(FFN, D))),
     "split_gate_up": (ops.split_gate_up, lambda: dict(gate_up_weight=torch.randn(2 * FFN, D))),

@@ -43,7 +43,8 @@ def _leaf(*shape, scale=1.0):
 
 def _every_public_op():
     """One forward and backward through each public op (LoRA on the GEMM ops, so their optional
-    low-rank arguments are tensors; the MLP ops with either activation, so their string argument takes both)."""
+    low-rank arguments are tensors; the MLP ops with either activation, so their string argument takes both; the
+    FP8 linear in fp32, the widest dtype it takes)."""
     x, gamma = _leaf(M, D), _leaf(D)
     lora = lambda n, k: LowRank(_leaf(2, k, scale=0.3), _leaf(n, 2, scale=0.3), 0.5)  # noqa: E731
     positions, freqs = torch.arange(M).double(), ops.rope_frequencies(HEADS, KV_HEADS, HD).double()
@@ -82,8 +83,9 @@ def _every_public_op():
         ops.qkv_norm_rope(x, _leaf(QKV, D, scale=0.2), positions, freqs, _leaf(HEADS * HD), _leaf(KV_HEADS * HD), 1e-6)
         ops.gate_up_swiglu(x, _leaf(2 * FFN, D, scale=0.2), activation="gelu_tanh")
     embedded = ops.embedding(torch.randint(0, VOCAB, (M,)), _leaf(VOCAB, D), padding_idx=0)
+    fp8 = ops.fp8_linear(_leaf(M, D).float().detach().requires_grad_(), _leaf(FFN, D).float().detach().requires_grad_())
     total = (loss + eval_loss + logits.sum() + capped.sum() + act.sum() + qk.sum() + k.sum() + v.sum()
-             + embedded.sum() + post_normed.sum() + olmo_k.sum() + olmo_v.sum() + olmo_act.sum())
+             + embedded.sum() + post_normed.sum() + olmo_k.sum() + olmo_v.sum() + olmo_act.sum() + fp8.double().sum())
     total.backward()
 
 

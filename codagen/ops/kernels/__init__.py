@@ -5,7 +5,8 @@
   next norm's statistics, and its backward;
 - :mod:`.qk_norm_rope` (F4's QK-norm and RoPE where no epilogue sub-tile holds whole heads, e.g. head_dim 256):
   each Q/K head's RMSNorm and the rotation, on the ``z`` the QKV GEMM stored;
-- :mod:`.quantize`: rowwise e4m3 quantization (each row's amax onto 448, its fp32 scale), an FP8 GEMM operand's;
+- :mod:`.quantize`: e4m3 quantization of an FP8 GEMM's operand, rowwise or in groups of 128 (each row's or
+  group's amax onto 448, its fp32 scale);
 - :mod:`.rope` (B1): rotate the QKV gradient back and compute ``mean_z_dz`` for the RMSNorm backward;
 - :mod:`.rope_qk_norm` (B1 with QK-norm): the same, plus the per-head RMSNorm backward of the Q/K
   heads and the q_norm / k_norm weight gradients (per-row-block partials, summed after the launch);
@@ -66,7 +67,15 @@ from .post_norm import (
     post_norm_residual_triton,
 )
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_triton
-from .quantize import quantize_rowwise, quantize_rowwise_ref, quantize_rowwise_triton
+from .quantize import (
+    GROUPINGS,
+    quantize_groups,
+    quantize_groups_ref,
+    quantize_groups_triton,
+    quantize_rowwise,
+    quantize_rowwise_ref,
+    quantize_rowwise_triton,
+)
 from .rms_norm import rms_norm_stats, rms_norm_stats_ref, rms_norm_stats_triton
 from .rope import rope_backward, rope_backward_ref, rope_backward_triton
 from .rope_qk_norm import (
@@ -94,5 +103,6 @@ __all__ = ["rms_norm_stats", "rms_norm_stats_ref", "rms_norm_stats_triton", "rop
            "static_cache_write_triton", "half_split_heads", "greedy_append", "greedy_append_ref",
            "greedy_append_triton", "post_norm_residual", "post_norm_residual_ref", "post_norm_residual_triton",
            "post_norm_backward", "post_norm_backward_ref", "post_norm_backward_triton", "qk_norm_rope",
-           "qk_norm_rope_ref", "qk_norm_rope_triton", "quantize_rowwise", "quantize_rowwise_ref",
+           "qk_norm_rope_ref", "qk_norm_rope_triton", "quantize_groups", "quantize_groups_ref",
+           "quantize_groups_triton", "GROUPINGS", "quantize_rowwise", "quantize_rowwise_ref",
            "quantize_rowwise_triton"]
