@@ -77,6 +77,16 @@ def test_e4m3_operands_with_a_low_rank_pair_are_refused():
         codagen.execute(program, xq, wq, a2=xq[:, :2].contiguous(), b2=wq[:, :2].contiguous())
 
 
+def assert_backends_agree(program, a, b, tensors) -> None:
+    """The Triton kernel (in the interpreter on CPU) and the reference backend give ``program``'s outputs within one
+    bf16 step (they accumulate in different orders), every element written."""
+    got, want = ({name: t.double() for name, t in codagen.execute(program, a, b, backend=backend, **tensors).items()}
+                 for backend in ("triton", "reference"))
+    for name, value in want.items():
+        assert not got[name].isnan().any(), name
+        torch.testing.assert_close(got[name], value, rtol=2 ** -7, atol=1e-5)
+
+
 @pytest.mark.parametrize("program", [library.linear(), library.input_grad(), library.weight_grad(),
                                      library.rms_gate_up_swiglu()], ids=lambda p: p.name)
 def test_interpreter_runs_e4m3_programs_as_the_reference_does(program):
@@ -91,11 +101,7 @@ def test_interpreter_runs_e4m3_programs_as_the_reference_does(program):
     tensors = {"a_scale": torch.rand(m) + 0.5, "b_scale": torch.rand(n) + 0.5}
     if "rstd" in program.inputs:
         tensors["rstd"] = torch.rand(m) + 0.5
-    got, want = ({name: t.double() for name, t in codagen.execute(program, a, b, backend=backend, **tensors).items()}
-                 for backend in ("triton", "reference"))
-    for name, value in want.items():
-        assert not got[name].isnan().any(), name
-        torch.testing.assert_close(got[name], value, rtol=2 ** -7, atol=1e-5)  # one bf16 step: two accumulation orders
+    assert_backends_agree(program, a, b, tensors)
 
 
 @pytest.mark.gpu
@@ -205,11 +211,7 @@ def test_interpreter_blockwise_gemm_agrees_with_the_reference(program, b_block, 
     a, b, tensors = blockwise_operands(program, m, n, k)
     if "rstd" in program.inputs:
         tensors["rstd"] = torch.rand(m) + 0.5
-    got, want = ({name: t.double() for name, t in codagen.execute(program, a, b, backend=backend, **tensors).items()}
-                 for backend in ("triton", "reference"))
-    for name, value in want.items():
-        assert not got[name].isnan().any(), name
-        torch.testing.assert_close(got[name], value, rtol=2 ** -7, atol=1e-5)  # one bf16 step: two accumulation orders
+    assert_backends_agree(program, a, b, tensors)
 
 
 def test_bind_checks_the_k_group_scales():
@@ -392,3 +394,12 @@ def test_quantizing_epilogues_feed_a_weight_gradient():
     exact = grad.t() @ x
     relative = (results["triton"] - exact).norm() / exact.norm()
     assert relative < 0.05, relative  # two e4m3 roundings (3 mantissa bits each)
+
+
+def test_the_pingpong_schedule_refuses_the_fp8_programs():
+    """Its mainloop takes 16-bit operands and its stores are bf16 pieces: these programs take the persistent kernel."""
+    pytest.importorskip("triton")
+    from codagen.backends.triton import pingpong
+    assert "K-group-scaled" in pingpong.refusal(library.rms_gate_up_swiglu().with_blockwise_scales(b_block=True))
+    assert "quantized stores" in pingpong.refusal(quantizing_program(128))
+    assert pingpong.refusal(library.rms_gate_up_swiglu()) is None
