@@ -295,6 +295,10 @@ def _holds_segments(cfg: KernelConfig, segments) -> bool:
     return all(int(cfg.sub_n * s.width.value) % s.column_group == 0 for s in segments)
 
 
+def _holds_row_groups(cfg: KernelConfig, row_groups) -> bool:
+    return all(cfg.block_m % g.row_group == 0 for g in row_groups)
+
+
 def candidates(program: Program, *, target: str, operand_bytes: int, smem_limit: int, tma: bool,
                tma_epilogue: bool = False, m: int | None = None, n: int | None = None,
                num_sms: int | None = None) -> list[KernelConfig]:
@@ -317,7 +321,7 @@ def candidates(program: Program, *, target: str, operand_bytes: int, smem_limit:
     segments = program.column_groups()
     if small_m:  # the decode tiles alone, unless none holds whole segments (heads wider than 128 columns)
         fitting = tuple(cfg for cfg in small_m_order(m, n, num_sms) if _holds_segments(cfg, segments)
-                        and all(cfg.block_m % g.row_group == 0 for g in program.row_groups())
+                        and _holds_row_groups(cfg, program.row_groups())
                         and (cfg.split_k == 1 or not program.gemm.low_rank))  # the low-rank loop: unsplit only
         pool = fitting or pool
     pingpong_pool = ()
@@ -338,7 +342,7 @@ def candidates(program: Program, *, target: str, operand_bytes: int, smem_limit:
         pool = fitting
     row_groups = program.row_groups()
     if row_groups:  # a quantized store along M: whole groups of rows per tile, a hard constraint as well
-        fitting = tuple(cfg for cfg in pool if all(cfg.block_m % g.row_group == 0 for g in row_groups))
+        fitting = tuple(cfg for cfg in pool if _holds_row_groups(cfg, row_groups))
         if not fitting:
             raise ProgramError(
                 f"{program.name}: the quantized store(s) {[g.name for g in row_groups]} (scales per "

@@ -280,6 +280,11 @@ def _signature_names(program: Program) -> tuple[list[str], list[str], list[str]]
     return inputs, outputs, descs
 
 
+def _operand_pointers(program: Program) -> str:
+    """The GEMM's pointer parameters: A, B and its named operand tensors (the low-rank pair or the K-group scales)."""
+    return ", ".join(["a_ptr", "b_ptr"] + [f"{name}_ptr" for name in program.gemm.operand_tensors])
+
+
 def _mainloop(program: Program) -> tuple[str, str]:
     """(descriptor set-up, K-loop body) for the program's operand layouts."""
     gemm = program.gemm
@@ -506,8 +511,7 @@ def generate(program: Program, header: str = "") -> str:
     low_rank = program.gemm.low_rank
     low_rank_loop = ind(_low_rank_loop(program), 8) if low_rank else ""
     kernel_args = ",\n        ".join(filter(None, [
-        ", ".join(["a_ptr", "b_ptr"] + [f"{t}_ptr" for t in program.gemm.operand_tensors]), ", ".join(inputs),
-        ", ".join(outputs),
+        _operand_pointers(program), ", ".join(inputs), ", ".join(outputs),
         "M, N, K" + (", R" if low_rank else ""),
         "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr"
         + (", BLOCK_R: tl.constexpr" if low_rank else ""),
@@ -583,7 +587,7 @@ def _split_k_kernel(program: Program, setup: str, kbody: str, inputs: list[str],
 
 @triton.jit
 def {name}_split_k_kernel(
-        a_ptr, b_ptr, {"".join(f"{t}_ptr, " for t in program.gemm.operand_tensors)}partial_ptr, arrivals_ptr, {pointer_params}, M, N, K,
+        {_operand_pointers(program)}, partial_ptr, arrivals_ptr, {pointer_params}, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         EPILOGUE_SPLIT: tl.constexpr, SUB_N: tl.constexpr, TMA_MAINLOOP: tl.constexpr, TMA_EPILOGUE: tl.constexpr,
         UPCAST_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, PORTABLE: tl.constexpr,
