@@ -19,9 +19,8 @@ import torch
 
 __all__ = [
     "Width", "Gemm", "Expr", "Store", "QuantizedStore", "RowPartial", "ColPartial", "Output", "Program",
-    "ProgramError", "STORE_DTYPES", "E4M3_MAX", "AMAX_FLOOR", "quantize_groups_ref", "PRIMITIVES", "primitive",
-    "as_expr", "broadcast", "need_tile", "check_name", "check_shape",
-    "Example",
+    "ProgramError", "STORE_DTYPES", "E4M3_MAX", "AMAX_FLOOR", "quantize_groups_ref", "is_group_size", "PRIMITIVES",
+    "primitive", "as_expr", "broadcast", "need_tile", "check_name", "check_shape", "Example"
 ]
 
 
@@ -87,8 +86,7 @@ class Gemm:
         if not isinstance(self.low_rank, bool):
             raise ProgramError(f"Gemm.low_rank must be a bool, got {self.low_rank!r}")
         group = self.k_scale_group
-        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 16
-                                  or group & (group - 1)):
+        if group is not None and not is_group_size(group):
             raise ProgramError(f"Gemm.k_scale_group must be None or a power of two >= 16 (whole K tiles of the "
                                f"mainloop), got {group!r}")
         if group is not None and self.low_rank:
@@ -272,6 +270,12 @@ def primitive(cls):
         raise TypeError(f"a primitive named {cls.__name__} is registered already")
     PRIMITIVES[cls.__name__] = cls
     return cls
+
+
+def is_group_size(value) -> bool:
+    """Whether ``value`` is a size of FP8 scale groups: an int power of two >= 16 (a group holds whole K tiles of
+    the mainloop's dot, and its columns are whole pairs)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 16 and not value & (value - 1)
 
 
 def check_name(name: str, what: str) -> None:
@@ -467,9 +471,8 @@ class QuantizedStore:
         check_name(self.scale, "QuantizedStore scale")
         if self.value.kind != "tile":
             raise ProgramError(f"QuantizedStore {self.name!r} needs a tile value, got {self.value} ({self.value.kind})")
-        group = self.group
-        if isinstance(group, bool) or not isinstance(group, int) or group < 16 or group & (group - 1):
-            raise ProgramError(f"QuantizedStore {self.name!r}: group must be a power of two >= 16, got {group!r}")
+        if not is_group_size(self.group):
+            raise ProgramError(f"QuantizedStore {self.name!r}: group must be a power of two >= 16, got {self.group!r}")
         if self.along not in ("n", "m"):
             raise ProgramError(f"QuantizedStore {self.name!r}: along must be 'n' (groups of columns) or 'm' (groups "
                                f"of rows), got {self.along!r}")

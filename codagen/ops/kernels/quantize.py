@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from codagen.epilogue.core import AMAX_FLOOR, E4M3_MAX
+from codagen.epilogue.core import AMAX_FLOOR, E4M3_MAX, is_group_size
 from codagen.epilogue.core import quantize_groups_ref as quantize_in_groups
 
 from ._launch import dispatcher, e4m3_code, launch_kernel, launcher, row_block, tl, triton
@@ -113,7 +113,7 @@ def _grouping(x: torch.Tensor, group: int, along: str) -> tuple[int, int]:
     """(rows, columns) of one group of ``along`` for ``x`` [M, K]; raises on what the quantizers do not take."""
     if along not in GROUPINGS:
         raise ValueError(f"quantize_groups: along must be one of {GROUPINGS}, got {along!r}")
-    if isinstance(group, bool) or not isinstance(group, int) or group < 16 or group & (group - 1):
+    if not is_group_size(group):
         raise ValueError(f"quantize_groups: group must be a power of two >= 16, got {group!r}")
     if x.dim() != 2 or not x.dtype.is_floating_point:
         raise ValueError(f"quantize_groups: x must be a 2-D floating-point matrix, got shape {tuple(x.shape)}, "
