@@ -547,7 +547,7 @@ class Program:
         object.__setattr__(self, "outputs", tuple(self.outputs))
         if not self.outputs:
             raise ProgramError(f"program {self.name!r} has no outputs")
-        names = [name for o in self.outputs for name in o.names]
+        names = self.output_tensors
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ProgramError(f"program {self.name!r}: output names repeat: {sorted(dup)}")
@@ -585,6 +585,16 @@ class Program:
                         f"and {e!r}")
                 found[e.name] = e
         return types.MappingProxyType(found)
+
+    @functools.cached_property
+    def output_tensors(self) -> tuple[str, ...]:
+        """Every tensor the outputs write, in order (a ``QuantizedStore`` writes its codes, then its scales)."""
+        return tuple(name for o in self.outputs for name in o.names)
+
+    @functools.cached_property
+    def quantized_codes(self) -> tuple[str, ...]:
+        """The e4m3 outputs: each ``QuantizedStore``'s codes."""
+        return tuple(o.name for o in self.outputs if isinstance(o, QuantizedStore))
 
     @functools.cached_property
     def _accumulated_outputs(self) -> tuple[str, ...]:

@@ -482,18 +482,18 @@ def _common_meta(launch: _Launch, cfg: KernelConfig) -> dict:
 
 def _epilogue_tensors(bound: BoundProgram, outs: dict) -> list:
     """What every kernel's epilogue takes, in order: the program's inputs, then its outputs' tensors."""
-    return [bound.tensors[name] for name in bound.program.inputs] + [_as_bits(outs[name]) for o in bound.program.outputs
-                                                                      for name in o.names]
+    program = bound.program
+    outputs = [outs[name] for name in program.output_tensors]
+    if program.quantized_codes:  # e4m3 codes as their bits: a uint8 pointer on every target (sm_80 has no e4m3 type)
+        outputs = [_as_bits(t) if name in program.quantized_codes else t
+                   for name, t in zip(program.output_tensors, outputs)]
+    return [bound.tensors[name] for name in program.inputs] + outputs
 
 
 def _as_bits(out):
-    """An e4m3 output (a quantized store's codes) as its bits, a uint8 pointer on every target (sm_80 has no e4m3
-    type); ``out`` may be a dtype standing in for a tensor (:meth:`TritonBackend._compile_ahead`)."""
-    if out is torch.float8_e4m3fn:
-        return torch.uint8
-    if isinstance(out, torch.Tensor) and out.dtype == torch.float8_e4m3fn:
-        return out.view(torch.uint8)
-    return out
+    """An e4m3 tensor viewed as uint8, or the uint8 dtype for e4m3 where a dtype stands in for the tensor
+    (:meth:`TritonBackend._compile_ahead`)."""
+    return torch.uint8 if out is torch.float8_e4m3fn else out.view(torch.uint8)
 
 
 def _tuning_relatives(bound: BoundProgram) -> list[BoundProgram]:

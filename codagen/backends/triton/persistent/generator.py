@@ -274,7 +274,7 @@ class PersistentEmitter(Emitter):
 def _signature_names(program: Program) -> tuple[list[str], list[str], list[str]]:
     """(input pointer names, output pointer names, descriptor names) in argument order."""
     inputs = [f"{name}_ptr" for name in program.inputs]
-    outputs = [f"{name}_ptr" for o in program.outputs for name in o.names]
+    outputs = [f"{name}_ptr" for name in program.output_tensors]
     descs = [f"{name}_desc" for name, e in program.inputs.items() if e.kind == "tile"]
     descs += [f"{o.name}_desc" for o in program.outputs if isinstance(o, Store)]
     return inputs, outputs, descs
