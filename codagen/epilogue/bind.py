@@ -225,8 +225,7 @@ def _check(program: Program, a: torch.Tensor, b: torch.Tensor, tensors: dict[str
     for grouped in program.column_groups():
         columns, size = grouped.width.columns(n), grouped.column_group
         if columns % size:
-            what = (f"the quantized store {grouped.name!r} (scales per {size} columns)"
-                    if isinstance(grouped, QuantizedStore) else f"segment_sum(size={size})")
+            what = grouped.grouping if isinstance(grouped, QuantizedStore) else f"segment_sum(size={size})"
             raise ProgramError(f"{program.name}: {what} needs whole groups of {size} "
                                f"columns, got {columns} columns (N = {n}, width {grouped.width!r})")
 

@@ -495,6 +495,12 @@ class QuantizedStore:
         """Rows that lie in one tile together: the group along M (None along N)."""
         return self.group if self.along == "m" else None
 
+    @property
+    def grouping(self) -> str:
+        """The store and its groups, as errors name them."""
+        unit = "columns" if self.along == "n" else "rows"
+        return f"the quantized store {self.name!r} (scales per {self.group} {unit})"
+
     def quantized(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes, scale)`` of the store for its whole value [M, N*w] (the reference backend's)."""
         return quantize_groups_ref(value, *((1, self.group) if self.along == "n" else (self.group, 1)))

@@ -403,3 +403,12 @@ def test_the_pingpong_schedule_refuses_the_fp8_programs():
     assert "K-group-scaled" in pingpong.refusal(library.rms_gate_up_swiglu().with_blockwise_scales(b_block=True))
     assert "quantized stores" in pingpong.refusal(quantizing_program(128))
     assert pingpong.refusal(library.rms_gate_up_swiglu()) is None
+
+
+def test_groups_of_rows_no_tile_holds_are_refused_naming_the_store():
+    pytest.importorskip("triton")
+    from codagen.backends.triton.configs import candidates
+    program = Program("rows_256", Gemm.linear(), (QuantizedStore("q", Accumulator(), group=256, along="m"),))
+    with pytest.raises(ProgramError, match=r"the quantized store 'q' \(scales per 256 rows\) needs tiles of a "
+                                           r"multiple of that many rows; .* have \[128\] rows"):
+        candidates(program, target="sm_90", operand_bytes=2, smem_limit=232448, tma=True, tma_epilogue=True)

@@ -135,7 +135,7 @@ def _groups_described(grouped) -> str:
     sizes = sorted({g.column_group for g in grouped if not isinstance(g, QuantizedStore)})
     stores = [g for g in grouped if isinstance(g, QuantizedStore)]
     parts = [f"segment_sum over groups of {sizes} columns (the QK-norm head_dim)"] if sizes else []
-    parts += [f"the quantized store {g.name!r} (scales per {g.group} columns)" for g in stores]
+    parts += [g.grouping for g in stores]
     return " and ".join(parts)
 
 
@@ -345,9 +345,8 @@ def candidates(program: Program, *, target: str, operand_bytes: int, smem_limit:
         fitting = tuple(cfg for cfg in pool if _holds_row_groups(cfg, row_groups))
         if not fitting:
             raise ProgramError(
-                f"{program.name}: the quantized store(s) {[g.name for g in row_groups]} (scales per "
-                f"{sorted({g.row_group for g in row_groups})} rows) need tiles of a multiple of that many rows; the "
-                f"configurations for these operands have {sorted({cfg.block_m for cfg in pool})} rows")
+                f"{program.name}: {' and '.join(g.grouping for g in row_groups)} needs tiles of a multiple of that "
+                f"many rows; the configurations for these operands have {sorted({cfg.block_m for cfg in pool})} rows")
         pool = fitting
     keep = []
     for cfg in pool:
