@@ -412,3 +412,20 @@ def test_groups_of_rows_no_tile_holds_are_refused_naming_the_store():
     with pytest.raises(ProgramError, match=r"the quantized store 'q' \(scales per 256 rows\) needs tiles of a "
                                            r"multiple of that many rows; .* have \[128\] rows"):
         candidates(program, target="sm_90", operand_bytes=2, smem_limit=232448, tma=True, tma_epilogue=True)
+
+
+def test_a_program_may_not_take_the_k_group_scales_names():
+    with pytest.raises(ProgramError, match=r"\['a_scale', 'b_scale'\] are the GEMM's K-group scales"):
+        Program("p", Gemm(k_scale_group=128), (Store("a_scale", Accumulator()),))
+
+
+@pytest.mark.parametrize("x, group, along, message", [
+    (torch.randn(4, 8), 128, "k", r"along must be one of \('n', 'm', 'blocks'\), got 'k'"),
+    (torch.randn(4, 8), 96, "n", "group must be a power of two >= 16, got 96"),
+    (torch.randn(2, 4, 8), 128, "n", r"x must be a 2-D floating-point matrix, got shape \(2, 4, 8\)"),
+    (torch.ones(4, 8, dtype=torch.int32), 128, "n", "x must be a 2-D floating-point matrix.*torch.int32"),
+])
+def test_quantize_groups_refuses_what_it_cannot_take(x, group, along, message):
+    for quantize in (kernels.quantize_groups_ref, kernels.quantize_groups):
+        with pytest.raises(ValueError, match=message):
+            quantize(x, group, along)
