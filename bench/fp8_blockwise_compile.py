@@ -51,6 +51,24 @@ CASES = {
                                           "fp8e4nv"),
     "weight_grad, 1x128 on both": (lambda: library.weight_grad().with_blockwise_scales(128), "fp8e4nv"),
     "linear, per-column weight scales": (lambda: library.linear().with_blockwise_scales(128), "fp8e4nv"),
+    # the block ops' FP8 programs (codagen.ops._fp8): their epilogues on blockwise GEMMs, and the backward GEMMs that
+    # store a weight gradient's operand in e4m3 along the tokens
+    "residual_rms_stats, 128x128 weight blocks": (
+        lambda: library.residual_rms_stats().with_blockwise_scales(128, b_block=True), "fp8e4nv"),
+    "rms_qkv_rope, 128x128 weight blocks": (lambda: library.rms_qkv_rope().with_blockwise_scales(128, b_block=True),
+                                            "fp8e4nv"),
+    "rms_qkv_rope QK-norm (head 128), weight blocks": (
+        lambda: library.rms_qkv_rope(128, 1e-6, True).with_blockwise_scales(128, b_block=True), "fp8e4nv"),
+    "rms_gate_up_swiglu, 128x128 weight blocks": (
+        lambda: library.rms_gate_up_swiglu().with_blockwise_scales(128, b_block=True), "fp8e4nv"),
+    "swiglu_backward + act e4m3 along M, blocks": (
+        lambda: library.swiglu_backward().with_quantized_store("act", "m").with_blockwise_scales(128, b_block=True),
+        "fp8e4nv"),
+    "rms_norm_backward + normed e4m3 along M, blocks": (
+        lambda: library.rms_norm_backward("add").with_quantized_store("normed", "m").with_blockwise_scales(
+            128, b_block=True), "fp8e4nv"),
+    "input_grad + residual gradient, weight blocks": (
+        lambda: library.input_grad(True).with_blockwise_scales(128, b_block=True), "fp8e4nv"),
     "residual + quantized store (bf16 operands)": (residual_quantized, "bf16"),
     "residual + quantized store along M (bf16)": (lambda: residual_quantized("m"), "bf16"),
 }

@@ -691,6 +691,12 @@ class Program:
         tuned choices of its own yet."""
         return _with_blockwise_scales(self, group, b_block)
 
+    def with_quantized_store(self, name: str, along: str, group: int = 128) -> Program:
+        """The same program with its ``Store`` ``name`` written in e4m3 with scales per ``group`` along ``along``
+        (:class:`QuantizedStore`: codes ``name``, scales ``<name>_scale``), for a GEMM that reads the output as its
+        FP8 operand. Named ``<program>_<name>_e4m3``; it has no tuned choices of its own yet."""
+        return _with_quantized_store(self, name, along, group)
+
     def renamed(self, names: Mapping[str, str]) -> Program:
         """The same program with inputs and outputs renamed by ``names`` (old -> new; absent ones kept)."""
         memo = {e: dataclasses.replace(e, name=names[e.name]) for e in self.inputs.values() if e.name in names}
@@ -731,6 +737,17 @@ def _with_blockwise_scales(program: Program, group: int, b_block: bool) -> Progr
                            f"'b_scale' are its inputs)")
     scaled = Gemm(gemm.a_layout, gemm.b_layout, gemm.low_rank, k_scale_group=group, b_scale_block=b_block)
     return Program(f"{program.name}_blockwise", scaled, program.outputs, doc=program.doc)
+
+
+@functools.cache
+def _with_quantized_store(program: Program, name: str, along: str, group: int) -> Program:
+    stores = [o for o in program.outputs if isinstance(o, Store) and o.name == name]
+    if not stores or stores[0].accumulate:
+        plain = [o.name for o in program.outputs if isinstance(o, Store) and not o.accumulate]
+        raise ProgramError(f"{program.name}: no store {name!r} to quantize (its stores: {plain})")
+    quantized = QuantizedStore(name, stores[0].value, group=group, along=along)
+    outputs = tuple(quantized if o is stores[0] else o for o in program.outputs)
+    return Program(f"{program.name}_{name}_e4m3", program.gemm, outputs, doc=program.doc)
 
 
 def _substituted(e: Expr, memo: dict[Expr, Expr]) -> Expr:

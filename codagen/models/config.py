@@ -5,6 +5,8 @@ import dataclasses
 
 import torch
 
+from codagen.ops import _fp8
+
 __all__ = ["LlamaConfig"]
 
 
@@ -15,7 +17,9 @@ class LlamaConfig:
     ``head_dim`` defaults to ``hidden_size // num_heads``. RoPE inverse frequencies are
     ``rope_theta ** (-2i / head_dim)`` for ``i < head_dim / 2``. ``qk_norm=True`` adds Qwen3's QK-norm:
     an RMSNorm over each Q and K head (weights ``q_norm``, ``k_norm`` [head_dim], eps ``rms_norm_eps``)
-    after the projection and before RoPE.
+    after the projection and before RoPE. ``fp8="blockwise"`` runs every projection GEMM, forward and backward, on
+    e4m3 operands with blockwise scales (:mod:`codagen.ops._fp8`; bf16 parameters or autocast to bf16), as
+    ``codagen.patch(model, fp8="blockwise")`` does.
 
     The defaults are transformers' ``LlamaConfig``'s (``rms_norm_eps=1e-6``, ``rope_theta=1e4``, untied
     embeddings, as many KV heads as heads), so a state dict moves to a default ``LlamaForCausalLM`` of the same
@@ -32,6 +36,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     qk_norm: bool = False
+    fp8: str | None = None
 
     def __post_init__(self):
         if self.num_kv_heads is None:
@@ -55,6 +60,7 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if not self.rope_theta > 0:
             raise ValueError(f"LlamaConfig: rope_theta must be > 0, got {self.rope_theta}")
+        _fp8.checked_recipe(self.fp8)
 
     @property
     def qkv_size(self) -> int:

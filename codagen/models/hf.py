@@ -89,6 +89,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from codagen import ops
+from codagen.ops import _fp8
 from codagen.ops._checks import index_range
 
 from . import (
@@ -107,7 +108,7 @@ from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
 from .masks import additive, causal_mask, document_ids
 from .per_model import PerModel
 
-__all__ = ["patch", "unpatch", "is_patched", "refresh_weights", "SUPPORTED_MODELS"]
+__all__ = ["patch", "unpatch", "is_patched", "refresh_weights", "fp8_recipe", "SUPPORTED_MODELS"]
 
 SUPPORTED_MODELS = tuple(name for family in families.FAMILIES.values() for name in family.model_classes)
 #: RoPE types whose rotary module gives inv_freq and attention_scaling (cos and sin multiplied by it: folded into
@@ -352,27 +353,64 @@ def _check_structure(model: nn.Module, walk: _Walk) -> None:
         _CHECKED_STRUCTURE.set(model, structure)
 
 
-def patch(model: nn.Module) -> nn.Module:
+def patch(model: nn.Module, *, fp8: str | None = None) -> nn.Module:
     """Make a ``transformers`` ``...ForCausalLM`` of a family in :mod:`.families` run on codagen kernels; returns it.
 
-    Undo with :func:`unpatch`. Patching twice is a no-op. See the module docstring for what is
-    handled and what is refused. A ``peft.PeftModel`` (LoRA) is accepted: the ``...ForCausalLM`` inside it
-    is patched and the PeftModel returned (:mod:`codagen.models.lora`).
+    Undo with :func:`unpatch`. Patching twice is a no-op, except that it sets ``fp8`` anew. See the module docstring
+    for what is handled and what is refused. A ``peft.PeftModel`` (LoRA) is accepted: the ``...ForCausalLM`` inside
+    it is patched and the PeftModel returned (:mod:`codagen.models.lora`).
+
+    ``fp8="blockwise"``: every projection GEMM of the decoder layers, forward and backward, runs on e4m3 operands
+    scaled per group of 128 along K, weights per 128 x 128 block (:mod:`codagen.ops._fp8`), in
+    training, evaluation and ``generate()`` alike; the LM head and the embeddings stay in the model's dtype. It needs
+    bf16 compute (a bf16 model, or ``torch.autocast`` to bf16) and a family with a norm before attention and before
+    the MLP and none after them; LoRA adapters and fused parameters (:mod:`codagen.models.sharding`) are refused.
     """
     inner = lora.unwrap_peft(model)
     if fused_layers.is_fused(inner):  # checked and patched by codagen.models.sharding.fuse_parameters
+        if fp8 is not None:
+            raise _refuse(f"fp8={fp8!r} on a model with fused parameters (codagen.models.sharding)", inner)
         return model
     hf_cache.load_transformers()
     _check_model(inner)
     _check_shapes(inner)
     _CHECKED_STRUCTURE.set(inner, _structure(inner, _walk(inner)))
     _check_hooks(inner)
+    fp8 = _checked_fp8(model, fp8)
+    if is_patched(inner) and fp8_recipe(inner) != fp8:  # the kept inference weights and decode graphs ran the other
+        hf_cache.drop_inference_blocks(inner)
+        _drop_decode_graphs(inner)
+    # a plain attribute, unlike the per-model caches: copies and pickles of the model keep it
+    inner.__dict__[_FP8_RECIPE] = fp8
     if not is_patched(inner):
         inner.forward = _PatchedForward(inner)
         for name, hook in _GENERATE_HOOKS.items():  # transformers' generate() steps, where this version has them
             if hasattr(type(inner), name):
                 setattr(inner, name, hook(inner))
     return model
+
+
+_FP8_RECIPE = "_codagen_fp8"
+
+
+def fp8_recipe(model: nn.Module) -> str | None:
+    """The FP8 recipe ``model`` was patched with (``patch``'s ``fp8``), None for none."""
+    return lora.unwrap_peft(model).__dict__.get(_FP8_RECIPE)
+
+
+def _checked_fp8(model: nn.Module, fp8) -> str | None:
+    """``patch``'s ``fp8`` (:func:`codagen.ops._fp8.checked_recipe`), refused where the FP8 block ops cannot take the
+    model."""
+    if _fp8.checked_recipe(fp8) is None:
+        return None
+    inner = lora.unwrap_peft(model)
+    family = families.family_of(inner)
+    if family.attn_norm is None or family.mlp_norm is None or family.post_attn_norm or family.post_mlp_norm:
+        raise _refuse(f"fp8={fp8!r} on the {family.name} family (norms after the projections, or none before them)",
+                      inner)
+    if inner is not model or any(lora.is_peft_module(module) for module in inner.modules()):
+        raise _refuse(f"fp8={fp8!r} with LoRA adapters", inner)
+    return fp8
 
 
 def unpatch(model: nn.Module) -> nn.Module:
@@ -385,7 +423,7 @@ def unpatch(model: nn.Module) -> nn.Module:
                          "fuse_parameters) and transformers' forward needs them separate; load its state_dict() "
                          "(Hugging Face names and layouts) into an unpatched model instead")
     del inner.forward
-    for name in _GENERATE_HOOKS:
+    for name in (*_GENERATE_HOOKS, _FP8_RECIPE):
         inner.__dict__.pop(name, None)
     _drop_decode_graphs(inner)
     return model
@@ -553,14 +591,15 @@ def _check_hooks(model: nn.Module, modules: Sequence[tuple[str, nn.Module]] | No
 
 def _block_weights(layer: nn.Module, family: families.Family, spec: AttentionSpec, sliding_window: int | None,
                    residual_scale: float, qk_scale: float, rotary_dim: int, frequencies: torch.Tensor | None,
-                   dtype: torch.dtype) -> BlockWeights:
+                   dtype: torch.dtype, fp8: bool = False) -> BlockWeights:
     """One HF decoder layer's parameters in the fused layout and ``dtype`` (differentiable gathers and
     casts, see the module docstring), with its PEFT LoRA updates (:mod:`codagen.models.lora`). ``residual_scale``
     (Granite's residual multiplier) is folded into the O and down projections: ``x + m (a W^T) = x + a (m W)^T``.
     ``qk_scale`` (the rotary module's ``attention_scaling``: YaRN, LongRoPE) multiplies the rotated Q and K, as
     transformers' scaled cos and sin do; RoPE is linear, so it is folded into the Q/K rows (their biases and LoRA
     updates), or with QK-norm into the norms' weights (the norm would undo a scale before it), on the ``rotary_dim``
-    channels of each head that RoPE rotates. ``frequencies``: the layer's own RoPE frequencies (None: the model's)."""
+    channels of each head that RoPE rotates. ``frequencies``: the layer's own RoPE frequencies (None: the model's).
+    ``fp8``: the block's GEMMs in FP8 (``patch(fp8="blockwise")``)."""
     attn, mlp = layer.self_attn, layer.mlp
     head_dim = spec.head_dim
     q_rows, kv_rows = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
@@ -605,7 +644,7 @@ def _block_weights(layer: nn.Module, family: families.Family, spec: AttentionSpe
         qkv_low_rank=lora.qkv_low_rank(attn, family, head_dim, q_rows, kv_rows, dtype,
                                        None if qk_norm or qk_scale == 1.0 else rotated_scaled, split),
         o_low_rank=o_low_rank,
-        gate_up_low_rank=lora.gate_up_low_rank(mlp, family, dtype), down_low_rank=down_low_rank)
+        gate_up_low_rank=lora.gate_up_low_rank(mlp, family, dtype), down_low_rank=down_low_rank, fp8=fp8)
 
 
 def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
@@ -793,11 +832,16 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
     layer_aligned = any(_has_hooks(module) for module in (*layers, self.model.norm))
 
     layer_index = {id(layer): i for i, layer in enumerate(self.model.layers)}
+    recipe = self.__dict__.get(_FP8_RECIPE)
+    fp8 = recipe is not None
+    if fp8 and dtype != torch.bfloat16:
+        raise _refuse(f"fp8={recipe!r} with {dtype} compute (the FP8 GEMMs store bfloat16: run the model in "
+                      f"torch.bfloat16, or under torch.autocast with dtype=torch.bfloat16)", self)
 
     def weights(layer):
         residual_scale = scales.residual[layer_index[id(layer)]]
         return _block_weights(layer, family, spec, _sliding_window(self, layer), residual_scale, qk_scale, rotary_dim,
-                              layer_frequencies(layer), dtype)
+                              layer_frequencies(layer), dtype, fp8)
 
     def fuse():
         return [weights(layer) for layer in layers]

@@ -72,6 +72,8 @@ class BlockWeights:
     o_low_rank: ops.LowRank | None = None
     gate_up_low_rank: ops.LowRank | None = None
     down_low_rank: ops.LowRank | None = None
+    # the projections' GEMMs on e4m3 operands in blockwise groups (codagen.ops._fp8), forward and backward
+    fp8: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +166,9 @@ def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: to
     if blk.frequencies is not None:
         frequencies = blk.frequencies
     if blk.attn_norm is None:  # OLMo 2: x as it is, one QK-norm over each whole projection
+        if blk.fp8:
+            raise NotImplementedError("decoder_stack: FP8 GEMMs in a block without attn_norm (OLMo 2) are not "
+                                      "supported yet")
         if blk.q_norm is None or blk.k_norm is None:
             raise NotImplementedError("decoder_stack: a block without attn_norm needs q_norm and k_norm (OLMo 2)")
         return ops.qkv_norm_rope(x, blk.qkv, positions, frequencies, blk.q_norm, blk.k_norm, eps,
@@ -171,12 +176,12 @@ def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: to
     if blk.q_norm is None and blk.k_norm is None:
         return ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
                                 split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank,
-                                bias=blk.qkv_bias)
+                                bias=blk.qkv_bias, fp8=blk.fp8)
     if blk.qkv_bias is not None:  # the bias would have to enter before the norm, inside the kernel
         raise NotImplementedError("decoder_stack: a QKV bias together with QK-norm is not supported")
     return ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies, blk.q_norm, blk.k_norm,
                             num_heads=spec.num_heads, qk_norm_eps=eps, split_sizes=split_sizes, pass_residual=True,
-                            low_rank=blk.qkv_low_rank)
+                            low_rank=blk.qkv_low_rank, fp8=blk.fp8)
 
 
 def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_norm: torch.Tensor, eps: float):
@@ -189,17 +194,21 @@ def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_n
     if (blk.mlp_norm is None or next_norm is None) and (blk.post_attn_norm is None or blk.post_mlp_norm is None):
         raise NotImplementedError("decoder_stack: a block without a norm before the MLP or the next block needs "
                                   "post_attn_norm and post_mlp_norm (OLMo 2)")
+    if blk.fp8 and (blk.post_attn_norm is not None or blk.post_mlp_norm is not None):
+        raise NotImplementedError("decoder_stack: FP8 GEMMs in a block with post-norms (Gemma, OLMo 2) are not "
+                                  "supported yet")
     if blk.post_attn_norm is None:
         # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
         residual = x if blk.o_bias is None else x + blk.o_bias
-        x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps, low_rank=blk.o_low_rank)
+        x, normed, rstd = ops.out_proj_residual_rms(attn, blk.o, residual, blk.mlp_norm, eps, low_rank=blk.o_low_rank,
+                                                    fp8=blk.fp8)
     else:
         x, normed, rstd = ops.linear_post_norm_residual_rms(attn, blk.o, x, blk.post_attn_norm, blk.mlp_norm, eps,
                                                             low_rank=blk.o_low_rank)
     if blk.post_mlp_norm is None:
         return ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down, next_norm, eps,
                                            gate_up_low_rank=blk.gate_up_low_rank, down_low_rank=blk.down_low_rank,
-                                           **_activation(blk))
+                                           fp8=blk.fp8, **_activation(blk))
     if blk.mlp_norm is None:  # x passes through the op, so that the residual path's gradient joins its backward's
         act, x = ops.gate_up_swiglu(x, blk.gate_up, low_rank=blk.gate_up_low_rank, pass_residual=True,
                                     **_activation(blk))
@@ -337,12 +346,13 @@ class _Block(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(c.head_dim, **factory))
         else:
             self.q_norm = self.k_norm = None
+        self.fp8 = c.fp8 is not None
 
     def forward(self, x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, attn_norm: torch.Tensor,
                 mlp_norm: torch.Tensor, next_norm: torch.Tensor, eps: float, spec: AttentionSpec,
                 positions: torch.Tensor, frequencies: torch.Tensor):
         blk = BlockWeights(attn_norm, self.qkv, self.o, mlp_norm, self.gate_up, self.down, q_norm=self.q_norm,
-                           k_norm=self.k_norm)
+                           k_norm=self.k_norm, fp8=self.fp8)
         return decoder_layer(x, normed, rstd, blk, next_norm, eps, spec, positions, frequencies)
 
 

@@ -18,9 +18,10 @@ from codagen.epilogue import library
 
 from . import kernels
 from ._checks import stats_dtype
+from ._fp8 import GROUP, Quantized, blockwise
 from .low_rank import LowRank
 
-__all__ = ["stats_like", "or_empty", "fake_grad", "run", "low_rank_operand", "low_rank_grads",
+__all__ = ["stats_like", "or_empty", "fake_grad", "run", "weight_gradient", "low_rank_operand", "low_rank_grads",
            "low_rank_grad_operand", "lora_args", "low_rank_pair", "consumer_rms_norm_backward",
            "consumer_backward_outputs", "fake_consumer_grads", "consumer_input_grad", "consumer_gradients"]
 
@@ -41,11 +42,26 @@ def fake_grad(t: Tensor | None, wanted: bool, like: Tensor) -> Tensor:
 
 
 # --- the low-rank pair (LoRA, codagen.ops.low_rank) ------------------------------------------------
-def run(program, a: Tensor, b: Tensor, a2: Tensor | None, b2: Tensor | None, **tensors: Tensor) -> dict[str, Tensor]:
-    """``execute(program, ...)``, with the GEMM's low-rank operand pair ``(a2, b2)`` when ``a2`` is given."""
+def run(program, a: Tensor, b: Tensor, a2: Tensor | None, b2: Tensor | None, fp8: bool = False,
+        **tensors: Tensor) -> dict[str, Tensor]:
+    """``execute(program, ...)`` of a GEMM whose ``b`` is a weight, with the GEMM's low-rank operand pair ``(a2,
+    b2)`` when ``a2`` is given; ``fp8``: on e4m3 operands, the weight in blocks (:func:`codagen.ops._fp8.blockwise`;
+    no low-rank pair)."""
+    if fp8:
+        if a2 is not None:
+            raise NotImplementedError(f"{program.name}: a low-rank operand pair with FP8 GEMMs is not supported yet")
+        return blockwise(program, a, b, b_block=True, **tensors)
     if a2 is None:
         return execute(program, a, b, **tensors)
     return execute(program.with_low_rank(), a, b, a2=a2, b2=b2, **tensors)
+
+
+def weight_gradient(grad_out: Tensor, inp: Tensor | Quantized, fp8: bool = False) -> Tensor:
+    """``grad_W = grad_out^T @ inp`` (program ``weight_grad``); ``fp8``: both operands in e4m3, grouped along the
+    tokens (:func:`codagen.ops._fp8.blockwise`; ``inp`` may be quantized so already)."""
+    if fp8:
+        return blockwise(library.weight_grad(), grad_out, inp, b_block=False)["grad_weight"]
+    return execute(library.weight_grad(), grad_out, inp)["grad_weight"]
 
 
 def low_rank_operand(inp: Tensor, lora_a: Tensor | None, scale: float) -> Tensor | None:
@@ -91,7 +107,7 @@ def low_rank_pair(inp: Tensor, low_rank: LowRank | None) -> tuple[Tensor | None,
 def consumer_rms_norm_backward(grad_z: Tensor, weight: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
                                mean_z_dz: Tensor, grad_residual: Tensor | None = None, *, weight_grad: bool = True,
                                input_grad: bool = True, lora_a: Tensor | None = None, lora_b: Tensor | None = None,
-                               lora_u: Tensor | None = None, lora_scale: float = 1.0):
+                               lora_u: Tensor | None = None, lora_scale: float = 1.0, fp8: bool = False):
     """B2/B6 + B3/B7: the RMSNorm backward of a consumer GEMM ``z = rstd * ((x * gamma) @ W^T)``.
 
     One GEMM ``G = grad_z @ W`` whose epilogue writes ``grad_x = [grad_residual +] rstd * (gamma * G - c *
@@ -107,6 +123,7 @@ def consumer_rms_norm_backward(grad_z: Tensor, weight: Tensor, x: Tensor, rstd: 
     Without ``input_grad`` (neither ``x`` nor the norm weight needs a gradient: the first block of a model
     with frozen embeddings and norms) and without ``weight_grad`` no GEMM over ``W`` runs: the low-rank
     gradients need only ``grad_a = ((g_b * rstd)^T @ x) * gamma``, which equals ``g_b^T @ n``.
+    ``fp8``: both GEMMs on e4m3 operands (:func:`run`, :func:`weight_gradient`).
     Returns ``(grad_x, grad_norm_weight, grad_weight, grad_lora_a, grad_lora_b)``, None where not computed.
     """
     if not (input_grad or weight_grad):
@@ -122,11 +139,13 @@ def consumer_rms_norm_backward(grad_z: Tensor, weight: Tensor, x: Tensor, rstd: 
     else:
         program = library.rms_norm_backward("add")
         tensors["grad_residual"] = grad_residual
+    if fp8:  # n as the weight gradient reads it: e4m3 in groups of tokens
+        program = program.with_quantized_store("normed", "m", GROUP)
     grad_b_u = low_rank_grad_operand(grad_z, lora_b, lora_scale)
-    out = run(program, grad_z, weight, grad_b_u, lora_a, **tensors)
+    out = run(program, grad_z, weight, grad_b_u, lora_a, fp8, **tensors)
     grad_norm_weight = kernels.finish_col_sum(out.pop("partial_grad_norm_weight"), norm_weight.dtype)
-    n = out.pop("normed")
-    grad_weight = execute(library.weight_grad(), grad_z, n)["grad_weight"] if weight_grad else None
+    n = Quantized(out.pop("normed"), out.pop("normed_scale")) if fp8 else out.pop("normed")
+    grad_weight = weight_gradient(grad_z, n, fp8) if weight_grad else None
     grad_lora_a = grad_lora_b = None
     if lora_a is not None:
         grad_lora_a, grad_lora_b = low_rank_grads(grad_z, n, lora_u, grad_b_u, rstd)

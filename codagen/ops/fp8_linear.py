@@ -10,9 +10,9 @@ Each GEMM is one launch of a blockwise program (``Program.with_blockwise_scales`
 product is scaled by its groups' scales into an fp32 accumulator, and the result is stored in bf16. Backward keeps
 ``x`` as e4m3 (half a bf16 copy) and the quantized weight.
 
-Here each operand is quantized by a row kernel (``kernels.quantize_groups``): this op takes bf16 activations from
-anywhere. In a patched model the GEMM before it stores its output quantized instead (``QuantizedStore``), and no
-such kernel runs; that path is not wired into the models yet.
+Here each operand is quantized by the quantize kernel (``kernels.quantize_groups``): this op takes bf16 activations
+from anywhere. The block ops of a patched model run the same GEMMs inside their fused programs
+(``codagen.ops._fp8``, ``fp8=True``).
 
 Supported: bf16, fp16 and fp32 ``x`` and ``W`` (one dtype; the GEMMs store bf16), any ``M``, ``d_in`` and ``d_out``
 (a last, partial group takes the elements there are). Not supported yet: a bias, LoRA, FP8 weights kept between
@@ -23,31 +23,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from codagen.backends import execute
 from codagen.epilogue import library
 
 from . import _checks as check
 from . import kernels
 from ._custom_op import custom_op, named_gradients
+from ._fp8 import GROUP, Quantized, blockwise
 from ._fused import fake_grad, or_empty
 
 __all__ = ["fp8_linear", "GROUP"]
 
-#: the scale group along K of every GEMM of the recipe (and the weight's block side)
-GROUP = 128
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _forward_program():
-    return library.linear().with_blockwise_scales(GROUP, b_block=True)
-
-
-def _input_grad_program():
-    return library.input_grad().with_blockwise_scales(GROUP, b_block=True)
-
-
-def _weight_grad_program():
-    return library.weight_grad().with_blockwise_scales(GROUP)
 
 
 def _groups(rows: int, columns: int, like: Tensor) -> Tensor:
@@ -68,9 +54,8 @@ def _fp8_linear_op(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor, T
     """``(y, x_rows, x_rows_scale, weight_blocks, weight_scale)``: the output and what backward reads (``x`` in
     groups of 128 tokens, the weight in blocks). The e4m3 codes cross between the custom ops as their bits (uint8):
     torch's CPU kernels, which the ops' schema checks run, have no float8 comparison."""
-    x_columns, x_columns_scale = kernels.quantize_groups(x, GROUP, "n")
     weight_blocks, weight_scale = kernels.quantize_groups(weight, GROUP, "blocks")
-    y = execute(_forward_program(), x_columns, weight_blocks, a_scale=x_columns_scale, b_scale=weight_scale)["out"]
+    y = blockwise(library.linear(), x, Quantized(weight_blocks, weight_scale), b_block=True)["out"]
     x_rows, x_rows_scale = kernels.quantize_groups(x, GROUP, "m")
     return y, x_rows.view(torch.uint8), x_rows_scale, weight_blocks.view(torch.uint8), weight_scale
 
@@ -85,13 +70,11 @@ def _fp8_linear_backward_op(grad_out: Tensor, x_rows: Tensor, x_rows_scale: Tens
     x_rows, weight_blocks = x_rows.view(torch.float8_e4m3fn), weight_blocks.view(torch.float8_e4m3fn)
     grad_x = grad_weight = None
     if input_grad:
-        grad_columns, grad_columns_scale = kernels.quantize_groups(grad_out, GROUP, "n")
-        grad_x = execute(_input_grad_program(), grad_columns, weight_blocks, a_scale=grad_columns_scale,
-                         b_scale=weight_scale)["grad_input"]
+        grad_x = blockwise(library.input_grad(), grad_out, Quantized(weight_blocks, weight_scale),
+                           b_block=True)["grad_input"]
     if weight_grad:
-        grad_rows, grad_rows_scale = kernels.quantize_groups(grad_out, GROUP, "m")
-        grad_weight = execute(_weight_grad_program(), grad_rows, x_rows, a_scale=grad_rows_scale,
-                              b_scale=x_rows_scale)["grad_weight"]
+        grad_weight = blockwise(library.weight_grad(), grad_out, Quantized(x_rows, x_rows_scale),
+                                b_block=False)["grad_weight"]
     return or_empty(grad_x, grad_out), or_empty(grad_weight, grad_out)
 
 

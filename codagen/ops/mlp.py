@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from codagen.backends import execute
 from codagen.epilogue import library
 
 from . import _checks as check
 from . import kernels
 from ._custom_op import custom_op, named_gradients
+from ._fp8 import GROUP, Quantized, check_fp8
 from ._fused import (
     consumer_backward_outputs,
     consumer_gradients,
@@ -33,6 +33,7 @@ from ._fused import (
     or_empty,
     run,
     stats_like,
+    weight_gradient,
 )
 from .low_rank import LowRank
 from .residual import _linear_backward_op, out_proj_residual_rms_op
@@ -54,18 +55,19 @@ def _fake_gate_up_backward(x, norm_weight, gate_up_weight, weight_grad, input_gr
 # ==================================================================================================
 @custom_op("rms_gate_up_swiglu", fake=_fake_gate_up)
 def _rms_gate_up_swiglu_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None,
-                           lora_b: Tensor | None, activation: str) -> tuple[Tensor, Tensor]:
-    out = run(library.rms_gate_up_swiglu(activation=activation), normed, gate_up_weight, lora_u, lora_b, rstd=rstd)
+                           lora_b: Tensor | None, activation: str, fp8: bool = False) -> tuple[Tensor, Tensor]:
+    out = run(library.rms_gate_up_swiglu(activation=activation), normed, gate_up_weight, lora_u, lora_b, fp8,
+              rstd=rstd)
     return out["out"], out["preact"]
 
 
 @custom_op("rms_gate_up_swiglu_inference", fake=lambda normed, gate_up_weight, **_: _fake_gate_up(
     normed, gate_up_weight)[0])
 def _rms_gate_up_swiglu_inference_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None,
-                                     lora_b: Tensor | None, activation: str) -> Tensor:
+                                     lora_b: Tensor | None, activation: str, fp8: bool = False) -> Tensor:
     """F2 without ``preact``: the forward of a model that runs no backward (prefill, decode)."""
     program = library.rms_gate_up_swiglu(save_preact=False, activation=activation)
-    return run(program, normed, gate_up_weight, lora_u, lora_b, rstd=rstd)["out"]
+    return run(program, normed, gate_up_weight, lora_u, lora_b, fp8, rstd=rstd)["out"]
 
 
 @custom_op("rms_gate_up_swiglu_backward", fake=_fake_gate_up_backward)
@@ -232,14 +234,17 @@ def gate_up_swiglu(x: Tensor, gate_up_weight: Tensor, *, low_rank: LowRank | Non
     fake_grad(lora_a, True, preact), fake_grad(lora_b, True, preact)))
 def _swiglu_down_backward_op(grad_x_out: Tensor, preact: Tensor, down_weight: Tensor, weight_grad: bool,
                              lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None, lora_scale: float,
-                             activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                             activation: str, fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """B4 + B5: ``(grad_preact, mean_z_dz, grad_down_weight, grad_lora_a, grad_lora_b)`` (empty where not computed)."""
     # B4: grad_act = grad_x_out @ W_down_eff with the activation's backward in its epilogue (recomputes act for B5)
     grad_b_u = low_rank_grad_operand(grad_x_out, lora_b, lora_scale)
-    b4 = run(library.swiglu_backward(activation), grad_x_out, down_weight, grad_b_u, lora_a, preact=preact)
+    program = library.swiglu_backward(activation)
+    if fp8:  # act as B5 reads it: e4m3 in groups of tokens
+        program = program.with_quantized_store("act", "m", GROUP)
+    b4 = run(program, grad_x_out, down_weight, grad_b_u, lora_a, fp8, preact=preact)
     mean_z_dz = kernels.finish_row_mean(b4["partial_z_dz"], down_weight.shape[0])
-    act = b4.pop("act")
-    grad_down_weight = execute(library.weight_grad(), grad_x_out, act)["grad_weight"] if weight_grad else None  # B5
+    act = Quantized(b4.pop("act"), b4.pop("act_scale")) if fp8 else b4.pop("act")
+    grad_down_weight = weight_gradient(grad_x_out, act, fp8) if weight_grad else None  # B5
     grad_lora_a = grad_lora_b = None
     if lora_a is not None:
         grad_lora_a, grad_lora_b = low_rank_grads(grad_x_out, act, lora_u, grad_b_u)
@@ -251,27 +256,28 @@ def _swiglu_down_backward_op(grad_x_out: Tensor, preact: Tensor, down_weight: Te
 def _gate_up_rms_norm_backward_op(grad_preact: Tensor, grad_residual: Tensor, x: Tensor, rstd: Tensor,
                                   norm_weight: Tensor, gate_up_weight: Tensor, mean_z_dz: Tensor, weight_grad: bool,
                                   input_grad: bool, lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
-                                  lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                                  lora_scale: float,
+                                  fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """B6 + B7: ``grad_x = grad_residual + norm_grad`` in one store, ``grad_norm_weight``, ``grad_gate_up_weight``
     and the low-rank update's gradients."""
     return consumer_backward_outputs(x, consumer_rms_norm_backward(
         grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz, grad_residual=grad_residual,
         weight_grad=weight_grad, input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u,
-        lora_scale=lora_scale))
+        lora_scale=lora_scale, fp8=fp8))
 
 
 class _MlpGateUp(torch.autograd.Function):
     """Node 1: F2. Its backward is B6 + B7; the activation's backward ran in node 2's B4 epilogue."""
 
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale, activation):
+    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale, activation, fp8):
         lora_u = low_rank_operand(normed, lora_a, lora_scale)
-        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b, activation)
+        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b, activation, fp8)
         # out of place: torch 2.11's Dynamo hands the gradient of an output an in-place op made here to
         # backward as zeros (pytorch/pytorch#180642; docs/notes/compile.md)
         mean_z_dz_slot = x.new_zeros(x.shape[0], dtype=check.stats_dtype(x.dtype))
         ctx.save_for_backward(x, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_u)
-        ctx.lora_scale = lora_scale
+        ctx.lora_scale, ctx.fp8 = lora_scale, fp8
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)
         return act, preact, x.view_as(x), mean_z_dz_slot
@@ -288,7 +294,7 @@ class _MlpGateUp(torch.autograd.Function):
         named, _ = consumer_gradients(needs, _gate_up_rms_norm_backward_op(
             grad_preact.contiguous(), grad_residual.contiguous(), x, rstd, norm_weight, gate_up_weight,
             mean_z_dz.contiguous(), needs["gate_up_weight"], consumer_input_grad(needs), lora_a,
-            lora_b, lora_u, ctx.lora_scale), "gate_up_weight", lora_a)
+            lora_b, lora_u, ctx.lora_scale, ctx.fp8), "gate_up_weight", lora_a)
         return named
 
 
@@ -297,12 +303,12 @@ class _MlpDownResidualRms(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight, eps, lora_a, lora_b,
-                lora_scale, activation):
+                lora_scale, activation, fp8):
         lora_u = low_rank_operand(act, lora_a, lora_scale)
         x_out, normed_next, rstd_next = out_proj_residual_rms_op(act, down_weight, residual, next_norm_weight, eps,
-                                                                 lora_u, lora_b)
+                                                                 lora_u, lora_b, fp8)
         ctx.save_for_backward(preact, down_weight, lora_a, lora_b, lora_u)
-        ctx.lora_scale, ctx.activation = lora_scale, activation
+        ctx.lora_scale, ctx.activation, ctx.fp8 = lora_scale, activation, fp8
         ctx.mark_non_differentiable(normed_next, rstd_next)
         ctx.set_materialize_grads(False)
         return x_out, normed_next, rstd_next
@@ -316,7 +322,7 @@ class _MlpDownResidualRms(torch.autograd.Function):
         grad = grad_x_out.contiguous()
         weight_grad = needs["down_weight"]
         grad_preact, mean_z_dz, grad_down_weight, grad_lora_a, grad_lora_b = _swiglu_down_backward_op(
-            grad, preact, down_weight, weight_grad, lora_a, lora_b, lora_u, ctx.lora_scale, ctx.activation)
+            grad, preact, down_weight, weight_grad, lora_a, lora_b, lora_u, ctx.lora_scale, ctx.activation, ctx.fp8)
         present = lora_a is not None
         return dict(preact=grad_preact, residual=grad, mean_z_dz_slot=mean_z_dz,
                     down_weight=grad_down_weight if weight_grad else None,
@@ -326,7 +332,7 @@ class _MlpDownResidualRms(torch.autograd.Function):
 def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor,
                             down_weight: Tensor, next_norm_weight: Tensor, eps: float, *,
                             gate_up_low_rank: LowRank | None = None, down_low_rank: LowRank | None = None,
-                            activation: str = "silu") -> tuple[Tensor, Tensor, Tensor]:
+                            activation: str = "silu", fp8: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """F2 + F3: ``x_out = x + swiglu(RMSNorm(x) @ gate_up_weight^T) @ down_weight^T``, two GEMMs.
 
     Returns ``(x_out, normed_next = x_out * next_norm_weight, rstd_next)`` (the latter two
@@ -345,6 +351,8 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     one with ``b``'s rows interleaved like ``gate_up_weight``'s), each in its GEMM's low-rank pair: F2 and
     B6 as in :func:`rms_gate_up_swiglu`, F3 with ``(scale * act @ a^T, b)``, B4 with ``(scale * grad_x_out @ b,
     a)``. A weight that requires no gradient gets no weight-gradient GEMM (B5, B7).
+    ``fp8=True``: all six GEMMs on e4m3 operands in blockwise groups (:mod:`codagen.ops._fp8`); bf16 inputs, no
+    low-rank updates.
     Saved: ``preact`` (until B4 has run), ``x``, ``rstd``; ``act`` and ``n = RMSNorm(x)`` are recomputed.
     With autograd off (``torch.no_grad``, inference) the two GEMMs run without autograd nodes, and F2 stores
     ``act`` alone (no ``preact``).
@@ -361,12 +369,14 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     next_norm_weight = check.vector("next_norm_weight", next_norm_weight, d, "[features]", like)
     gate_up_low_rank = check.low_rank("gate_up_low_rank", gate_up_low_rank, d, 2 * ffn, like)
     down_low_rank = check.low_rank("down_low_rank", down_low_rank, ffn, d, like)
+    fp8 = check_fp8(fp8, x, gate_up_low_rank or down_low_rank)
     if not torch.is_grad_enabled():  # inference: the two GEMMs without preact, autograd nodes or gradient slot
         act = _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight, *low_rank_pair(normed, gate_up_low_rank),
-                                               activation)
+                                               activation, fp8)
         return out_proj_residual_rms_op(act, down_weight, x, next_norm_weight, check.eps(eps),
-                                        *low_rank_pair(act, down_low_rank))
+                                        *low_rank_pair(act, down_low_rank), fp8)
     act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed.detach(), rstd.detach(), norm_weight,
-                                                            gate_up_weight, *lora_args(gate_up_low_rank), activation)
+                                                            gate_up_weight, *lora_args(gate_up_low_rank), activation,
+                                                            fp8)
     return _MlpDownResidualRms.apply(act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight.detach(),
-                                     check.eps(eps), *lora_args(down_low_rank), activation)
+                                     check.eps(eps), *lora_args(down_low_rank), activation, fp8)

@@ -18,6 +18,7 @@ from . import _checks as check
 from . import kernels
 from ._checks import stats_dtype
 from ._custom_op import custom_op, named_gradients
+from ._fp8 import check_fp8
 from ._fused import (
     consumer_backward_outputs,
     consumer_gradients,
@@ -48,9 +49,9 @@ QK_NORM_SUB_TILE_16BIT, QK_NORM_SUB_TILE_32BIT = 128, 64
 # ==================================================================================================
 @custom_op("rms_qkv_rope", fake=lambda normed, qkv_weight, **_: normed.new_empty(normed.shape[0], qkv_weight.shape[0]))
 def _rms_qkv_rope_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
-                     bias: Tensor | None, lora_u: Tensor | None, lora_b: Tensor | None) -> Tensor:
+                     bias: Tensor | None, lora_u: Tensor | None, lora_b: Tensor | None, fp8: bool = False) -> Tensor:
     vectors = {} if bias is None else {"bias": bias}
-    return run(library.rms_qkv_rope(bias=bias is not None), normed, qkv_weight, lora_u, lora_b, rstd=rstd,
+    return run(library.rms_qkv_rope(bias=bias is not None), normed, qkv_weight, lora_u, lora_b, fp8, rstd=rstd,
                positions=positions, frequencies=frequencies, **vectors)["qkv"]
 
 
@@ -64,14 +65,14 @@ def _rms_qkv_rope_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor |
                               rstd: Tensor, norm_weight: Tensor, qkv_weight: Tensor, positions: Tensor,
                               frequencies: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
                               lora_b: Tensor | None, lora_u: Tensor | None, lora_scale: float,
-                              bias: Tensor | None, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                             Tensor]:
+                              bias: Tensor | None, bias_grad: bool,
+                              fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grad_z, mean_z_dz = kernels.rope_backward(grad_blocks, qkv, positions, frequencies, x.shape[1], bias)  # B1
     # the bias's gradient: grad_z summed over the tokens, in fp32 (one column reduction)
     grad_bias = or_empty(None if not bias_grad else grad_z.sum(dim=0, dtype=torch.float32).to(bias.dtype), x)
     return consumer_backward_outputs(x, consumer_rms_norm_backward(  # B2, B3
         grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual, weight_grad=weight_grad,
-        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale), grad_bias)
+        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale, fp8=fp8), grad_bias)
 
 
 def _contiguous(t: Tensor | None) -> Tensor | None:
@@ -98,12 +99,12 @@ def _grad_blocks(grads: tuple[Tensor | None, ...], split_sizes: tuple[int, ...] 
 class _RmsQkvRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, bias, split_sizes, lora_a,
-                lora_b, lora_scale):
+                lora_b, lora_scale, fp8):
         lora_u = low_rank_operand(normed, lora_a, lora_scale)
-        qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies, bias, lora_u, lora_b)
+        qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies, bias, lora_u, lora_b, fp8)
         ctx.save_for_backward(qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, lora_a, lora_b, lora_u,
                               bias)
-        ctx.split_sizes, ctx.lora_scale = split_sizes, lora_scale
+        ctx.split_sizes, ctx.lora_scale, ctx.fp8 = split_sizes, lora_scale, fp8
         ctx.set_materialize_grads(False)
         return *_split_outputs(qkv, split_sizes), x.view_as(x)
 
@@ -118,7 +119,7 @@ class _RmsQkvRope(torch.autograd.Function):
         named, (grad_bias,) = consumer_gradients(needs, _rms_qkv_rope_backward_op(
             grad_blocks, _contiguous(grad_residual), qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies,
             needs["qkv_weight"], consumer_input_grad(needs), lora_a, lora_b, lora_u,
-            ctx.lora_scale, bias, needs["bias"]), "qkv_weight", lora_a)
+            ctx.lora_scale, bias, needs["bias"], ctx.fp8), "qkv_weight", lora_a)
         return dict(**named, bias=grad_bias if needs["bias"] else None)
 
 
@@ -157,15 +158,15 @@ def _fake_qk_norm_forward(normed, qkv_weight, **_):
 
 def _run_qk_norm(save_preact: bool, normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor,
                  frequencies: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int, eps: float,
-                 lora_u: Tensor | None, lora_b: Tensor | None) -> dict[str, Tensor]:
+                 lora_u: Tensor | None, lora_b: Tensor | None, fp8: bool) -> dict[str, Tensor]:
     head_dim = q_norm_weight.shape[0]
     if not qk_norm_in_epilogue(head_dim, normed.dtype):  # two launches: z from the GEMM, then the heads' row kernel
-        z = run(library.rms_linear(), normed, qkv_weight, lora_u, lora_b, rstd=rstd)["out"]
+        z = run(library.rms_linear(), normed, qkv_weight, lora_u, lora_b, fp8, rstd=rstd)["out"]
         qkv = kernels.qk_norm_rope(z, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps)
         return dict(qkv=qkv, preact=z)
     qk_norm_weight, qk_passthrough = _qk_norm_columns(
         q_norm_weight, k_norm_weight, num_heads, kv_heads_of(qkv_weight.shape[0], head_dim, num_heads))
-    return run(library.rms_qkv_rope(head_dim, eps, save_preact), normed, qkv_weight, lora_u, lora_b, rstd=rstd,
+    return run(library.rms_qkv_rope(head_dim, eps, save_preact), normed, qkv_weight, lora_u, lora_b, fp8, rstd=rstd,
                positions=positions, frequencies=frequencies, qk_norm_weight=qk_norm_weight,
                qk_passthrough=qk_passthrough)
 
@@ -173,9 +174,10 @@ def _run_qk_norm(save_preact: bool, normed: Tensor, rstd: Tensor, qkv_weight: Te
 @custom_op("rms_qkv_rope_qk_norm", fake=_fake_qk_norm_forward)
 def _rms_qkv_rope_qk_norm_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
                              q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
-                             eps: float, lora_u: Tensor | None, lora_b: Tensor | None) -> tuple[Tensor, Tensor]:
+                             eps: float, lora_u: Tensor | None, lora_b: Tensor | None,
+                             fp8: bool = False) -> tuple[Tensor, Tensor]:
     out = _run_qk_norm(True, normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
-                       num_heads, eps, lora_u, lora_b)
+                       num_heads, eps, lora_u, lora_b, fp8)
     return out["qkv"], out["preact"]
 
 
@@ -183,10 +185,10 @@ def _rms_qkv_rope_qk_norm_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, p
 def _rms_qkv_rope_qk_norm_inference_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor,
                                        frequencies: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
                                        num_heads: int, eps: float, lora_u: Tensor | None,
-                                       lora_b: Tensor | None) -> Tensor:
+                                       lora_b: Tensor | None, fp8: bool = False) -> Tensor:
     """The QK-norm forward without ``preact``: for a model that runs no backward (prefill, decode)."""
     return _run_qk_norm(False, normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
-                        num_heads, eps, lora_u, lora_b)["qkv"]
+                        num_heads, eps, lora_u, lora_b, fp8)["qkv"]
 
 
 def _fake_qk_norm_backward(x, norm_weight, qkv_weight, q_norm_weight, k_norm_weight, weight_grad, input_grad, lora_a,
@@ -201,28 +203,28 @@ def _rms_qkv_rope_qk_norm_backward_op(grad_blocks: list[Tensor], grad_residual: 
                                       qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
                                       q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
                                       eps: float, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
-                                      lora_b: Tensor | None, lora_u: Tensor | None,
-                                      lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                      lora_b: Tensor | None, lora_u: Tensor | None, lora_scale: float,
+                                      fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                   Tensor]:
     # B1: RoPE backward + the Q/K heads' RMSNorm backward (+ q_norm/k_norm weight gradients)
     grad_z, mean_z_dz, grad_q_norm_weight, grad_k_norm_weight = kernels.rope_qk_norm_backward(
         grad_blocks, preact, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps, x.shape[1])
     return consumer_backward_outputs(x, consumer_rms_norm_backward(  # B2, B3
         grad_z, qkv_weight, x, rstd, norm_weight, mean_z_dz, grad_residual, weight_grad=weight_grad,
-        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale),
+        input_grad=input_grad, lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale, fp8=fp8),
         grad_q_norm_weight.to(q_norm_weight.dtype), grad_k_norm_weight.to(k_norm_weight.dtype))
 
 
 class _RmsQkvRopeQkNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
-                num_heads, eps, split_sizes, lora_a, lora_b, lora_scale):
+                num_heads, eps, split_sizes, lora_a, lora_b, lora_scale, fp8):
         lora_u = low_rank_operand(normed, lora_a, lora_scale)
         qkv, preact = _rms_qkv_rope_qk_norm_op(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight,
-                                               k_norm_weight, num_heads, eps, lora_u, lora_b)
+                                               k_norm_weight, num_heads, eps, lora_u, lora_b, fp8)
         ctx.save_for_backward(preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
                               k_norm_weight, lora_a, lora_b, lora_u)
-        ctx.num_heads, ctx.eps, ctx.split_sizes, ctx.lora_scale = num_heads, eps, split_sizes, lora_scale
+        ctx.num_heads, ctx.eps, ctx.split_sizes, ctx.lora_scale, ctx.fp8 = num_heads, eps, split_sizes, lora_scale, fp8
         ctx.set_materialize_grads(False)
         return *_split_outputs(qkv, split_sizes), x.view_as(x)
 
@@ -236,7 +238,7 @@ class _RmsQkvRopeQkNorm(torch.autograd.Function):
             return dict(x=grad_residual)
         grads = _rms_qkv_rope_qk_norm_backward_op(
             grad_blocks, _contiguous(grad_residual), *saved, ctx.num_heads, ctx.eps, needs["qkv_weight"],
-            consumer_input_grad(needs), lora_a, lora_b, lora_u, ctx.lora_scale)
+            consumer_input_grad(needs), lora_a, lora_b, lora_u, ctx.lora_scale, ctx.fp8)
         named, (grad_q_norm_weight, grad_k_norm_weight) = consumer_gradients(needs, grads, "qkv_weight", lora_a)
         return dict(**named, q_norm_weight=grad_q_norm_weight, k_norm_weight=grad_k_norm_weight)
 
@@ -360,7 +362,7 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
                  k_norm_weight: Tensor | None = None, num_heads: int | None = None,
                  qk_norm_eps: float = 1e-6, *, split_sizes: tuple[int, int, int] | None = None,
                  pass_residual: bool = False, low_rank: LowRank | None = None,
-                 bias: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
+                 bias: Tensor | None = None, fp8: bool = False) -> Tensor | tuple[Tensor, ...]:
     """F4: ``qkv = rope(RMSNorm(x) @ qkv_weight^T [+ bias])`` on adjacent pairs, one GEMM; optionally QK-norm before
     RoPE.
 
@@ -402,6 +404,8 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     ``bias`` [N] (Qwen2's Q/K/V biases, in the fused row order of ``qkv_weight``, without QK-norm): added to ``z``
     in the epilogue before RoPE (program ``rms_qkv_rope_bias``); its gradient is ``grad_z`` summed over the tokens
     after B1 (one column reduction, fp32).
+    ``fp8=True``: the GEMMs, forward and backward, on e4m3 operands in blockwise groups (:mod:`codagen.ops._fp8`);
+    bf16 inputs, no ``low_rank``.
 
     Saved: ``qkv`` (attention keeps it alive anyway), ``x``, ``rstd``; with QK-norm ``preact = z``
     [M, N] instead of ``qkv`` (one extra activation of qkv's size: the norm's backward needs the
@@ -422,6 +426,7 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
                                dtypes=(torch.float32, torch.float64))
     positions = positions.to(stats_dtype(x.dtype))  # angles are computed in fp32 registers
     low_rank = check.low_rank("low_rank", low_rank, d, qkv_weight.shape[0], like)
+    fp8 = check_fp8(fp8, x, low_rank)
     lora = lora_args(low_rank)
     if q_norm_weight is None and k_norm_weight is None:
         if num_heads is not None:
@@ -430,7 +435,7 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
         if bias is not None:
             bias = check.vector("bias", bias, qkv_weight.shape[0], "[qkv features]", like)
         out = _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
-                                frequencies.detach(), bias, split_sizes, *lora)
+                                frequencies.detach(), bias, split_sizes, *lora, fp8)
         return _outputs(out, pass_residual)
     if bias is not None:  # the bias would enter before the norm, inside the kernel
         raise NotImplementedError("bias: a QKV bias together with QK-norm is not supported")
@@ -456,11 +461,12 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     split_sizes = check.split_sizes("split_sizes", split_sizes, rows, (num_heads * head_dim, kv_cols, kv_cols))
     if not torch.is_grad_enabled():  # inference: no autograd node, no preact
         qkv = _rms_qkv_rope_qk_norm_inference_op(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight,
-                                                 k_norm_weight, num_heads, eps, *low_rank_pair(normed, low_rank))
+                                                 k_norm_weight, num_heads, eps, *low_rank_pair(normed, low_rank),
+                                                 fp8)
         return _outputs((*_split_outputs(qkv, split_sizes), x), pass_residual)
     out = _RmsQkvRopeQkNorm.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
                                   frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps, split_sizes,
-                                  *lora)
+                                  *lora, fp8)
     return _outputs(out, pass_residual)
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from codagen.backends import execute
 from codagen.epilogue import library
 
 from . import _checks as check
 from . import kernels
 from ._custom_op import custom_op, named_gradients
+from ._fp8 import check_fp8
 from ._fused import (
     fake_grad,
     lora_args,
@@ -21,6 +21,7 @@ from ._fused import (
     or_empty,
     run,
     stats_like,
+    weight_gradient,
 )
 from .low_rank import LowRank
 
@@ -54,9 +55,11 @@ def rms_norm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, 
 @custom_op("out_proj_residual_rms", fake=lambda residual, **_: (torch.empty_like(residual), torch.empty_like(residual),
                                                                stats_like(residual, residual.shape[0])))
 def out_proj_residual_rms_op(inp: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
-                             lora_u: Tensor | None, lora_b: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                             lora_u: Tensor | None, lora_b: Tensor | None,
+                             fp8: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``(x = inp @ W_eff^T + residual, normed = x * norm_weight, rstd)``, one GEMM + the rstd finisher."""
-    out = run(library.residual_rms_stats(), inp, weight, lora_u, lora_b, residual=residual, norm_weight=norm_weight)
+    out = run(library.residual_rms_stats(), inp, weight, lora_u, lora_b, fp8, residual=residual,
+              norm_weight=norm_weight)
     rstd = kernels.finish_rstd(out["partial_sumsq"], residual.shape[1], eps)
     return out["residual_out"], out["normed"], rstd
 
@@ -66,16 +69,17 @@ def out_proj_residual_rms_op(inp: Tensor, weight: Tensor, residual: Tensor, norm
     fake_grad(lora_b, True, inp)))
 def _linear_backward_op(grad_out: Tensor, inp: Tensor, weight: Tensor, weight_grad: bool, input_grad: bool,
                         lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
-                        lora_scale: float,
-                        grad_residual: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        lora_scale: float, grad_residual: Tensor | None = None,
+                        fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """B8 + B9: ``grad_inp = grad_out @ W_eff [+ grad_residual]`` (with ``input_grad``; ``grad_residual``: the
     gradient of the residual stream that ``inp`` also is, added in the GEMM's store), ``grad_W = grad_out^T @ inp``
-    (with ``weight_grad``) and the low-rank update's ``(grad_a, grad_b)`` (empty tensors where not computed)."""
+    (with ``weight_grad``) and the low-rank update's ``(grad_a, grad_b)`` (empty tensors where not computed);
+    ``fp8``: both GEMMs on e4m3 operands."""
     grad_b_u = low_rank_grad_operand(grad_out, lora_b, lora_scale)
     residual = {} if grad_residual is None else {"grad_residual": grad_residual}
-    grad_inp = (run(library.input_grad(grad_residual is not None), grad_out, weight, grad_b_u, lora_a,
+    grad_inp = (run(library.input_grad(grad_residual is not None), grad_out, weight, grad_b_u, lora_a, fp8,
                     **residual)["grad_input"] if input_grad else None)
-    grad_weight = execute(library.weight_grad(), grad_out, inp)["grad_weight"] if weight_grad else None
+    grad_weight = weight_gradient(grad_out, inp, fp8) if weight_grad else None
     grad_lora_a = grad_lora_b = None
     if lora_a is not None:
         grad_lora_a, grad_lora_b = low_rank_grads(grad_out, inp, lora_u, grad_b_u)
@@ -84,7 +88,7 @@ def _linear_backward_op(grad_out: Tensor, inp: Tensor, weight: Tensor, weight_gr
 
 
 def _linear_backward(grad: Tensor, inp: Tensor, weight: Tensor, lora: tuple, *, weight_grad: bool,
-                    input_grad: bool, grad_residual: Tensor | None = None
+                    input_grad: bool, grad_residual: Tensor | None = None, fp8: bool = False
                     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """``codagen::linear_backward`` with the gradients nobody needs skipped (a frozen weight's, or the
     input's when it comes from frozen layers); ``lora = (lora_a, lora_b, lora_u, lora_scale)``; ``grad_residual``
@@ -92,7 +96,7 @@ def _linear_backward(grad: Tensor, inp: Tensor, weight: Tensor, lora: tuple, *, 
     what is not computed."""
     lora_a, lora_b, lora_u, lora_scale = lora
     grad_inp, grad_weight, grad_lora_a, grad_lora_b = _linear_backward_op(
-        grad, inp, weight, weight_grad, input_grad, lora_a, lora_b, lora_u, lora_scale, grad_residual)
+        grad, inp, weight, weight_grad, input_grad, lora_a, lora_b, lora_u, lora_scale, grad_residual, fp8)
     present = lora_a is not None
     return (grad_inp if input_grad else None, grad_weight if weight_grad else None, grad_lora_a if present else None,
             grad_lora_b if present else None)
@@ -100,11 +104,12 @@ def _linear_backward(grad: Tensor, inp: Tensor, weight: Tensor, lora: tuple, *, 
 
 class _OutProjResidualRms(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, residual, norm_weight, eps, lora_a, lora_b, lora_scale):
+    def forward(ctx, inp, weight, residual, norm_weight, eps, lora_a, lora_b, lora_scale, fp8):
         lora_u = low_rank_operand(inp, lora_a, lora_scale)
-        residual_out, normed, rstd = out_proj_residual_rms_op(inp, weight, residual, norm_weight, eps, lora_u, lora_b)
+        residual_out, normed, rstd = out_proj_residual_rms_op(inp, weight, residual, norm_weight, eps, lora_u, lora_b,
+                                                              fp8)
         ctx.save_for_backward(inp, weight, lora_a, lora_b, lora_u)
-        ctx.lora_scale = lora_scale
+        ctx.lora_scale, ctx.fp8 = lora_scale, fp8
         ctx.mark_non_differentiable(normed, rstd)
         ctx.set_materialize_grads(False)
         return residual_out, normed, rstd
@@ -118,14 +123,15 @@ class _OutProjResidualRms(torch.autograd.Function):
         grad = grad_residual_out.contiguous()
         grad_inp, grad_weight, grad_lora_a, grad_lora_b = _linear_backward(
             grad, inp, weight, (lora_a, lora_b, lora_u, ctx.lora_scale), weight_grad=needs["weight"],
-            input_grad=needs["inp"])
+            input_grad=needs["inp"], fp8=ctx.fp8)
         # residual_out = inp @ W^T + residual: the residual's gradient passes through unchanged; the
         # norm weight's gradient belongs to the norm's consumer (ownership rule).
         return dict(inp=grad_inp, weight=grad_weight, residual=grad, lora_a=grad_lora_a, lora_b=grad_lora_b)
 
 
 def out_proj_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor,
-                          eps: float, *, low_rank: LowRank | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                          eps: float, *, low_rank: LowRank | None = None,
+                          fp8: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """F1/F3: ``x = inp @ weight^T + residual``; returns ``(x, normed = x * norm_weight, rstd)``.
 
     One GEMM: the epilogue adds the residual tile, stores ``x`` and ``normed`` and writes per-tile
@@ -134,6 +140,9 @@ def out_proj_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, norm_we
 
     ``low_rank=LowRank(a, b, scale)``: ``weight + scale * b @ a`` (LoRA) in the same GEMM, through its
     low-rank operand pair ``(scale * inp @ a^T, b)``.
+
+    ``fp8=True``: every GEMM, forward and backward, on e4m3 operands in blockwise groups (:mod:`codagen.ops._fp8`);
+    bf16 inputs, no ``low_rank``.
 
     Backward: ``grad_inp = grad_x @ W`` (B8, with the pair ``(scale * grad_x @ b, a)``), ``grad_W = grad_x^T @
     inp`` (B9, skipped when ``weight`` needs no gradient), ``grad_residual = grad_x``; ``grad_b = grad_x^T @ u``,
@@ -146,5 +155,6 @@ def out_proj_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, norm_we
     weight = check.weight("weight", weight, (d, inp.shape[1]), "[residual features, inp features]", like)
     norm_weight = check.vector("norm_weight", norm_weight, d, "[residual features]", like)
     low_rank = check.low_rank("low_rank", low_rank, inp.shape[1], d, like)
+    fp8 = check_fp8(fp8, inp, low_rank)
     return _OutProjResidualRms.apply(inp, weight, residual, norm_weight.detach(), check.eps(eps),
-                                     *lora_args(low_rank))
+                                     *lora_args(low_rank), fp8)

@@ -129,6 +129,31 @@ def test_converter_rewrites_the_config():
     assert isinstance(tiny_config().layers[0].attention.inner_attention, type(get_attention_config("flex")))
 
 
+def test_the_converter_takes_fp8(monkeypatch):
+    """``CodagenConverter.Config(fp8="blockwise")``: every block's GEMMs run blockwise in e4m3, and the loss stays
+    within FP8's distance of the stock model's."""
+    from codagen.ops import _fp8
+    names = []
+    execute = _fp8.execute
+    monkeypatch.setattr(_fp8, "execute", lambda program, *a, **k: names.append(program.name) or execute(program, *a,
+                                                                                                         **k))
+    spec = llama3.model_registry("debugmodel", converters=[tt.CodagenConverter.Config(fp8="blockwise")])
+    assert all(layer.fp8 == "blockwise" for layer in spec.model.layers)
+    stock = stock_model(tiny_config()).bfloat16()
+    model = tt.convert_config(tiny_config(), fp8="blockwise").build()
+    model.init_states()
+    model.load_state_dict(stock.state_dict(), strict=True)
+    model.bfloat16()
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
+    with codagen.use_backend("reference"):
+        got = loss(model, tokens)
+        got.backward()
+    assert len(names) == LAYERS * 4 * 3 and all(name.endswith("_blockwise") for name in names)
+    assert abs(got.item() - loss(stock, tokens).item()) <= 0.03 * got.item()
+    with pytest.raises(ValueError, match="fp8: expected None or one of"):
+        tt.convert_config(tiny_config(), fp8="e5m2")
+
+
 def test_chunked_loss_hidden_states():
     """With ``_skip_lm_head`` (torchtitan's ChunkedLossWrapper) the model returns the final norm's output."""
     stock = stock_model(tiny_config())

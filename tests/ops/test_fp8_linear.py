@@ -11,13 +11,12 @@ import codagen
 from codagen.ops import fp8_linear, kernels
 from codagen.ops.fp8_linear import GROUP
 
+from ..conftest import decoded
+
 
 def dequantized(x: torch.Tensor, along: str) -> torch.Tensor:
     """``x`` quantized as the op quantizes it (groups of 128 ``along``), back in float64."""
-    q, scale = kernels.quantize_groups_ref(x, GROUP, along)
-    rows, cols = {"n": (1, GROUP), "m": (GROUP, 1), "blocks": (GROUP, GROUP)}[along]
-    expanded = scale.double().repeat_interleave(rows, 0)[:x.shape[0]].repeat_interleave(cols, 1)[:, :x.shape[1]]
-    return q.double() * expanded
+    return decoded(*kernels.quantize_groups_ref(x, GROUP, along), GROUP, along)
 
 
 def quantized_math(x, weight, grad_out):

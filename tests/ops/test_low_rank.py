@@ -143,8 +143,8 @@ def spy(monkeypatch, *modules):
 
 def spy_block_ops(monkeypatch):
     """:func:`spy` on every module of the block ops that executes programs."""
-    from codagen.ops import _fused, linear, mlp, residual
-    return spy(monkeypatch, _fused, residual, mlp, linear)
+    from codagen.ops import _fused, linear
+    return spy(monkeypatch, _fused, linear)
 
 
 def test_frozen_base_weights_get_no_weight_gradient_gemm(monkeypatch):

@@ -163,20 +163,33 @@ def _k_tiles_in_groups(program: Program, pool) -> tuple[KernelConfig, ...]:
     return tuple(dict.fromkeys(changed))
 
 
+#: the widest epilogue sub-tile of a program with a quantized store along M, whose column amaxes over the tile's rows
+#: are held beside the value it stores: at 64 columns sm_90's kernels of the FP8 backward's quantizing programs spill
+#: up to 144 bytes, at 128 up to 1448 (bench/fp8_blockwise_compile.py)
+_ROW_GROUP_SUB_N = 32
+
+
 def _quantized_groups_in_sub_tiles(program: Program, pool) -> tuple[KernelConfig, ...]:
     """``pool`` with each EPILOGUE_SPLIT lowered until the sub-tile holds whole groups of every quantized store along
-    N (its scale groups, of 128 columns by default, are wider than the 32- and 64-column sub-tiles the pools favour);
+    N (its scale groups, of 128 columns by default, are wider than the 32- and 64-column sub-tiles the pools favour),
+    or, with only quantized stores along M, raised until the sub-tile is at most :data:`_ROW_GROUP_SUB_N` columns
+    (or the split is 4);
     ``pool`` as it is for a program without one."""
-    stores = [o for o in program.outputs if isinstance(o, QuantizedStore) and o.along == "n"]
+    stores = [o for o in program.outputs if isinstance(o, QuantizedStore)]
+    column_grouped = [o for o in stores if o.along == "n"]
     if not stores:
         return tuple(pool)
-    widened = []
+    changed = []
     for cfg in pool:
         split = cfg.epilogue_split
-        while split > 1 and not _holds_segments(dataclasses.replace(cfg, epilogue_split=split), stores):
-            split //= 2
-        widened.append(dataclasses.replace(cfg, epilogue_split=split))
-    return tuple(dict.fromkeys(widened))
+        if column_grouped:
+            while split > 1 and not _holds_segments(dataclasses.replace(cfg, epilogue_split=split), column_grouped):
+                split //= 2
+        else:
+            while cfg.block_n // split > _ROW_GROUP_SUB_N and split < 4:  # the persistent kernel's splits: 1, 2, 4
+                split *= 2
+        changed.append(dataclasses.replace(cfg, epilogue_split=split))
+    return tuple(dict.fromkeys(changed))
 
 
 def _halved_accumulators(program: Program, pool) -> tuple[KernelConfig, ...]:

@@ -11,17 +11,18 @@ from torchtitan.trainer import Trainer
 
 from .model import convert_config
 
-__all__ = ["codagen_trainer_config", "llama3_8b", "llama3_70b", "llama3_debugmodel", "llama3_debugmodel_ce_loss",
+__all__ = ["codagen_trainer_config", "llama3_8b", "llama3_8b_fp8", "llama3_70b", "llama3_debugmodel",
+           "llama3_debugmodel_fp8", "llama3_debugmodel_ce_loss",
            "qwen3_0_6b", "qwen3_1_7b", "qwen3_14b", "qwen3_32b", "qwen3_debugmodel"]
 
 
-def codagen_trainer_config(config: Trainer.Config) -> Trainer.Config:
+def codagen_trainer_config(config: Trainer.Config, fp8: str | None = None) -> Trainer.Config:
     """``config`` (a torchtitan Llama 3 or dense Qwen3 ``Trainer.Config``) with the model converted
-    (:func:`convert_config`) and the ``partial_dtensor`` SPMD backend the converted model runs under."""
+    (:func:`convert_config`, with ``fp8``) and the ``partial_dtensor`` SPMD backend the converted model runs under."""
     spec = config.model_spec
     if spec is None:
         raise TypeError("codagen_trainer_config: config.model_spec is None; expected a Llama 3 or Qwen3 model spec")
-    config.model_spec = dataclasses.replace(spec, model=convert_config(spec.model))
+    config.model_spec = dataclasses.replace(spec, model=convert_config(spec.model, fp8))
     config.parallelism.spmd_backend = "partial_dtensor"
     return config
 
@@ -36,6 +37,15 @@ def llama3_debugmodel_ce_loss() -> Trainer.Config:
 
 def llama3_8b() -> Trainer.Config:
     return codagen_trainer_config(llama3_config_registry.llama3_8b())
+
+
+def llama3_8b_fp8() -> Trainer.Config:
+    """``llama3_8b`` with every block's GEMMs in FP8 (``fp8="blockwise"``)."""
+    return codagen_trainer_config(llama3_config_registry.llama3_8b(), fp8="blockwise")
+
+
+def llama3_debugmodel_fp8() -> Trainer.Config:
+    return codagen_trainer_config(llama3_config_registry.llama3_debugmodel(), fp8="blockwise")
 
 
 def llama3_70b() -> Trainer.Config:

@@ -65,6 +65,7 @@ from codagen import ops
 from codagen.models import tensor_parallel
 from codagen.models.fused_layers import relayout
 from codagen.models.llama import AttentionSpec, BlockWeights, decoder_layer, module_stack
+from codagen.ops._fp8 import checked_recipe
 
 __all__ = ["CodagenBlock", "CodagenConverter", "CodagenLlama3Model", "CodagenQwen3Model", "LayerNorms",
            "convert_config"]
@@ -92,11 +93,12 @@ class CodagenBlock(Module):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Llama3TransformerBlock.Config):
-        pass
+        fp8: str | None = None  # "blockwise": the block's GEMMs in FP8 (codagen.ops._fp8.RECIPES)
 
     def __init__(self, config: Config):
         super().__init__()
         attention, ffn = config.attention, config.feed_forward
+        self.fp8 = checked_recipe(config.fp8) is not None
         if not isinstance(attention, GQAttention.Config) or ffn is None or config.moe is not None:
             raise NotImplementedError("codagen.integrations.torchtitan: a block must have GQA attention and a "
                                       f"dense feed-forward, got {type(attention).__name__} / moe={config.moe}")
@@ -122,6 +124,9 @@ class CodagenBlock(Module):
         """Tensor parallelism over ``tp_mesh``, as the Hugging Face blocks' (:mod:`codagen.models.tensor_parallel`):
         column-parallel ``wqkv`` (whole heads per rank) and ``w13`` (a range of gate/up pairs), row-parallel ``wo``
         and ``w2``; the norms stay whole."""
+        if self.fp8:
+            raise NotImplementedError("codagen.integrations.torchtitan: fp8 with tensor parallelism is not supported "
+                                      "yet")
         tensor_parallel.shard_block_weights("codagen.integrations.torchtitan", self.wqkv, self.w13, self.wo, self.w2,
                                             self.heads, tp_mesh)
         self.parallel = (tp_mesh, sequence_parallel)
@@ -136,7 +141,7 @@ class CodagenBlock(Module):
         q_norm, k_norm = (None if norm is None else local(norm.weight).to(dtype) for norm in (self.q_norm, self.k_norm))
         blk = BlockWeights(attn_norm=attn_norm.to(dtype), qkv=local(self.wqkv.weight), o=local(self.wo.weight),
                            mlp_norm=mlp_norm.to(dtype), gate_up=local(self.w13.weight), down=local(self.w2.weight),
-                           q_norm=q_norm, k_norm=k_norm)
+                           q_norm=q_norm, k_norm=k_norm, fp8=self.fp8)
         if self.parallel is None:
             return decoder_layer(x, normed, rstd, blk, next_norm.to(dtype), eps, spec, positions, frequencies)
         return tensor_parallel.rank_block(blk, x, normed, rstd, next_norm.to(dtype), eps, spec, positions,
@@ -342,28 +347,31 @@ def _from_torchtitan_layout(model: _CodagenDecoder, state_dict: dict, prefix: st
 _CONVERTED = {Llama3Model.Config: CodagenLlama3Model.Config, Qwen3Model.Config: CodagenQwen3Model.Config}
 
 
-def convert_config(config: Llama3Model.Config | Qwen3Model.Config) -> Decoder.Config:
+def convert_config(config: Llama3Model.Config | Qwen3Model.Config, fp8: str | None = None) -> Decoder.Config:
     """:class:`CodagenLlama3Model.Config` (:class:`CodagenQwen3Model.Config`) with ``config``'s fields; its blocks
-    :class:`CodagenBlock.Config` s whose attention runs causal SDPA (so torchtitan's trainer builds no masks)."""
+    :class:`CodagenBlock.Config` s whose attention runs causal SDPA (so torchtitan's trainer builds no masks), with
+    ``fp8`` (``"blockwise"``: every block's GEMMs in FP8, :mod:`codagen.ops._fp8`)."""
+    checked_recipe(fp8)
     if type(config) not in _CONVERTED:
         raise TypeError("convert_config: config must be a torchtitan Llama3Model.Config or Qwen3Model.Config, got "
                         f"{type(config).__name__}")
     layers = []
     for layer in config.layers:
         attention = derive(layer.attention, type(layer.attention), inner_attention=ScaledDotProductAttention.Config())
-        layers.append(derive(layer, CodagenBlock.Config, attention=attention))
+        layers.append(derive(layer, CodagenBlock.Config, attention=attention, fp8=fp8))
     return derive(config, _CONVERTED[type(config)], layers=layers)
 
 
 class CodagenConverter(ModelConfigConverter):
-    """torchtitan model converter: ``llama3.model_registry(flavor, converters=[CodagenConverter.Config()])``."""
+    """torchtitan model converter: ``llama3.model_registry(flavor, converters=[CodagenConverter.Config()])``
+    (``CodagenConverter.Config(fp8="blockwise")``: the blocks' GEMMs in FP8)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
-        pass
+        fp8: str | None = None
 
     def __init__(self, config: Config):
         self.config = config
 
     def convert(self, model_config: Llama3Model.Config | Qwen3Model.Config) -> Decoder.Config:
-        return convert_config(model_config)
+        return convert_config(model_config, self.config.fp8)
