@@ -55,6 +55,9 @@ CASES = {
     # store a weight gradient's operand in e4m3 along the tokens
     "residual_rms_stats, 128x128 weight blocks": (
         lambda: library.residual_rms_stats().with_blockwise_scales(128, b_block=True), "fp8e4nv"),
+    "residual_rms_stats + normed e4m3, blocks": (
+        lambda: library.residual_rms_stats().with_quantized_store("normed", "n").with_blockwise_scales(
+            128, b_block=True), "fp8e4nv"),
     "rms_qkv_rope, 128x128 weight blocks": (lambda: library.rms_qkv_rope().with_blockwise_scales(128, b_block=True),
                                             "fp8e4nv"),
     "rms_qkv_rope QK-norm (head 128), weight blocks": (
@@ -101,9 +104,11 @@ def jobs():
                                                       tma_epilogue=target.tma) if cfg.schedule == "persistent"]
             yield from ((case, target_name, cfg, True) for cfg in pool)
             if target_name == "sm_90":
+                column_groups = [o.group for o in program.outputs if isinstance(o, QuantizedStore) and o.along == "n"]
                 set_aside = [cfg for cfg in SET_ASIDE if cfg not in pool
                              and (dtype == "fp8e4nv") == (cfg.block_k == 128)
-                             and not (program.gemm.b_scale_block and cfg.block_n > 128)]  # a block holds the tile
+                             and not (program.gemm.b_scale_block and cfg.block_n > 128)  # a block holds the tile
+                             and all(cfg.sub_n % g == 0 for g in column_groups)]  # a sub-tile holds its groups
                 yield from ((case, target_name, cfg, False) for cfg in set_aside)
 
 

@@ -104,7 +104,7 @@ from . import (
     module_changes,
     tensor_parallel,
 )
-from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, lm_head
+from .llama import AttentionSpec, BlockWeights, decoder_stack, fuse_qkv, head_normed, lm_head
 from .masks import additive, causal_mask, document_ids
 from .per_model import PerModel
 
@@ -901,6 +901,8 @@ def _decoder_forward(self, family, scales, x, dtype, attention_mask, position_id
         h, normed, rstd = hf_cache.decoder_stack_with_cache(x.reshape(batch * seq, hidden).contiguous(), blocks,
                                                             norm_weight, eps, spec, positions, frequencies, cache,
                                                             masks)
+    if not layer_aligned:  # the head recomputes its norm itself in the layer-aligned forward
+        normed = head_normed(h, normed, norm_weight)
 
     loss = logits = None
     if labels is not None:  # as transformers: shift_labels alone give no loss; with labels they are the targets

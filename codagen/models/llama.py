@@ -34,13 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from codagen import ops
+from codagen.ops._quantized import Quantized
 
 from .checkpoint import CheckpointFn, checkpoint_block
 from .config import LlamaConfig
 from .masks import with_sliding_window
 
 __all__ = ["Llama", "BlockWeights", "AttentionSpec", "decoder_stack", "module_stack", "block_qkv", "block_out_mlp",
-           "input_stats", "lm_head", "rotate_pairs", "fuse_qkv", "split_qkv"]
+           "input_stats", "lm_head", "head_normed", "rotate_pairs", "fuse_qkv", "split_qkv"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,12 +291,23 @@ def decoder_layer(x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, blk
     return x, normed, rstd
 
 
-def lm_head(x: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, norm_weight: torch.Tensor,
+def head_normed(x: torch.Tensor, normed: torch.Tensor | Quantized, norm_weight: torch.Tensor) -> torch.Tensor:
+    """The final norm's ``normed = x * norm_weight`` as the LM head reads it (in ``x``'s dtype): an FP8 block's
+    down-projection stores it in e4m3 for a next FP8 GEMM, which the head is not, so it is recomputed from ``x``
+    (one elementwise pass; non-differentiable, as the producers' ``normed``)."""
+    if not isinstance(normed, Quantized):
+        return normed
+    with torch.no_grad():
+        return x * norm_weight
+
+
+def lm_head(x: torch.Tensor, normed: torch.Tensor | Quantized, rstd: torch.Tensor, norm_weight: torch.Tensor,
             weight: torch.Tensor, targets: torch.Tensor | None, reduction: str = "mean",
             softcap: float | None = None) -> torch.Tensor:
     """Logits ``RMSNorm(x) W^T`` [tokens, vocab] without ``targets``, else the fused cross-entropy
     (``targets`` [tokens], -100 ignored; logits never stored); ``softcap``: logits ``cap * tanh(logits / cap)``
     (Gemma 2's final soft-cap), in the same epilogues."""
+    normed = head_normed(x, normed, norm_weight)
     capped = {} if softcap is None else {"softcap": softcap}
     if targets is None:
         return ops.rms_linear(x, normed, rstd, norm_weight, weight, **capped)

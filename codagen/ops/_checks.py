@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from codagen.epilogue.library import ACTIVATIONS
 
+from ._quantized import GROUP, Quantized
 from .low_rank import LowRank
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -105,9 +106,24 @@ def rstd(name: str, t, like: Like) -> torch.Tensor:
     return vector(name, t, x.shape[0], "[tokens]", like, dtypes=(stats_dtype(x.dtype),))
 
 
-def normed(name: str, t, like: Like) -> torch.Tensor:
-    t = activation(name, t, like=like)
-    _shape(name, t, tuple(like.tensor.shape), f"{like.name}.shape")
+def normed(name: str, t, like: Like, *, fp8: bool = False) -> torch.Tensor | Quantized:
+    """A norm's ``normed`` output: ``like``'s shape, dtype and device; with ``fp8`` also a :class:`Quantized` one, e4m3
+    codes of that shape with fp32 scales per row and 128 columns (what an FP8 producer op returns)."""
+    if not isinstance(t, Quantized):
+        t = activation(name, t, like=like)
+        _shape(name, t, tuple(like.tensor.shape), f"{like.name}.shape")
+        return t
+    if not fp8:
+        raise ValueError(f"{name}: an e4m3 {name} (codagen.ops._fp8.Quantized, an FP8 op's output) needs fp8=True")
+    codes, scale = (tensor(f"{name}.{field}", v) for field, v in zip(Quantized._fields, t))
+    m, d = like.tensor.shape
+    if codes.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
+        raise ValueError(f"{name}: expected e4m3 codes and float32 scales, got {codes.dtype} and {scale.dtype}")
+    _shape(f"{name}.codes", codes, (m, d), f"{like.name}.shape")
+    _shape(f"{name}.scale", scale, (m, -(-d // GROUP)), f"[tokens, cdiv({like.name} features, {GROUP})]")
+    for field, v in zip(Quantized._fields, t):
+        _device(f"{name}.{field}", v, like)
+        _contiguous(f"{name}.{field}", v)
     return t
 
 

@@ -17,8 +17,6 @@ output are stored in e4m3 along the tokens, as the weight gradients read them.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
@@ -26,11 +24,11 @@ from codagen.backends import execute
 from codagen.epilogue import Program
 
 from . import kernels
+from ._quantized import GROUP, Quantized
 
-__all__ = ["GROUP", "RECIPES", "Quantized", "blockwise", "check_fp8", "checked_recipe"]
+__all__ = ["GROUP", "RECIPES", "Quantized", "blockwise", "check_fp8", "checked_recipe", "op_operand",
+           "consumer_operand"]
 
-#: the scale group along K of every FP8 GEMM (and a weight block's side)
-GROUP = 128
 #: the FP8 recipes a model takes (``codagen.patch(model, fp8=...)``, ``LlamaConfig.fp8``): ``"blockwise"``,
 #: DeepSeek-V3's scaling. A rowwise scale (torchao's ``"rowwise"``) needs a row's amax over every column before any
 #: element is rounded, which no GEMM's epilogue has (``docs/notes/fp8-quantizing-epilogue.md``).
@@ -48,13 +46,6 @@ def checked_recipe(fp8) -> str | None:
     raise ValueError(f"fp8: expected None or one of {list(RECIPES)}, got {fp8!r}")
 
 
-class Quantized(NamedTuple):
-    """An operand already in e4m3: its codes and fp32 scales, grouped as the GEMM that reads it takes them (a
-    ``QuantizedStore``'s two outputs)."""
-    codes: Tensor
-    scale: Tensor
-
-
 def blockwise(program: Program, a: Tensor | Quantized, b: Tensor | Quantized, *, b_block: bool,
               **tensors: Tensor) -> dict[str, Tensor]:
     """``execute(program, a, b, **tensors)`` on e4m3 ``a`` and ``b`` scaled per group of :data:`GROUP` along K;
@@ -65,6 +56,21 @@ def blockwise(program: Program, a: Tensor | Quantized, b: Tensor | Quantized, *,
     b_codes, b_scale = _quantized(b, "blocks" if b_block else "n" if gemm.b_layout == "nk" else "m")
     return execute(program.with_blockwise_scales(GROUP, b_block=b_block), a_codes, b_codes, a_scale=a_scale,
                    b_scale=b_scale, **tensors)
+
+
+def op_operand(normed: Tensor | Quantized) -> tuple[Tensor, Tensor | None]:
+    """A consumer's ``normed`` as its custom ops take it: ``(normed, None)``, or for a :class:`Quantized` one its codes
+    as their bits (uint8: the ops' schema checks cannot compare float8 on CPU) and its scales."""
+    if isinstance(normed, Quantized):
+        return normed.codes.view(torch.uint8), normed.scale
+    return normed, None
+
+
+def consumer_operand(normed: Tensor, normed_scale: Tensor | None) -> Tensor | Quantized:
+    """Inside a custom op, the inverse of :func:`op_operand`: the GEMM's A operand."""
+    if normed_scale is None:
+        return normed
+    return Quantized(normed.view(torch.float8_e4m3fn), normed_scale)
 
 
 def _quantized(operand: Tensor | Quantized, along: str) -> Quantized:
@@ -78,7 +84,7 @@ def check_fp8(fp8, x: Tensor, low_rank) -> bool:
     update is given (the low-rank operand pair has no FP8 form)."""
     if not isinstance(fp8, bool):
         raise TypeError(f"fp8: expected a bool, got {type(fp8).__name__}")
-    if fp8 and x.dtype != torch.bfloat16:
+    if fp8 and isinstance(x, Tensor) and x.dtype != torch.bfloat16:  # a non-tensor x: the op's own check names it
         raise ValueError(f"fp8: FP8 GEMMs store bfloat16 activations, so x must be torch.bfloat16, got {x.dtype}")
     if fp8 and low_rank is not None:
         raise NotImplementedError("fp8: a low-rank update (LoRA) with FP8 GEMMs is not supported yet")

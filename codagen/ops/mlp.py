@@ -17,7 +17,7 @@ from codagen.epilogue import library
 from . import _checks as check
 from . import kernels
 from ._custom_op import custom_op, named_gradients
-from ._fp8 import GROUP, Quantized, check_fp8
+from ._fp8 import GROUP, Quantized, check_fp8, consumer_operand, op_operand
 from ._fused import (
     consumer_backward_outputs,
     consumer_gradients,
@@ -36,14 +36,14 @@ from ._fused import (
     weight_gradient,
 )
 from .low_rank import LowRank
-from .residual import _linear_backward_op, out_proj_residual_rms_op
+from .residual import _linear_backward_op, normed_output, producer_forward
 
 __all__ = ["rms_gate_up_swiglu", "gate_up_swiglu", "swiglu_mlp_residual_rms"]
 
 
 def _fake_gate_up(normed, gate_up_weight, **_):
     m, two_f = normed.shape[0], gate_up_weight.shape[0]
-    return normed.new_empty(m, two_f // 2), normed.new_empty(m, two_f)
+    return gate_up_weight.new_empty(m, two_f // 2), gate_up_weight.new_empty(m, two_f)
 
 
 def _fake_gate_up_backward(x, norm_weight, gate_up_weight, weight_grad, input_grad, lora_a, lora_b, **_):
@@ -55,19 +55,23 @@ def _fake_gate_up_backward(x, norm_weight, gate_up_weight, weight_grad, input_gr
 # ==================================================================================================
 @custom_op("rms_gate_up_swiglu", fake=_fake_gate_up)
 def _rms_gate_up_swiglu_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None,
-                           lora_b: Tensor | None, activation: str, fp8: bool = False) -> tuple[Tensor, Tensor]:
-    out = run(library.rms_gate_up_swiglu(activation=activation), normed, gate_up_weight, lora_u, lora_b, fp8,
-              rstd=rstd)
+                           lora_b: Tensor | None, activation: str, fp8: bool = False,
+                           normed_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``normed_scale``: ``normed`` is e4m3 bits with these scales (:func:`codagen.ops._fp8.consumer_operand`)."""
+    out = run(library.rms_gate_up_swiglu(activation=activation), consumer_operand(normed, normed_scale),
+              gate_up_weight, lora_u, lora_b, fp8, rstd=rstd)
     return out["out"], out["preact"]
 
 
 @custom_op("rms_gate_up_swiglu_inference", fake=lambda normed, gate_up_weight, **_: _fake_gate_up(
     normed, gate_up_weight)[0])
 def _rms_gate_up_swiglu_inference_op(normed: Tensor, rstd: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None,
-                                     lora_b: Tensor | None, activation: str, fp8: bool = False) -> Tensor:
+                                     lora_b: Tensor | None, activation: str, fp8: bool = False,
+                                     normed_scale: Tensor | None = None) -> Tensor:
     """F2 without ``preact``: the forward of a model that runs no backward (prefill, decode)."""
     program = library.rms_gate_up_swiglu(save_preact=False, activation=activation)
-    return run(program, normed, gate_up_weight, lora_u, lora_b, fp8, rstd=rstd)["out"]
+    return run(program, consumer_operand(normed, normed_scale), gate_up_weight, lora_u, lora_b, fp8,
+               rstd=rstd)["out"]
 
 
 @custom_op("rms_gate_up_swiglu_backward", fake=_fake_gate_up_backward)
@@ -104,13 +108,13 @@ class _RmsGateUpSwiglu(torch.autograd.Function):
         return named
 
 
-def _checked_gate_up_inputs(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor,
-                            gate_up_weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _checked_gate_up_inputs(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor,
+                            fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The checks both gate/up entry points make of the MLP's input, its norm and the gate/up weight."""
     x = check.activation("x", x)
     like = check.Like("x", x)
     d = x.shape[1]
-    return (x, check.normed("normed", normed, like), check.rstd("rstd", rstd, like),
+    return (x, check.normed("normed", normed, like, fp8=fp8), check.rstd("rstd", rstd, like),
             check.vector("norm_weight", norm_weight, d, "[features]", like),
             check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, features]", like,
                          even_rows=True))
@@ -270,9 +274,11 @@ class _MlpGateUp(torch.autograd.Function):
     """Node 1: F2. Its backward is B6 + B7; the activation's backward ran in node 2's B4 epilogue."""
 
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale, activation, fp8):
+    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale, activation, fp8,
+                normed_scale):
         lora_u = low_rank_operand(normed, lora_a, lora_scale)
-        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b, activation, fp8)
+        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b, activation, fp8,
+                                             normed_scale)
         # out of place: torch 2.11's Dynamo hands the gradient of an output an in-place op made here to
         # backward as zeros (pytorch/pytorch#180642; docs/notes/compile.md)
         mean_z_dz_slot = x.new_zeros(x.shape[0], dtype=check.stats_dtype(x.dtype))
@@ -305,17 +311,17 @@ class _MlpDownResidualRms(torch.autograd.Function):
     def forward(ctx, act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight, eps, lora_a, lora_b,
                 lora_scale, activation, fp8):
         lora_u = low_rank_operand(act, lora_a, lora_scale)
-        x_out, normed_next, rstd_next = out_proj_residual_rms_op(act, down_weight, residual, next_norm_weight, eps,
+        x_out, normed_next, rstd_next, *scale = producer_forward(act, down_weight, residual, next_norm_weight, eps,
                                                                  lora_u, lora_b, fp8)
         ctx.save_for_backward(preact, down_weight, lora_a, lora_b, lora_u)
         ctx.lora_scale, ctx.activation, ctx.fp8 = lora_scale, activation, fp8
-        ctx.mark_non_differentiable(normed_next, rstd_next)
+        ctx.mark_non_differentiable(normed_next, rstd_next, *scale)
         ctx.set_materialize_grads(False)
-        return x_out, normed_next, rstd_next
+        return x_out, normed_next, rstd_next, *scale
 
     @staticmethod
     @named_gradients(forward)
-    def backward(ctx, needs, grad_x_out, _grad_normed_next, _grad_rstd_next):
+    def backward(ctx, needs, grad_x_out, *_grad_stats):
         if grad_x_out is None:
             return {}
         preact, down_weight, lora_a, lora_b, lora_u = ctx.saved_tensors
@@ -352,14 +358,17 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     B6 as in :func:`rms_gate_up_swiglu`, F3 with ``(scale * act @ a^T, b)``, B4 with ``(scale * grad_x_out @ b,
     a)``. A weight that requires no gradient gets no weight-gradient GEMM (B5, B7).
     ``fp8=True``: all six GEMMs on e4m3 operands in blockwise groups (:mod:`codagen.ops._fp8`); bf16 inputs, no
-    low-rank updates.
+    low-rank updates; ``normed`` may be ``_fp8.Quantized`` (a producer's FP8 output), and ``normed_next`` comes back
+    so where ``d`` is a multiple of 128 (:func:`codagen.ops.out_proj_residual_rms`).
     Saved: ``preact`` (until B4 has run), ``x``, ``rstd``; ``act`` and ``n = RMSNorm(x)`` are recomputed.
     With autograd off (``torch.no_grad``, inference) the two GEMMs run without autograd nodes, and F2 stores
     ``act`` alone (no ``preact``).
     """
     activation = check.gated_activation("activation", activation)
+    fp8 = check_fp8(fp8, x, gate_up_low_rank or down_low_rank)
     x, normed, rstd, norm_weight, gate_up_weight = _checked_gate_up_inputs(x, normed, rstd, norm_weight,
-                                                                           gate_up_weight)
+                                                                           gate_up_weight, fp8)
+    normed, normed_scale = op_operand(normed)
     d, like = x.shape[1], check.Like("x", x)
     ffn = gate_up_weight.shape[0] // 2
     if ffn % 2:  # the down-projection's backward epilogue works on (gate, up) pairs of a width-ffn tile
@@ -369,14 +378,17 @@ def swiglu_mlp_residual_rms(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
     next_norm_weight = check.vector("next_norm_weight", next_norm_weight, d, "[features]", like)
     gate_up_low_rank = check.low_rank("gate_up_low_rank", gate_up_low_rank, d, 2 * ffn, like)
     down_low_rank = check.low_rank("down_low_rank", down_low_rank, ffn, d, like)
-    fp8 = check_fp8(fp8, x, gate_up_low_rank or down_low_rank)
     if not torch.is_grad_enabled():  # inference: the two GEMMs without preact, autograd nodes or gradient slot
         act = _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight, *low_rank_pair(normed, gate_up_low_rank),
-                                               activation, fp8)
-        return out_proj_residual_rms_op(act, down_weight, x, next_norm_weight, check.eps(eps),
-                                        *low_rank_pair(act, down_low_rank), fp8)
+                                               activation, fp8, normed_scale)
+        x_out, normed_next, rstd_next, *scale = producer_forward(act, down_weight, x, next_norm_weight,
+                                                                 check.eps(eps), *low_rank_pair(act, down_low_rank),
+                                                                 fp8)
+        return x_out, normed_output(normed_next, scale), rstd_next
     act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed.detach(), rstd.detach(), norm_weight,
                                                             gate_up_weight, *lora_args(gate_up_low_rank), activation,
-                                                            fp8)
-    return _MlpDownResidualRms.apply(act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight.detach(),
-                                     check.eps(eps), *lora_args(down_low_rank), activation, fp8)
+                                                            fp8, normed_scale)
+    x_out, normed_next, rstd_next, *scale = _MlpDownResidualRms.apply(
+        act, preact, residual, mean_z_dz_slot, down_weight, next_norm_weight.detach(), check.eps(eps),
+        *lora_args(down_low_rank), activation, fp8)
+    return x_out, normed_output(normed_next, scale), rstd_next

@@ -18,7 +18,7 @@ from . import _checks as check
 from . import kernels
 from ._checks import stats_dtype
 from ._custom_op import custom_op, named_gradients
-from ._fp8 import check_fp8
+from ._fp8 import check_fp8, consumer_operand, op_operand
 from ._fused import (
     consumer_backward_outputs,
     consumer_gradients,
@@ -47,12 +47,15 @@ QK_NORM_SUB_TILE_16BIT, QK_NORM_SUB_TILE_32BIT = 128, 64
 # ==================================================================================================
 # plain: RoPE only
 # ==================================================================================================
-@custom_op("rms_qkv_rope", fake=lambda normed, qkv_weight, **_: normed.new_empty(normed.shape[0], qkv_weight.shape[0]))
+@custom_op("rms_qkv_rope", fake=lambda normed, qkv_weight, **_: qkv_weight.new_empty(normed.shape[0],
+                                                                                     qkv_weight.shape[0]))
 def _rms_qkv_rope_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
-                     bias: Tensor | None, lora_u: Tensor | None, lora_b: Tensor | None, fp8: bool = False) -> Tensor:
+                     bias: Tensor | None, lora_u: Tensor | None, lora_b: Tensor | None, fp8: bool = False,
+                     normed_scale: Tensor | None = None) -> Tensor:
+    """``normed_scale``: ``normed`` is e4m3 bits with these scales (:func:`codagen.ops._fp8.consumer_operand`)."""
     vectors = {} if bias is None else {"bias": bias}
-    return run(library.rms_qkv_rope(bias=bias is not None), normed, qkv_weight, lora_u, lora_b, fp8, rstd=rstd,
-               positions=positions, frequencies=frequencies, **vectors)["qkv"]
+    return run(library.rms_qkv_rope(bias=bias is not None), consumer_operand(normed, normed_scale), qkv_weight, lora_u,
+               lora_b, fp8, rstd=rstd, positions=positions, frequencies=frequencies, **vectors)["qkv"]
 
 
 def _fake_backward(x, norm_weight, qkv_weight, weight_grad, input_grad, lora_a, lora_b, bias, bias_grad, **_):
@@ -99,9 +102,10 @@ def _grad_blocks(grads: tuple[Tensor | None, ...], split_sizes: tuple[int, ...] 
 class _RmsQkvRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, bias, split_sizes, lora_a,
-                lora_b, lora_scale, fp8):
+                lora_b, lora_scale, fp8, normed_scale):
         lora_u = low_rank_operand(normed, lora_a, lora_scale)
-        qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies, bias, lora_u, lora_b, fp8)
+        qkv = _rms_qkv_rope_op(normed, rstd, qkv_weight, positions, frequencies, bias, lora_u, lora_b, fp8,
+                               normed_scale)
         ctx.save_for_backward(qkv, x, rstd, norm_weight, qkv_weight, positions, frequencies, lora_a, lora_b, lora_u,
                               bias)
         ctx.split_sizes, ctx.lora_scale, ctx.fp8 = split_sizes, lora_scale, fp8
@@ -153,20 +157,24 @@ def qk_norm_in_epilogue(head_dim: int, dtype: torch.dtype) -> bool:
 
 def _fake_qk_norm_forward(normed, qkv_weight, **_):
     shape = (normed.shape[0], qkv_weight.shape[0])
-    return normed.new_empty(shape), normed.new_empty(shape)
+    return qkv_weight.new_empty(shape), qkv_weight.new_empty(shape)
 
 
 def _run_qk_norm(save_preact: bool, normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor,
                  frequencies: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int, eps: float,
-                 lora_u: Tensor | None, lora_b: Tensor | None, fp8: bool) -> dict[str, Tensor]:
+                 lora_u: Tensor | None, lora_b: Tensor | None, fp8: bool,
+                 normed_scale: Tensor | None) -> dict[str, Tensor]:
     head_dim = q_norm_weight.shape[0]
-    if not qk_norm_in_epilogue(head_dim, normed.dtype):  # two launches: z from the GEMM, then the heads' row kernel
+    # the sub-tiles are those of the weight's dtype (e4m3 operands: their activations')
+    if not qk_norm_in_epilogue(head_dim, qkv_weight.dtype):  # two launches: z from the GEMM, then a row kernel
+        normed = consumer_operand(normed, normed_scale)
         z = run(library.rms_linear(), normed, qkv_weight, lora_u, lora_b, fp8, rstd=rstd)["out"]
         qkv = kernels.qk_norm_rope(z, positions, frequencies, q_norm_weight, k_norm_weight, num_heads, eps)
         return dict(qkv=qkv, preact=z)
     qk_norm_weight, qk_passthrough = _qk_norm_columns(
         q_norm_weight, k_norm_weight, num_heads, kv_heads_of(qkv_weight.shape[0], head_dim, num_heads))
-    return run(library.rms_qkv_rope(head_dim, eps, save_preact), normed, qkv_weight, lora_u, lora_b, fp8, rstd=rstd,
+    return run(library.rms_qkv_rope(head_dim, eps, save_preact), consumer_operand(normed, normed_scale), qkv_weight,
+               lora_u, lora_b, fp8, rstd=rstd,
                positions=positions, frequencies=frequencies, qk_norm_weight=qk_norm_weight,
                qk_passthrough=qk_passthrough)
 
@@ -175,9 +183,9 @@ def _run_qk_norm(save_preact: bool, normed: Tensor, rstd: Tensor, qkv_weight: Te
 def _rms_qkv_rope_qk_norm_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor,
                              q_norm_weight: Tensor, k_norm_weight: Tensor, num_heads: int,
                              eps: float, lora_u: Tensor | None, lora_b: Tensor | None,
-                             fp8: bool = False) -> tuple[Tensor, Tensor]:
+                             fp8: bool = False, normed_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     out = _run_qk_norm(True, normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
-                       num_heads, eps, lora_u, lora_b, fp8)
+                       num_heads, eps, lora_u, lora_b, fp8, normed_scale)
     return out["qkv"], out["preact"]
 
 
@@ -185,10 +193,11 @@ def _rms_qkv_rope_qk_norm_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, p
 def _rms_qkv_rope_qk_norm_inference_op(normed: Tensor, rstd: Tensor, qkv_weight: Tensor, positions: Tensor,
                                        frequencies: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
                                        num_heads: int, eps: float, lora_u: Tensor | None,
-                                       lora_b: Tensor | None, fp8: bool = False) -> Tensor:
+                                       lora_b: Tensor | None, fp8: bool = False,
+                                       normed_scale: Tensor | None = None) -> Tensor:
     """The QK-norm forward without ``preact``: for a model that runs no backward (prefill, decode)."""
     return _run_qk_norm(False, normed, rstd, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
-                        num_heads, eps, lora_u, lora_b, fp8)["qkv"]
+                        num_heads, eps, lora_u, lora_b, fp8, normed_scale)["qkv"]
 
 
 def _fake_qk_norm_backward(x, norm_weight, qkv_weight, q_norm_weight, k_norm_weight, weight_grad, input_grad, lora_a,
@@ -218,10 +227,10 @@ def _rms_qkv_rope_qk_norm_backward_op(grad_blocks: list[Tensor], grad_residual: 
 class _RmsQkvRopeQkNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normed, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight,
-                num_heads, eps, split_sizes, lora_a, lora_b, lora_scale, fp8):
+                num_heads, eps, split_sizes, lora_a, lora_b, lora_scale, fp8, normed_scale):
         lora_u = low_rank_operand(normed, lora_a, lora_scale)
         qkv, preact = _rms_qkv_rope_qk_norm_op(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight,
-                                               k_norm_weight, num_heads, eps, lora_u, lora_b, fp8)
+                                               k_norm_weight, num_heads, eps, lora_u, lora_b, fp8, normed_scale)
         ctx.save_for_backward(preact, x, rstd, norm_weight, qkv_weight, positions, frequencies, q_norm_weight,
                               k_norm_weight, lora_a, lora_b, lora_u)
         ctx.num_heads, ctx.eps, ctx.split_sizes, ctx.lora_scale, ctx.fp8 = num_heads, eps, split_sizes, lora_scale, fp8
@@ -405,7 +414,8 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     in the epilogue before RoPE (program ``rms_qkv_rope_bias``); its gradient is ``grad_z`` summed over the tokens
     after B1 (one column reduction, fp32).
     ``fp8=True``: the GEMMs, forward and backward, on e4m3 operands in blockwise groups (:mod:`codagen.ops._fp8`);
-    bf16 inputs, no ``low_rank``.
+    bf16 inputs, no ``low_rank``; ``normed`` may then be ``_fp8.Quantized``, as an FP8 producer op returns it (its
+    GEMM reads it as it is, with no quantize launch).
 
     Saved: ``qkv`` (attention keeps it alive anyway), ``x``, ``rstd``; with QK-norm ``preact = z``
     [M, N] instead of ``qkv`` (one extra activation of qkv's size: the norm's backward needs the
@@ -416,7 +426,7 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     x = check.activation("x", x)
     like = check.Like("x", x)
     m, d = x.shape
-    normed = check.normed("normed", normed, like)
+    normed = check.normed("normed", normed, like, fp8=fp8 is True)
     rstd = check.rstd("rstd", rstd, like)
     norm_weight = check.vector("norm_weight", norm_weight, d, "[features]", like)
     qkv_weight = check.weight("qkv_weight", qkv_weight, (None, d), "[(heads + 2 kv_heads) * head_dim, features]", like,
@@ -428,6 +438,7 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     low_rank = check.low_rank("low_rank", low_rank, d, qkv_weight.shape[0], like)
     fp8 = check_fp8(fp8, x, low_rank)
     lora = lora_args(low_rank)
+    normed, normed_scale = op_operand(normed)
     if q_norm_weight is None and k_norm_weight is None:
         if num_heads is not None:
             raise ValueError("num_heads: only used with QK-norm (give q_norm_weight and k_norm_weight too)")
@@ -435,7 +446,7 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
         if bias is not None:
             bias = check.vector("bias", bias, qkv_weight.shape[0], "[qkv features]", like)
         out = _RmsQkvRope.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
-                                frequencies.detach(), bias, split_sizes, *lora, fp8)
+                                frequencies.detach(), bias, split_sizes, *lora, fp8, normed_scale)
         return _outputs(out, pass_residual)
     if bias is not None:  # the bias would enter before the norm, inside the kernel
         raise NotImplementedError("bias: a QKV bias together with QK-norm is not supported")
@@ -462,11 +473,11 @@ def rms_qkv_rope(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, q
     if not torch.is_grad_enabled():  # inference: no autograd node, no preact
         qkv = _rms_qkv_rope_qk_norm_inference_op(normed, rstd, qkv_weight, positions, frequencies, q_norm_weight,
                                                  k_norm_weight, num_heads, eps, *low_rank_pair(normed, low_rank),
-                                                 fp8)
+                                                 fp8, normed_scale)
         return _outputs((*_split_outputs(qkv, split_sizes), x), pass_residual)
     out = _RmsQkvRopeQkNorm.apply(x, normed.detach(), rstd.detach(), norm_weight, qkv_weight, positions.detach(),
                                   frequencies.detach(), q_norm_weight, k_norm_weight, num_heads, eps, split_sizes,
-                                  *lora, fp8)
+                                  *lora, fp8, normed_scale)
     return _outputs(out, pass_residual)
 
 

@@ -11,7 +11,7 @@ from codagen.epilogue import library
 from . import _checks as check
 from . import kernels
 from ._custom_op import custom_op, named_gradients
-from ._fp8 import check_fp8
+from ._fp8 import GROUP, Quantized, blockwise, check_fp8
 from ._fused import (
     fake_grad,
     lora_args,
@@ -25,7 +25,7 @@ from ._fused import (
 )
 from .low_rank import LowRank
 
-__all__ = ["rms_norm_stats", "out_proj_residual_rms"]
+__all__ = ["rms_norm_stats", "out_proj_residual_rms", "producer_forward", "normed_output"]
 
 
 # ==================================================================================================
@@ -62,6 +62,39 @@ def out_proj_residual_rms_op(inp: Tensor, weight: Tensor, residual: Tensor, norm
               norm_weight=norm_weight)
     rstd = kernels.finish_rstd(out["partial_sumsq"], residual.shape[1], eps)
     return out["residual_out"], out["normed"], rstd
+
+
+def _fake_quantized_normed(residual, **_):
+    m, d = residual.shape
+    return (torch.empty_like(residual), residual.new_empty(m, d, dtype=torch.uint8),
+            residual.new_empty(m, d // GROUP, dtype=torch.float32), stats_like(residual, m))
+
+
+@custom_op("out_proj_residual_rms_fp8", fake=_fake_quantized_normed)
+def out_proj_residual_rms_fp8_op(inp: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor,
+                                 eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FP8 with ``normed`` stored for the next FP8 GEMM: ``(x, normed`` as e4m3 bits ``, its scales [M, d / 128],
+    rstd)``, one blockwise GEMM + the rstd finisher (``d`` a multiple of 128)."""
+    program = library.residual_rms_stats().with_quantized_store("normed", "n", GROUP)
+    out = blockwise(program, inp, weight, b_block=True, residual=residual, norm_weight=norm_weight)
+    rstd = kernels.finish_rstd(out["partial_sumsq"], residual.shape[1], eps)
+    return out["residual_out"], out["normed"].view(torch.uint8), out["normed_scale"], rstd
+
+
+def producer_forward(inp: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
+                     lora_u: Tensor | None, lora_b: Tensor | None, fp8: bool) -> tuple[Tensor, ...]:
+    """A producer's forward: ``(x, normed, rstd)``, or with ``fp8`` and whole groups of 128 columns ``(x, normed``
+    as e4m3 bits ``, rstd, normed's scales)``, which :func:`normed_output` makes the consumer's operand."""
+    if fp8 and residual.shape[1] % GROUP == 0:
+        x, codes, scale, rstd = out_proj_residual_rms_fp8_op(inp, weight, residual, norm_weight, eps)
+        return x, codes, rstd, scale
+    return out_proj_residual_rms_op(inp, weight, residual, norm_weight, eps, lora_u, lora_b, fp8)
+
+
+def normed_output(normed: Tensor, scale: tuple[Tensor, ...]) -> Tensor | Quantized:
+    """A producer Function's ``normed`` output as the ops hand it on: bf16, or :class:`Quantized` from its e4m3 bits
+    and ``scale`` (its one extra output)."""
+    return Quantized(normed.view(torch.float8_e4m3fn), scale[0]) if scale else normed
 
 
 @custom_op("linear_backward", fake=lambda inp, weight, weight_grad, input_grad, lora_a, lora_b, **_: (
@@ -106,17 +139,17 @@ class _OutProjResidualRms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, residual, norm_weight, eps, lora_a, lora_b, lora_scale, fp8):
         lora_u = low_rank_operand(inp, lora_a, lora_scale)
-        residual_out, normed, rstd = out_proj_residual_rms_op(inp, weight, residual, norm_weight, eps, lora_u, lora_b,
+        residual_out, normed, rstd, *scale = producer_forward(inp, weight, residual, norm_weight, eps, lora_u, lora_b,
                                                               fp8)
         ctx.save_for_backward(inp, weight, lora_a, lora_b, lora_u)
         ctx.lora_scale, ctx.fp8 = lora_scale, fp8
-        ctx.mark_non_differentiable(normed, rstd)
+        ctx.mark_non_differentiable(normed, rstd, *scale)
         ctx.set_materialize_grads(False)
-        return residual_out, normed, rstd
+        return residual_out, normed, rstd, *scale
 
     @staticmethod
     @named_gradients(forward)
-    def backward(ctx, needs, grad_residual_out, _grad_normed, _grad_rstd):
+    def backward(ctx, needs, grad_residual_out, *_grad_stats):
         if grad_residual_out is None:
             return {}
         inp, weight, lora_a, lora_b, lora_u = ctx.saved_tensors
@@ -142,7 +175,8 @@ def out_proj_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, norm_we
     low-rank operand pair ``(scale * inp @ a^T, b)``.
 
     ``fp8=True``: every GEMM, forward and backward, on e4m3 operands in blockwise groups (:mod:`codagen.ops._fp8`);
-    bf16 inputs, no ``low_rank``.
+    bf16 inputs, no ``low_rank``. Where ``d`` is a multiple of 128, ``normed`` comes back as ``_fp8.Quantized``:
+    e4m3 with a scale per row and 128 columns, stored by the GEMM as the next FP8 GEMM reads it.
 
     Backward: ``grad_inp = grad_x @ W`` (B8, with the pair ``(scale * grad_x @ b, a)``), ``grad_W = grad_x^T @
     inp`` (B9, skipped when ``weight`` needs no gradient), ``grad_residual = grad_x``; ``grad_b = grad_x^T @ u``,
@@ -156,5 +190,6 @@ def out_proj_residual_rms(inp: Tensor, weight: Tensor, residual: Tensor, norm_we
     norm_weight = check.vector("norm_weight", norm_weight, d, "[residual features]", like)
     low_rank = check.low_rank("low_rank", low_rank, inp.shape[1], d, like)
     fp8 = check_fp8(fp8, inp, low_rank)
-    return _OutProjResidualRms.apply(inp, weight, residual, norm_weight.detach(), check.eps(eps),
-                                     *lora_args(low_rank), fp8)
+    x, normed, rstd, *scale = _OutProjResidualRms.apply(inp, weight, residual, norm_weight.detach(), check.eps(eps),
+                                                        *lora_args(low_rank), fp8)
+    return x, normed_output(normed, scale), rstd

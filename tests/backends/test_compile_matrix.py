@@ -68,7 +68,8 @@ E4M3 = {"linear(rowwise)": lambda: library.linear().with_rowwise_scales(),
         "weight_grad(blockwise)": lambda: library.weight_grad().with_blockwise_scales(128),
         # the block ops' FP8 programs (codagen.ops._fp8): a producer of the residual stream, and the backward GEMMs
         # that store a weight gradient's operand in e4m3 along the tokens
-        "residual_rms_stats(blockwise)": lambda: library.residual_rms_stats().with_blockwise_scales(128, b_block=True),
+        "residual_rms_stats(blockwise, normed e4m3)": lambda: library.residual_rms_stats().with_quantized_store(
+            "normed", "n").with_blockwise_scales(128, b_block=True),
         "swiglu_backward(blockwise, act e4m3)": lambda: library.swiglu_backward().with_quantized_store(
             "act", "m").with_blockwise_scales(128, b_block=True),
         "rms_norm_backward(blockwise, normed e4m3)": lambda: library.rms_norm_backward("add").with_quantized_store(

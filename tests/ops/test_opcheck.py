@@ -84,9 +84,38 @@ def _every_public_op():
         ops.gate_up_swiglu(x, _leaf(2 * FFN, D, scale=0.2), activation="gelu_tanh")
     embedded = ops.embedding(torch.randint(0, VOCAB, (M,)), _leaf(VOCAB, D), padding_idx=0)
     fp8 = ops.fp8_linear(_leaf(M, D).float().detach().requires_grad_(), _leaf(FFN, D).float().detach().requires_grad_())
+    fp8_block = _fp8_block()
     total = (loss + eval_loss + logits.sum() + capped.sum() + act.sum() + qk.sum() + k.sum() + v.sum()
-             + embedded.sum() + post_normed.sum() + olmo_k.sum() + olmo_v.sum() + olmo_act.sum() + fp8.double().sum())
+             + embedded.sum() + post_normed.sum() + olmo_k.sum() + olmo_v.sum() + olmo_act.sum() + fp8.double().sum()
+             + fp8_block.double())
     total.backward()
+
+
+def _fp8_block():
+    """The block ops with ``fp8=True``, in bf16 at a width of whole 128-column groups, so that the producers hand on
+    ``normed`` in e4m3 and the consumers take it (with QK-norm, and without autograd too); the block's loss."""
+    d = 128
+
+    def bf16(*shape, scale=1.0):
+        return _leaf(*shape, scale=scale).to(torch.bfloat16).detach().requires_grad_()
+    x, gamma = bf16(M, d), bf16(d)
+    positions, freqs = torch.arange(M).float(), ops.rope_frequencies(HEADS, KV_HEADS, HD)
+    normed, rstd = ops.rms_norm_stats(x, gamma, 1e-6)
+    q, k, v, residual = ops.rms_qkv_rope(x, normed, rstd, gamma, bf16(QKV, d, scale=0.1), positions, freqs,
+                                         split_sizes=(HEADS * HD, KV_HEADS * HD, KV_HEADS * HD), pass_residual=True,
+                                         fp8=True)
+    h, normed, rstd = ops.out_proj_residual_rms(q.contiguous(), bf16(d, HEADS * HD, scale=0.2), residual, gamma, 1e-6,
+                                                fp8=True)
+    qk = ops.rms_qkv_rope(h, normed, rstd, gamma, bf16(QKV, d, scale=0.1), positions, freqs, bf16(HD), bf16(HD),
+                          num_heads=HEADS, fp8=True)
+    out, *_ = ops.swiglu_mlp_residual_rms(h, normed, rstd, gamma, bf16(2 * FFN, d, scale=0.1),
+                                          bf16(d, FFN, scale=0.2), gamma, 1e-6, fp8=True)
+    with torch.no_grad():
+        ops.swiglu_mlp_residual_rms(h, normed, rstd, gamma, bf16(2 * FFN, d, scale=0.1), bf16(d, FFN, scale=0.2),
+                                    gamma, 1e-6, fp8=True)
+        ops.rms_qkv_rope(h, normed, rstd, gamma, bf16(QKV, d, scale=0.1), positions, freqs, bf16(HD), bf16(HD),
+                         num_heads=HEADS, fp8=True)
+    return out.float().sum() + qk.float().sum() + k.float().sum() + v.float().sum()
 
 
 @pytest.fixture(scope="module")

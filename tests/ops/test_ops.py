@@ -362,7 +362,7 @@ def test_mlp_gate_up_node_refuses_a_backward_without_the_down_projection():
     from codagen.ops.mlp import _MlpGateUp
     x, normed, rstd, gamma = stats(rand(M, D), norm_weight())
     act, preact, residual, mean_z_dz_slot = _MlpGateUp.apply(x, normed, rstd, gamma, rand(2 * FFN, D), None, None, 1.0,
-                                                             "silu", False)
+                                                             "silu", False, None)
     with pytest.raises(RuntimeError, match="down-projection's backward"):
         preact.sum().backward()
 
