@@ -213,3 +213,19 @@ def test_tune_presets_carry_the_published_norm_eps():
         expected = 1e-5 if name.startswith("llama3") else 1e-6 if name.startswith("qwen3") else None
         if expected is not None:
             assert model_config(name, 1).rms_norm_eps == expected, name
+
+
+def test_models_bench_smoke_runs_the_fp8_recipe(tmp_path, capsys):
+    """``codagen bench models --smoke`` with codagen's FP8 provider (bf16 whatever the smoke dtype) beside the bf16
+    one: both time a step, and the table gets the FP8 columns (torchao's provider records its error where torchao
+    does not import)."""
+    import json
+
+    from codagen.bench import models
+    assert models.main(["--smoke", "--providers", "codagen", "codagen_fp8", "torchao_fp8", "--out",
+                        str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-models-full.json")
+    records = {r["provider"]: r for r in json.loads(path.read_text())["records"]}
+    assert records["codagen"]["median_ms"] and records["codagen_fp8"]["median_ms"]
+    assert records["codagen_fp8"]["losses"] != records["codagen"]["losses"]
+    assert "codagen fp8 / torchao fp8" in capsys.readouterr().out

@@ -16,7 +16,10 @@ Providers: ``eager`` (transformers, or PEFT for LoRA), ``compile`` (the same, ``
 (``liger_kernel.transformers.apply_liger_kernel_to_<family>()`` before the model is built: global patches, so it
 runs last), ``codagen`` (``codagen.patch``), ``codagen_compile`` (``codagen.patch`` then ``torch.compile``) and
 ``codagen_compile_graphs`` (``codagen.patch`` then ``torch.compile(mode="reduce-overhead")``: the compiled forward and
-backward replayed as CUDA graphs).
+backward replayed as CUDA graphs). FP8, run when named in ``--providers`` (:data:`FP8_PROVIDERS`): ``codagen_fp8``
+and ``codagen_fp8_compile`` (``codagen.patch(model, fp8="blockwise")``, then compiled), ``torchao_fp8`` and
+``torchao_fp8_compile`` (torchao's ``convert_to_float8_training`` with its ``rowwise`` recipe on every projection,
+the LM head excluded as torchtitan does, then compiled); always bf16 (``--smoke`` included).
 
 Per model, step, token shape and provider: ``--warmup`` untimed steps (compilation among them; the first step's
 wall time is recorded as ``first_step_s``), ``--timed`` steps timed one by one with CUDA events (the median is
@@ -42,11 +45,13 @@ from codagen._cli import command_parser
 
 from .common import pyplot, write_results
 
-__all__ = ["main", "ModelConfig", "MODELS", "PROVIDERS", "STEPS", "hf_config", "idle_share", "kernel_union_ms",
-           "profiled_kernels", "training_step"]
+__all__ = ["main", "ModelConfig", "MODELS", "PROVIDERS", "FP8_PROVIDERS", "STEPS", "hf_config", "idle_share",
+           "kernel_union_ms", "profiled_kernels", "training_step"]
 
 # liger last: its patches are global
 PROVIDERS = ("eager", "compile", "codagen", "codagen_compile", "codagen_compile_graphs", "liger")
+#: FP8 training, run only when named: codagen's blockwise recipe and torchao's rowwise Float8 (the peer)
+FP8_PROVIDERS = ("codagen_fp8", "codagen_fp8_compile", "torchao_fp8", "torchao_fp8_compile")
 STEPS = {"full": None,
          "lora-all-r16": (16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
          "lora-qv-r8": (8, 16.0, ("q_proj", "v_proj"))}
@@ -203,7 +208,11 @@ def build(model: ModelConfig, layers: int, step: str, adapter_dtype: str, provid
                                        autocast_adapter_dtype=adapter_dtype == "peft")
     hf_model.train()
     if provider.startswith("codagen"):
-        codagen.patch(hf_model)
+        codagen.patch(hf_model, fp8="blockwise" if provider.startswith("codagen_fp8") else None)
+    if provider.startswith("torchao_fp8"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(hf_model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                                   module_filter_fn=lambda module, name: "lm_head" not in name)
     if provider.endswith("compile_graphs"):  # CUDA graphs of the compiled forward and backward: no host gaps
         return hf_model, torch.compile(hf_model, mode="reduce-overhead")
     return hf_model, torch.compile(hf_model) if provider.endswith("compile") else hf_model
@@ -270,6 +279,8 @@ def run_provider(model: ModelConfig, layers: int, step_name: str, adapter_dtype:
                  provider: str, device, dtype, warmup: int, timed: int) -> dict:
     """Build, warm up and time one provider; a record of its step times, memory, idle share and losses."""
     record = {"provider": provider}
+    if provider in FP8_PROVIDERS:  # FP8 GEMMs store bf16: the FP8 recipes train bf16 models
+        dtype = torch.bfloat16
     started = time.perf_counter()
     hf_model, step_model = build(model, layers, step_name, adapter_dtype, provider, device, dtype)
     params = [p for p in hf_model.parameters() if p.requires_grad]
@@ -326,8 +337,9 @@ def table(records: list[dict], providers: list[str]) -> str:
     rows = {}
     for r in records:
         rows.setdefault((r["name"], r["step"], r["adapter_dtype"], r["shape"]["tokens_shape"]), {})[r["provider"]] = r
-    head = ("| model | step | tokens | " + " | ".join(providers)
-            + " | codagen best / best peer | peak vs lowest peer |")
+    fp8 = any(p in FP8_PROVIDERS for p in providers)
+    head = ("| model | step | tokens | " + " | ".join(providers) + " | codagen best / best peer | peak vs lowest peer |"
+            + (" codagen fp8 / torchao fp8 | peak vs torchao fp8 |" if fp8 else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for (name, step, adapter_dtype, tokens), by in rows.items():
         cells = []
@@ -335,19 +347,28 @@ def table(records: list[dict], providers: list[str]) -> str:
             r = by.get(p, {})
             cells.append(f"{r['median_ms']:.1f} ({r.get('peak_mem_gib') or 0:.1f} GiB, "
                          f"{_percent(r.get('idle_share'))} idle)" if r.get("median_ms") else "—")
-        peers = [by[p] for p in ("eager", "compile", "liger") if by.get(p, {}).get("median_ms")]
-        ours = [by[p] for p in ("codagen", "codagen_compile", "codagen_compile_graphs")
-                if by.get(p, {}).get("median_ms")]
-        speed = mem = "—"
-        if peers and ours:
-            best = min(ours, key=lambda r: r["median_ms"])
-            speed = f"{min(r['median_ms'] for r in peers) / best['median_ms']:.3f}x"
-            mems = [r["peak_mem_gib"] for r in peers if r.get("peak_mem_gib")]
-            if mems and best.get("peak_mem_gib"):
-                mem = f"{best['peak_mem_gib'] / min(mems):.3f}x"
+        speed, mem = _best_over_peers(by, ("codagen", "codagen_compile", "codagen_compile_graphs"),
+                                      ("eager", "compile", "liger"))
+        fp8_speed, fp8_mem = _best_over_peers(by, ("codagen_fp8", "codagen_fp8_compile"),
+                                              ("torchao_fp8", "torchao_fp8_compile"))
         step_label = step if step == "full" else f"{step} ({adapter_dtype} adapters)"
-        lines.append(f"| {name} | {step_label} | {tokens} | " + " | ".join(cells) + f" | {speed} | {mem} |")
+        lines.append(f"| {name} | {step_label} | {tokens} | " + " | ".join(cells) + f" | {speed} | {mem} |"
+                     + (f" {fp8_speed} | {fp8_mem} |" if fp8 else ""))
     return "\n".join(lines)
+
+
+def _best_over_peers(by: dict[str, dict], ours: tuple[str, ...], peers: tuple[str, ...]) -> tuple[str, str]:
+    """``(speed-up, peak-memory ratio)`` of the fastest of ``ours`` over the fastest and the leanest of ``peers``,
+    as table cells ("—" where either side has no time)."""
+    peer_runs = [by[p] for p in peers if by.get(p, {}).get("median_ms")]
+    our_runs = [by[p] for p in ours if by.get(p, {}).get("median_ms")]
+    if not (peer_runs and our_runs):
+        return "—", "—"
+    best = min(our_runs, key=lambda r: r["median_ms"])
+    speed = f"{min(r['median_ms'] for r in peer_runs) / best['median_ms']:.3f}x"
+    mems = [r["peak_mem_gib"] for r in peer_runs if r.get("peak_mem_gib")]
+    mem = f"{best['peak_mem_gib'] / min(mems):.3f}x" if mems and best.get("peak_mem_gib") else "—"
+    return speed, mem
 
 
 def plot(records: list[dict], providers: list[str], path: Path) -> Path | None:
@@ -383,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=["full"])
     parser.add_argument("--adapter-dtype", nargs="+", choices=["peft", "bf16"], default=["peft"],
                         help="LoRA steps: PEFT's default (float32 adapters) and/or bf16 adapters")
-    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS + FP8_PROVIDERS, default=list(PROVIDERS))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", nargs="+", default=["4x4096", "8x2048"], help="batch x sequence shapes")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation among them)")
@@ -407,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype = torch.device("cuda"), torch.bfloat16
         models = {name: MODELS[name] for name in args.models}
         warmup, timed = args.warmup, args.timed
-    providers = [p for p in PROVIDERS if p in args.providers]  # liger last
+    # liger last: its patches are global
+    providers = [p for p in (*PROVIDERS[:-1], *FP8_PROVIDERS, "liger") if p in args.providers]
     print(f"model benchmark on {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}, {dtype}, "
           f"{args.layers} layers; providers {providers}", flush=True)
     suite = "models-" + "-".join(args.steps)

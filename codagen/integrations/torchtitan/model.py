@@ -6,9 +6,11 @@ Run torchtitan 0.3's trainer on this module as its config registry::
 
 (``llama3_8b``, ``llama3_70b``, ``llama3_debugmodel``, ``llama3_debugmodel_ce_loss``, ``qwen3_0_6b``,
 ``qwen3_1_7b``, ``qwen3_14b``, ``qwen3_32b``, ``qwen3_debugmodel``: torchtitan's configs of those names, converted;
-the usual command-line flags apply on top), or convert a model spec in a config registry of your own with
-``llama3.model_registry(flavor, converters=[CodagenConverter.Config()])`` and set ``parallelism.spmd_backend =
-"partial_dtensor"`` (:func:`.config_registry.codagen_trainer_config` does both). The conversion replaces the model
+``llama3_8b_fp8`` and ``llama3_debugmodel_fp8`` with FP8 GEMMs; the usual command-line flags apply on top), or
+convert a model spec in a config registry of your own with ``llama3.model_registry(flavor,
+converters=[CodagenConverter.Config()])`` (``CodagenConverter.Config(fp8="blockwise")``: every block's GEMMs in
+FP8, ``docs/models.md``, "FP8 training") and set ``parallelism.spmd_backend = "partial_dtensor"``
+(:func:`.config_registry.codagen_trainer_config` does both). The conversion replaces the model
 config (a ``Llama3Model.Config`` / ``Qwen3Model.Config``) by :class:`CodagenLlama3Model.Config` /
 :class:`CodagenQwen3Model.Config` and each block config by :class:`CodagenBlock.Config`, keeping every size, RoPE
 setting and parameter init. Each decoder block then runs CODA's regrouped unit
