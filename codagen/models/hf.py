@@ -363,8 +363,8 @@ def patch(model: nn.Module, *, fp8: str | None = None) -> nn.Module:
     ``fp8="blockwise"``: every projection GEMM of the decoder layers, forward and backward, runs on e4m3 operands
     scaled per group of 128 along K, weights per 128 x 128 block (:mod:`codagen.ops._fp8`), in
     training, evaluation and ``generate()`` alike; the LM head and the embeddings stay in the model's dtype. It needs
-    bf16 compute (a bf16 model, or ``torch.autocast`` to bf16) and a family with a norm before attention and before
-    the MLP and none after them; LoRA adapters and fused parameters (:mod:`codagen.models.sharding`) are refused.
+    bf16 compute (a bf16 model, or ``torch.autocast`` to bf16); LoRA adapters and fused parameters
+    (:mod:`codagen.models.sharding`) are refused.
     """
     inner = lora.unwrap_peft(model)
     if fused_layers.is_fused(inner):  # checked and patched by codagen.models.sharding.fuse_parameters
@@ -404,10 +404,6 @@ def _checked_fp8(model: nn.Module, fp8) -> str | None:
     if _fp8.checked_recipe(fp8) is None:
         return None
     inner = lora.unwrap_peft(model)
-    family = families.family_of(inner)
-    if family.attn_norm is None or family.mlp_norm is None or family.post_attn_norm or family.post_mlp_norm:
-        raise _refuse(f"fp8={fp8!r} on the {family.name} family (norms after the projections, or none before them)",
-                      inner)
     if inner is not model or any(lora.is_peft_module(module) for module in inner.modules()):
         raise _refuse(f"fp8={fp8!r} with LoRA adapters", inner)
     return fp8

@@ -167,13 +167,10 @@ def block_qkv(blk: BlockWeights, x: torch.Tensor, normed: torch.Tensor, rstd: to
     if blk.frequencies is not None:
         frequencies = blk.frequencies
     if blk.attn_norm is None:  # OLMo 2: x as it is, one QK-norm over each whole projection
-        if blk.fp8:
-            raise NotImplementedError("decoder_stack: FP8 GEMMs in a block without attn_norm (OLMo 2) are not "
-                                      "supported yet")
         if blk.q_norm is None or blk.k_norm is None:
             raise NotImplementedError("decoder_stack: a block without attn_norm needs q_norm and k_norm (OLMo 2)")
         return ops.qkv_norm_rope(x, blk.qkv, positions, frequencies, blk.q_norm, blk.k_norm, eps,
-                                 split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank)
+                                 split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank, fp8=blk.fp8)
     if blk.q_norm is None and blk.k_norm is None:
         return ops.rms_qkv_rope(x, normed, rstd, blk.attn_norm, blk.qkv, positions, frequencies,
                                 split_sizes=split_sizes, pass_residual=True, low_rank=blk.qkv_low_rank,
@@ -195,9 +192,6 @@ def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_n
     if (blk.mlp_norm is None or next_norm is None) and (blk.post_attn_norm is None or blk.post_mlp_norm is None):
         raise NotImplementedError("decoder_stack: a block without a norm before the MLP or the next block needs "
                                   "post_attn_norm and post_mlp_norm (OLMo 2)")
-    if blk.fp8 and (blk.post_attn_norm is not None or blk.post_mlp_norm is not None):
-        raise NotImplementedError("decoder_stack: FP8 GEMMs in a block with post-norms (Gemma, OLMo 2) are not "
-                                  "supported yet")
     if blk.post_attn_norm is None:
         # An O-proj bias is part of the residual add: x' = attn W_o^T + (x + b).
         residual = x if blk.o_bias is None else x + blk.o_bias
@@ -205,19 +199,19 @@ def block_out_mlp(blk: BlockWeights, attn: torch.Tensor, x: torch.Tensor, next_n
                                                     fp8=blk.fp8)
     else:
         x, normed, rstd = ops.linear_post_norm_residual_rms(attn, blk.o, x, blk.post_attn_norm, blk.mlp_norm, eps,
-                                                            low_rank=blk.o_low_rank)
+                                                            low_rank=blk.o_low_rank, fp8=blk.fp8)
     if blk.post_mlp_norm is None:
         return ops.swiglu_mlp_residual_rms(x, normed, rstd, blk.mlp_norm, blk.gate_up, blk.down, next_norm, eps,
                                            gate_up_low_rank=blk.gate_up_low_rank, down_low_rank=blk.down_low_rank,
                                            fp8=blk.fp8, **_activation(blk))
     if blk.mlp_norm is None:  # x passes through the op, so that the residual path's gradient joins its backward's
         act, x = ops.gate_up_swiglu(x, blk.gate_up, low_rank=blk.gate_up_low_rank, pass_residual=True,
-                                    **_activation(blk))
+                                    fp8=blk.fp8, **_activation(blk))
     else:
         act = ops.rms_gate_up_swiglu(x, normed, rstd, blk.mlp_norm, blk.gate_up, low_rank=blk.gate_up_low_rank,
-                                     **_activation(blk))
+                                     fp8=blk.fp8, **_activation(blk))
     return ops.linear_post_norm_residual_rms(act, blk.down, x, blk.post_mlp_norm, next_norm, eps,
-                                             low_rank=blk.down_low_rank)
+                                             low_rank=blk.down_low_rank, fp8=blk.fp8)
 
 
 def _activation(blk: BlockWeights) -> dict:

@@ -78,20 +78,23 @@ def _rms_gate_up_swiglu_inference_op(normed: Tensor, rstd: Tensor, gate_up_weigh
 def _rms_gate_up_swiglu_backward_op(grad_act: Tensor, preact: Tensor, x: Tensor, rstd: Tensor, norm_weight: Tensor,
                                     gate_up_weight: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
                                     lora_b: Tensor | None, lora_u: Tensor | None, lora_scale: float,
-                                    activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                                    activation: str,
+                                    fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grad_preact, mean_z_dz = kernels.swiglu_backward(grad_act, preact, x.shape[1], activation)
     return consumer_backward_outputs(x, consumer_rms_norm_backward(
         grad_preact, gate_up_weight, x, rstd, norm_weight, mean_z_dz, weight_grad=weight_grad, input_grad=input_grad,
-        lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale))
+        lora_a=lora_a, lora_b=lora_b, lora_u=lora_u, lora_scale=lora_scale, fp8=fp8))
 
 
 class _RmsGateUpSwiglu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale, activation):
+    def forward(ctx, x, normed, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_scale, activation, fp8,
+                normed_scale):
         lora_u = low_rank_operand(normed, lora_a, lora_scale)
-        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b, activation)
+        act, preact = _rms_gate_up_swiglu_op(normed, rstd, gate_up_weight, lora_u, lora_b, activation, fp8,
+                                             normed_scale)
         ctx.save_for_backward(preact, x, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_u)
-        ctx.lora_scale, ctx.activation = lora_scale, activation
+        ctx.lora_scale, ctx.activation, ctx.fp8 = lora_scale, activation, fp8
         ctx.set_materialize_grads(False)
         return act
 
@@ -103,8 +106,8 @@ class _RmsGateUpSwiglu(torch.autograd.Function):
         preact, x, rstd, norm_weight, gate_up_weight, lora_a, lora_b, lora_u = ctx.saved_tensors
         named, _ = consumer_gradients(needs, _rms_gate_up_swiglu_backward_op(
             grad_act.contiguous(), preact, x, rstd, norm_weight, gate_up_weight, needs["gate_up_weight"],
-            consumer_input_grad(needs), lora_a, lora_b, lora_u, ctx.lora_scale, ctx.activation), "gate_up_weight",
-            lora_a)
+            consumer_input_grad(needs), lora_a, lora_b, lora_u, ctx.lora_scale, ctx.activation, ctx.fp8),
+            "gate_up_weight", lora_a)
         return named
 
 
@@ -121,7 +124,7 @@ def _checked_gate_up_inputs(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight
 
 
 def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, *,
-                       low_rank: LowRank | None = None, activation: str = "silu") -> Tensor:
+                       low_rank: LowRank | None = None, activation: str = "silu", fp8: bool = False) -> Tensor:
     """F2: ``act = swiglu(RMSNorm(x) @ gate_up_weight^T)``, rows of ``gate_up_weight`` interleaved ``g0, u0, ...``.
 
     One GEMM: ``z = rstd[m] * (normed @ W^T)``; stores ``preact = z`` [M, 2F] (saved) and
@@ -131,19 +134,22 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
     Backward (standalone, so the activation's backward has no GEMM to live in): one elementwise kernel for
     ``(dg, du)`` and ``mean_z_dz = sum (g dg + u du) / d``, then the RMSNorm-backward GEMM and ``grad_W``.
     Prefer :func:`swiglu_mlp_residual_rms`, which moves that backward into the down-projection's epilogue.
-    ``low_rank``: as in :func:`rms_qkv_rope` (``b``'s rows interleaved like ``gate_up_weight``'s).
+    ``low_rank``: as in :func:`rms_qkv_rope` (``b``'s rows interleaved like ``gate_up_weight``'s). ``fp8``: as in
+    :func:`swiglu_mlp_residual_rms`.
     Saved: ``preact``, ``x``, ``rstd``; with autograd off (``torch.no_grad``) nothing, and ``preact`` is not stored.
     """
     activation = check.gated_activation("activation", activation)
     x, normed, rstd, norm_weight, gate_up_weight = _checked_gate_up_inputs(x, normed, rstd, norm_weight,
-                                                                           gate_up_weight)
+                                                                           gate_up_weight, fp8 is True)
     d, like = x.shape[1], check.Like("x", x)
     low_rank = check.low_rank("low_rank", low_rank, d, gate_up_weight.shape[0], like)
+    fp8 = check_fp8(fp8, x, low_rank)
+    normed, normed_scale = op_operand(normed)
     if not torch.is_grad_enabled():
         return _rms_gate_up_swiglu_inference_op(normed, rstd, gate_up_weight, *low_rank_pair(normed, low_rank),
-                                                activation)
+                                                activation, fp8, normed_scale)
     return _RmsGateUpSwiglu.apply(x, normed.detach(), rstd.detach(), norm_weight, gate_up_weight,
-                                  *lora_args(low_rank), activation)
+                                  *lora_args(low_rank), activation, fp8, normed_scale)
 
 
 # ==================================================================================================
@@ -153,9 +159,10 @@ def rms_gate_up_swiglu(x: Tensor, normed: Tensor, rstd: Tensor, norm_weight: Ten
     x.new_empty(x.shape[0], gate_up_weight.shape[0] // 2),
     x.new_empty(x.shape[0] if save_preact else 0, gate_up_weight.shape[0])))
 def _gate_up_swiglu_op(x: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None, lora_b: Tensor | None,
-                       activation: str, save_preact: bool) -> tuple[Tensor, Tensor]:
+                       activation: str, save_preact: bool, fp8: bool = False) -> tuple[Tensor, Tensor]:
     """``(act, preact)``; ``preact`` empty with ``save_preact=False`` (a forward without backward)."""
-    out = run(library.rms_gate_up_swiglu(save_preact, activation, pre_norm=False), x, gate_up_weight, lora_u, lora_b)
+    out = run(library.rms_gate_up_swiglu(save_preact, activation, pre_norm=False), x, gate_up_weight, lora_u, lora_b,
+              fp8)
     return out["out"], out["preact"] if save_preact else x.new_empty(0, gate_up_weight.shape[0])
 
 
@@ -165,19 +172,19 @@ def _gate_up_swiglu_op(x: Tensor, gate_up_weight: Tensor, lora_u: Tensor | None,
 def _gate_up_swiglu_backward_op(grad_act: Tensor, grad_residual: Tensor | None, preact: Tensor, x: Tensor,
                                 gate_up_weight: Tensor, weight_grad: bool, input_grad: bool, lora_a: Tensor | None,
                                 lora_b: Tensor | None, lora_u: Tensor | None, lora_scale: float,
-                                activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                activation: str, fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grad_preact, _ = kernels.swiglu_backward(grad_act, preact, x.shape[1], activation)
     return _linear_backward_op(grad_preact, x, gate_up_weight, weight_grad, input_grad, lora_a, lora_b, lora_u,
-                               lora_scale, grad_residual)
+                               lora_scale, grad_residual, fp8)
 
 
 class _GateUpSwiglu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, gate_up_weight, lora_a, lora_b, lora_scale, activation):
+    def forward(ctx, x, gate_up_weight, lora_a, lora_b, lora_scale, activation, fp8):
         lora_u = low_rank_operand(x, lora_a, lora_scale)
-        act, preact = _gate_up_swiglu_op(x, gate_up_weight, lora_u, lora_b, activation, True)
+        act, preact = _gate_up_swiglu_op(x, gate_up_weight, lora_u, lora_b, activation, True, fp8)
         ctx.save_for_backward(preact, x, gate_up_weight, lora_a, lora_b, lora_u)
-        ctx.lora_scale, ctx.activation = lora_scale, activation
+        ctx.lora_scale, ctx.activation, ctx.fp8 = lora_scale, activation, fp8
         ctx.set_materialize_grads(False)
         return act, x.view_as(x)
 
@@ -190,14 +197,14 @@ class _GateUpSwiglu(torch.autograd.Function):
         grad_x, grad_weight, grad_lora_a, grad_lora_b = _gate_up_swiglu_backward_op(
             grad_act.contiguous(), None if grad_residual is None else grad_residual.contiguous(), preact, x,
             gate_up_weight, needs["gate_up_weight"], needs["x"], lora_a, lora_b, lora_u, ctx.lora_scale,
-            ctx.activation)
+            ctx.activation, ctx.fp8)
         present = lora_a is not None
         return dict(x=grad_x if needs["x"] else None, gate_up_weight=grad_weight if needs["gate_up_weight"] else None,
                     lora_a=grad_lora_a if present else None, lora_b=grad_lora_b if present else None)
 
 
 def gate_up_swiglu(x: Tensor, gate_up_weight: Tensor, *, low_rank: LowRank | None = None, activation: str = "silu",
-                   pass_residual: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                   pass_residual: bool = False, fp8: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """F2 of an MLP with no norm before it (OLMo 2): ``act = swiglu(x @ gate_up_weight^T)``, rows interleaved
     ``g0, u0, ...``; ``activation`` and ``low_rank`` as in :func:`rms_gate_up_swiglu`.
 
@@ -207,7 +214,7 @@ def gate_up_swiglu(x: Tensor, gate_up_weight: Tensor, *, low_rank: LowRank | Non
     residual)``, ``x`` passed through: used as the MLP's residual, its gradient joins ``grad_x`` in the input
     gradient GEMM's store (program ``input_grad_residual``), where autograd would add the two paths' ``[M, d]``
     gradients in a separate kernel. Saved: ``preact``, ``x``; with autograd off nothing, and ``preact`` is not
-    stored.
+    stored. ``fp8``: as in :func:`swiglu_mlp_residual_rms`.
     """
     activation = check.gated_activation("activation", activation)
     x = check.activation("x", x)
@@ -216,10 +223,11 @@ def gate_up_swiglu(x: Tensor, gate_up_weight: Tensor, *, low_rank: LowRank | Non
     gate_up_weight = check.weight("gate_up_weight", gate_up_weight, (None, d), "[2 * ffn features, x features]",
                                   like, even_rows=True)
     low_rank = check.low_rank("low_rank", low_rank, d, gate_up_weight.shape[0], like)
+    fp8 = check_fp8(fp8, x, low_rank)
     if not torch.is_grad_enabled():
-        act = _gate_up_swiglu_op(x, gate_up_weight, *low_rank_pair(x, low_rank), activation, False)[0]
+        act = _gate_up_swiglu_op(x, gate_up_weight, *low_rank_pair(x, low_rank), activation, False, fp8)[0]
         return (act, x) if pass_residual else act
-    act, residual = _GateUpSwiglu.apply(x, gate_up_weight, *lora_args(low_rank), activation)
+    act, residual = _GateUpSwiglu.apply(x, gate_up_weight, *lora_args(low_rank), activation, fp8)
     return (act, residual) if pass_residual else act
 
 

@@ -260,10 +260,10 @@ class _RmsQkvRopeQkNorm(torch.autograd.Function):
                                                               qkv_weight.shape[0])))
 def _qkv_norm_rope_op(x: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor,
                       k_norm_weight: Tensor, eps: float, lora_u: Tensor | None, lora_b: Tensor | None,
-                      save_preact: bool) -> tuple[Tensor, Tensor]:
+                      save_preact: bool, fp8: bool = False) -> tuple[Tensor, Tensor]:
     """``(qkv, preact = z)``: the GEMM stores ``z = x @ W_eff^T``, the row kernel normalizes and rotates it (Q and K
     one norm group each); ``preact`` empty with ``save_preact=False``."""
-    z = run(library.linear(), x, qkv_weight, lora_u, lora_b)["out"]
+    z = run(library.linear(), x, qkv_weight, lora_u, lora_b, fp8)["out"]
     qkv = kernels.qk_norm_rope(z, positions, frequencies, q_norm_weight, k_norm_weight, 1, eps)
     return qkv, z if save_preact else z.new_empty(0, z.shape[1])
 
@@ -276,25 +276,26 @@ def _qkv_norm_rope_backward_op(grad_blocks: list[Tensor], grad_residual: Tensor 
                                qkv_weight: Tensor, positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor,
                                k_norm_weight: Tensor, eps: float, weight_grad: bool, input_grad: bool,
                                lora_a: Tensor | None, lora_b: Tensor | None, lora_u: Tensor | None,
-                               lora_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                               lora_scale: float,
+                               fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     # B1: RoPE backward + the Q and K projections' RMSNorm backward (+ q_norm/k_norm weight gradients)
     grad_z, _, grad_q_norm_weight, grad_k_norm_weight = kernels.rope_qk_norm_backward(
         grad_blocks, preact, positions, frequencies, q_norm_weight, k_norm_weight, 1, eps, x.shape[1])
     grads = _linear_backward_op(grad_z, x, qkv_weight, weight_grad, input_grad, lora_a, lora_b, lora_u, lora_scale,
-                                grad_residual)  # B8 (+ the residual's), B9
+                                grad_residual, fp8)  # B8 (+ the residual's), B9
     return *grads, grad_q_norm_weight.to(q_norm_weight.dtype), grad_k_norm_weight.to(k_norm_weight.dtype)
 
 
 class _QkvNormRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, eps, split_sizes, lora_a,
-                lora_b, lora_scale):
+                lora_b, lora_scale, fp8):
         lora_u = low_rank_operand(x, lora_a, lora_scale)
         qkv, preact = _qkv_norm_rope_op(x, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, eps,
-                                        lora_u, lora_b, True)
+                                        lora_u, lora_b, True, fp8)
         ctx.save_for_backward(preact, x, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, lora_a,
                               lora_b, lora_u)
-        ctx.eps, ctx.split_sizes, ctx.lora_scale = eps, split_sizes, lora_scale
+        ctx.eps, ctx.split_sizes, ctx.lora_scale, ctx.fp8 = eps, split_sizes, lora_scale, fp8
         ctx.set_materialize_grads(False)
         return *_split_outputs(qkv, split_sizes), x.view_as(x)
 
@@ -308,7 +309,7 @@ class _QkvNormRope(torch.autograd.Function):
             return dict(x=grad_residual)
         grad_x, grad_weight, grad_lora_a, grad_lora_b, grad_q_norm, grad_k_norm = _qkv_norm_rope_backward_op(
             grad_blocks, _contiguous(grad_residual), *saved, ctx.eps, needs["qkv_weight"], needs["x"], lora_a, lora_b,
-            lora_u, ctx.lora_scale)
+            lora_u, ctx.lora_scale, ctx.fp8)
         present = lora_a is not None
         return dict(x=grad_x if needs["x"] else None, qkv_weight=grad_weight if needs["qkv_weight"] else None,
                     lora_a=grad_lora_a if present else None, lora_b=grad_lora_b if present else None,
@@ -317,7 +318,8 @@ class _QkvNormRope(torch.autograd.Function):
 
 def qkv_norm_rope(x: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies: Tensor, q_norm_weight: Tensor,
                   k_norm_weight: Tensor, eps: float, *, split_sizes: tuple[int, int, int] | None = None,
-                  pass_residual: bool = False, low_rank: LowRank | None = None) -> Tensor | tuple[Tensor, ...]:
+                  pass_residual: bool = False, low_rank: LowRank | None = None,
+                  fp8: bool = False) -> Tensor | tuple[Tensor, ...]:
     """OLMo 2's attention input: ``z = x @ qkv_weight^T`` (no norm before it), an RMSNorm over the whole Q projection
     and one over the whole K projection, then RoPE: ``q = rope(RMSNorm(z_q) * q_norm_weight)``, likewise ``k``,
     ``v = z_v``.
@@ -333,7 +335,7 @@ def qkv_norm_rope(x: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies:
     no output tile holds). Backward: B1 rotates the gradient back and applies the two norms' backward
     (:func:`codagen.ops.kernels.rope_qk_norm_backward`, with the norm weights' gradients), then ``grad_x = grad_z @
     W`` and ``grad_W = grad_z^T @ x``. Saved: ``preact``, ``x``; with autograd off nothing, and ``preact`` is not
-    stored.
+    stored. ``fp8``: as in :func:`rms_qkv_rope`.
     """
     x = check.activation("x", x)
     like = check.Like("x", x)
@@ -354,12 +356,13 @@ def qkv_norm_rope(x: Tensor, qkv_weight: Tensor, positions: Tensor, frequencies:
     eps = check.eps(eps)
     split_sizes = check.split_sizes("split_sizes", split_sizes, rows, (q_cols, k_cols, k_cols))
     low_rank = check.low_rank("low_rank", low_rank, d, rows, like)
+    fp8 = check_fp8(fp8, x, low_rank)
     if not torch.is_grad_enabled():  # inference: no autograd node, no preact
         qkv, _ = _qkv_norm_rope_op(x, qkv_weight, positions, frequencies, q_norm_weight, k_norm_weight, eps,
-                                   *low_rank_pair(x, low_rank), False)
+                                   *low_rank_pair(x, low_rank), False, fp8)
         return _outputs((*_split_outputs(qkv, split_sizes), x), pass_residual)
     out = _QkvNormRope.apply(x, qkv_weight, positions.detach(), frequencies.detach(), q_norm_weight, k_norm_weight,
-                             eps, split_sizes, *lora_args(low_rank))
+                             eps, split_sizes, *lora_args(low_rank), fp8)
     return _outputs(out, pass_residual)
 
 

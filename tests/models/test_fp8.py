@@ -1,9 +1,10 @@
 """``codagen.patch(model, fp8="blockwise")``: every projection GEMM of the decoder in e4m3 with blockwise scales.
 
-A patched FP8 model trains within twice the error of the same recipe applied per ``nn.Linear`` (each projection of
-the unpatched bf16 model replaced by :func:`codagen.ops.fp8_linear`: torchao's way of converting a model, with
-codagen's scaling), both against the model in float64; evaluation and ``generate()`` run the FP8 GEMMs too; the
-recipe survives copies and re-patching; what FP8 cannot take is refused at patch time or at the first forward."""
+A patched FP8 model of every family trains within twice the error of the same recipe applied per ``nn.Linear`` (each
+projection of the unpatched bf16 model replaced by :func:`codagen.ops.fp8_linear`: torchao's way of converting a
+model, with codagen's scaling), both against the model in float64; evaluation and ``generate()`` run the FP8 GEMMs
+too; checkpointing recomputes the same math; the recipe survives copies and re-patching; what FP8 cannot take is
+refused at patch time or at the first forward."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +15,7 @@ import torch
 
 import codagen
 from codagen import ops
-from codagen.models import patch, unpatch
+from codagen.models import families, patch, unpatch
 from codagen.models.hf import fp8_recipe
 from codagen.ops import _fp8
 
@@ -22,18 +23,14 @@ from .conftest import BACKENDS, build, lm_inputs
 
 transformers = pytest.importorskip("transformers")
 
-#: the families whose blocks have a norm before attention and before the MLP and none after (what FP8 takes)
-FP8_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "glm")
 #: wide enough for groups of 128 along K (two and a half in the MLP's down projection), heads of 64
 WIDE = dict(hidden_size=256, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
 
 def tiny_fp8(family: str) -> torch.nn.Module:
-    extra = {"granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
-                             logits_scaling=8.0),
-             "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=2), "glm": dict(attention_bias=True),
-             "mistral": dict(sliding_window=5)}.get(family, {})
-    model = build(family, **WIDE, **extra)
+    """``test_families``' tiny config of ``family`` (its published structure) at :data:`WIDE`'s widths."""
+    from .test_families import TINY
+    model = build(family, **{**TINY[family], **WIDE})
     with torch.no_grad():  # build's 0.15 is for width 32: keep the activations of order one at width 256
         for name, p in model.named_parameters():
             if p.dim() == 2 and "proj" in name:
@@ -79,7 +76,7 @@ def relative_errors(model, batches, backend: str) -> tuple[dict[str, float], dic
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("family", FP8_FAMILIES)
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
 def test_fp8_trains_within_twice_the_per_linear_recipes_error(family, backend):
     if backend == "triton" and family != "llama":
         pytest.skip("the interpreter runs one family; the reference backend runs every one")
@@ -138,13 +135,6 @@ def test_the_recipe_survives_copies_and_patching_again():
 def test_unknown_recipes_are_refused_naming_fp8(fp8, error, message):
     with pytest.raises(error, match=message):
         patch(tiny_fp8("llama"), fp8=fp8)
-
-
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "glm4", "olmo2"])
-def test_families_with_post_norms_are_refused(family):
-    from .test_families import tiny
-    with pytest.raises(NotImplementedError, match=f"fp8='blockwise' on the {family} family"):
-        patch(tiny(family), fp8="blockwise")
 
 
 def test_fp32_compute_is_refused_at_the_first_forward():

@@ -292,8 +292,8 @@ def test_what_stays_refused():
     assert not errors
 
 
-def _bf16_training(rank, world, model, batch):
-    codagen.patch(model)
+def _bf16_training(rank, world, model, batch, fp8=None):
+    codagen.patch(model, fp8=fp8)
     accelerate_prepare(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     return steps(model, batch, slice(rank * BATCH // world, (rank + 1) * BATCH // world))
 
@@ -310,6 +310,20 @@ def test_per_layer_units_with_bf16_parameters():
     for name, g in want["grads"].items():
         cosine = torch.nn.functional.cosine_similarity(got["grads"][name].flatten().float(), g.flatten(), dim=0)
         assert cosine > 0.99, f"{name}: cosine similarity {cosine.item()} to the fp32 gradient"
+
+
+def test_per_layer_units_with_fp8_gemms():
+    """``codagen.patch(model, fp8="blockwise")`` under accelerate's placement with bf16 parameters: each layer's FP8
+    GEMMs quantize the weights FSDP all-gathered for it (in bf16: the all-gather carries no FP8), and training follows
+    the fp32 model within FP8's distance (two steps)."""
+    model, batch = build("llama"), lm_batch()
+    want = reference(model, batch)
+    got = run_distributed(2, _bf16_training, model, batch, "blockwise")
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        assert abs(a.item() - b.item()) <= 5e-2 * abs(b.item())
+    for name, g in want["grads"].items():
+        cosine = torch.nn.functional.cosine_similarity(got["grads"][name].flatten().float(), g.flatten(), dim=0)
+        assert cosine > 0.9, f"{name}: cosine similarity {cosine.item()} to the fp32 gradient"
 
 
 # --- GPU (NCCL, bf16 mixed precision, Triton kernels; CODAGEN_TRITON_AUTOTUNE=0) ------------------------------
