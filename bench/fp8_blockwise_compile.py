@@ -104,7 +104,7 @@ def jobs():
                                                       tma_epilogue=target.tma) if cfg.schedule == "persistent"]
             yield from ((case, target_name, cfg, True) for cfg in pool)
             if target_name == "sm_90":
-                column_groups = [o.group for o in program.outputs if isinstance(o, QuantizedStore) and o.along == "n"]
+                column_groups = [g.column_group for g in program.column_groups()]  # heads, quantized groups
                 set_aside = [cfg for cfg in SET_ASIDE if cfg not in pool
                              and (dtype == "fp8e4nv") == (cfg.block_k == 128)
                              and not (program.gemm.b_scale_block and cfg.block_n > 128)  # a block holds the tile

@@ -69,6 +69,10 @@ def fuse_parameters(model: nn.Module) -> nn.Module:
                                   f"projections, multipliers or layers without RoPE) is not supported yet; patch it "
                                   f"with codagen.patch and fully_shard its decoder layers and the root (accelerate's "
                                   f"FSDP2 placement: codagen.models.layer_units)")
+    if hf.fp8_recipe(model) is not None:  # patching again would drop the recipe
+        raise NotImplementedError(f"codagen.models.sharding.fuse_parameters: the model is patched with "
+                                  f"fp8={hf.fp8_recipe(model)!r}, which fused parameters do not take yet; fully_shard "
+                                  f"its decoder layers and the root instead (codagen.models.layer_units)")
     hf.patch(model)
     if lora.prepare_adapters(model):
         raise NotImplementedError("codagen.models.sharding.fuse_parameters: the model holds LoRA layers")

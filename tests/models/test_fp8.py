@@ -143,6 +143,16 @@ def test_fp32_compute_is_refused_at_the_first_forward():
         model(**lm_inputs())
 
 
+def test_fused_parameters_are_refused_either_way():
+    from codagen.models import sharding
+    model = patch(tiny_fp8("llama").bfloat16(), fp8="blockwise")
+    with pytest.raises(NotImplementedError, match="patched with fp8='blockwise', which fused parameters"):
+        sharding.fuse_parameters(model)
+    fused = sharding.fuse_parameters(tiny_fp8("llama").bfloat16())
+    with pytest.raises(NotImplementedError, match="fp8='blockwise' on a model with fused parameters"):
+        patch(fused, fp8="blockwise")
+
+
 def test_lora_is_refused():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_fp8("llama").bfloat16(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
