@@ -65,11 +65,11 @@ def relative_errors(model, batches, backend: str, device="cpu") -> tuple[dict[st
                 "codagen_fp8": patch(copy.deepcopy(model).bfloat16(), fp8="blockwise")}
         results = {}
         batch = {key: value.to(device) for key, value in batch.items()}
-        with codagen.use_backend(backend):
-            for name, m in runs.items():
+        for name, m in runs.items():  # the peer on the reference backend: PyTorch's math of its GEMMs
+            with codagen.use_backend(backend if name == "codagen_fp8" else "reference"):
                 loss = m(**batch).loss
                 loss.backward()
-                results[name] = {"loss": loss.detach(), **{n: p.grad for n, p in m.named_parameters()}}
+            results[name] = {"loss": loss.detach(), **{n: p.grad for n, p in m.named_parameters()}}
         exact = results.pop("float64")
         for key in exact:
             ours[key] = ours.get(key, 0.0) + rel_err(results["codagen_fp8"][key], exact[key])
